@@ -1,0 +1,1 @@
+"""Data: bags in memory, the CT DICOM path, datasets."""

@@ -1,0 +1,264 @@
+"""Bags in memory: flat instances plus a bag index (DESIGN §2).
+
+A minibatch of bags is stored like a graph batch:
+
+* ``x``: ``(N, ...)`` all instances of all bags, concatenated;
+* ``bag_index``: ``LongTensor (N,)`` with values ``0..B-1`` saying which bag each instance is in;
+* ``bag_labels``: ``(B,)``.
+
+Per-bag reductions use ``index_add_`` / ``scatter_reduce`` (:func:`segment_sum`,
+:func:`segment_max`), never a Python loop over bags. A dense ``(B, N_max, ...)`` tensor with a
+mask exists only where an operator needs one (:func:`to_padded`, e.g. attention softmax).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BagBatch",
+    "BagBatchSampler",
+    "bag_index_from_sizes",
+    "bag_sizes",
+    "collate_bags",
+    "flatten_bags",
+    "from_padded",
+    "labels_per_instance",
+    "segment_max",
+    "segment_sum",
+    "split_by_bag",
+    "to_padded",
+]
+
+
+def bag_index_from_sizes(sizes: Sequence[int] | Tensor, device: torch.device | None = None) -> Tensor:
+    """``bag_index`` ``(N,)`` for bags of the given sizes, e.g. ``[2, 3] -> [0, 0, 1, 1, 1]``."""
+    sizes_t = torch.as_tensor(sizes, dtype=torch.long, device=device)
+    if sizes_t.ndim != 1:
+        raise ValueError(f"bag sizes must be one-dimensional, got shape {tuple(sizes_t.shape)}")
+    if (sizes_t < 1).any():
+        bad = int(torch.nonzero(sizes_t < 1)[0])
+        raise ValueError(f"bag {bad} is empty: every bag needs at least one instance")
+    return torch.repeat_interleave(torch.arange(len(sizes_t), device=sizes_t.device), sizes_t)
+
+
+def bag_sizes(bag_index: Tensor, num_bags: int | None = None) -> Tensor:
+    """Number of instances per bag, ``(B,)``."""
+    num_bags = int(bag_index.max()) + 1 if num_bags is None else num_bags
+    return torch.bincount(bag_index, minlength=num_bags)
+
+
+def segment_sum(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+    """Sum of ``values`` ``(N, ...)`` within each bag -> ``(B, ...)``."""
+    out = values.new_zeros((num_bags,) + tuple(values.shape[1:]))
+    return out.index_add_(0, bag_index, values)
+
+
+def segment_max(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+    """Maximum of ``values`` ``(N,)`` within each bag -> ``(B,)``."""
+    out = values.new_full((num_bags,), float("-inf"))
+    return out.scatter_reduce(0, bag_index, values, reduce="amax", include_self=True)
+
+
+def labels_per_instance(bag_labels: Tensor, bag_index: Tensor) -> Tensor:
+    """Broadcast bag labels ``(B,)`` to their instances ``(N,)``."""
+    return bag_labels[bag_index]
+
+
+def flatten_bags(
+    bags: Sequence[Any], dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> tuple[Tensor, Tensor]:
+    """Concatenate a sequence of bags ``(n_b, ...)`` into ``(x (N, ...), bag_index (N,))``.
+
+    Raises a ``ValueError`` naming the bag when one is empty, not array-like, or has a trailing
+    shape different from the first bag.
+    """
+    if len(bags) == 0:
+        raise ValueError("no bags given: need at least one bag")
+    tensors = []
+    for b, bag in enumerate(bags):
+        try:
+            t = torch.as_tensor(np.asarray(bag) if not isinstance(bag, Tensor) else bag)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"bag {b} is not an array of instances: {err}") from err
+        if t.ndim == 0:
+            raise ValueError(f"bag {b} is a scalar, expected an array of shape (n_b, ...)")
+        if t.shape[0] == 0:
+            raise ValueError(f"bag {b} is empty: every bag needs at least one instance")
+        if tensors and t.shape[1:] != tensors[0].shape[1:]:
+            raise ValueError(
+                f"bag {b} has instances of shape {tuple(t.shape[1:])}, "
+                f"but bag 0 has {tuple(tensors[0].shape[1:])}"
+            )
+        tensors.append(t)
+    x = torch.cat(tensors, 0)
+    if dtype is not None or device is not None:
+        x = x.to(dtype=dtype or x.dtype, device=device)
+    sizes = [t.shape[0] for t in tensors]
+    return x, bag_index_from_sizes(sizes, device=x.device)
+
+
+def split_by_bag(values: Tensor, bag_index: Tensor, num_bags: int | None = None) -> list[Tensor]:
+    """Inverse of :func:`flatten_bags`: a list of per-bag tensors (for user-facing outputs)."""
+    sizes = bag_sizes(bag_index, num_bags)
+    order = torch.argsort(bag_index, stable=True)
+    return list(torch.split(values[order], sizes.tolist()))
+
+
+def to_padded(x: Tensor, bag_index: Tensor, num_bags: int | None = None, fill: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Dense ``(B, N_max, ...)`` tensor and boolean mask ``(B, N_max)`` (``True`` = real instance).
+
+    Instances keep their order within each bag. Only for operators that need dense input.
+    """
+    num_bags = int(bag_index.max()) + 1 if num_bags is None else num_bags
+    sizes = bag_sizes(bag_index, num_bags)
+    n_max = int(sizes.max()) if sizes.numel() else 0
+    order = torch.argsort(bag_index, stable=True)
+    sorted_bags = bag_index[order]
+    starts = torch.cumsum(sizes, 0) - sizes
+    position = torch.arange(len(order), device=x.device) - starts[sorted_bags]
+    padded = x.new_full((num_bags, n_max) + tuple(x.shape[1:]), fill)
+    padded[sorted_bags, position] = x[order]
+    mask = torch.zeros(num_bags, n_max, dtype=torch.bool, device=x.device)
+    mask[sorted_bags, position] = True
+    return padded, mask
+
+
+def from_padded(padded: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`to_padded`: ``(x (N, ...), bag_index (N,))`` from the real entries."""
+    bag_index = torch.nonzero(mask, as_tuple=True)[0]
+    return padded[mask], bag_index
+
+
+@dataclass
+class BagBatch:
+    """A minibatch of whole bags in the flat representation.
+
+    Attributes:
+        x: ``(N, ...)`` instances (features ``(N, D)`` or slices ``(N, C, H, W)``).
+        bag_index: ``(N,)`` long, values ``0..B-1``.
+        bag_labels: ``(B,)`` bag targets (``{0, 1}`` for MIL, real values for aggregates).
+        instance_labels: ``(N,)`` instance labels where known, else ``None``.
+        instance_weights: ``(N,)`` populations / weights (aggregate outputs), else ``None``.
+        bag_ids: ``B`` identifiers (scan ids, file stems) or ``None``.
+    """
+
+    x: Tensor
+    bag_index: Tensor
+    bag_labels: Tensor
+    instance_labels: Tensor | None = None
+    instance_weights: Tensor | None = None
+    bag_ids: list[str] | None = field(default=None)
+
+    @property
+    def num_bags(self) -> int:
+        return int(self.bag_labels.shape[0])
+
+    @property
+    def num_instances(self) -> int:
+        return int(self.x.shape[0])
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "BagBatch":
+        """Move tensors to ``device``; ``dtype`` applies to floating ``x`` and weights only."""
+
+        def move(t: Tensor | None, cast: bool) -> Tensor | None:
+            if t is None:
+                return None
+            if cast and dtype is not None and t.is_floating_point():
+                return t.to(device=device, dtype=dtype)
+            return t.to(device=device)
+
+        return replace(
+            self,
+            x=move(self.x, True),
+            bag_index=move(self.bag_index, False),
+            bag_labels=move(self.bag_labels, False),
+            instance_labels=move(self.instance_labels, False),
+            instance_weights=move(self.instance_weights, True),
+        )
+
+    def select_bags(self, bags: Tensor | Sequence[int]) -> "BagBatch":
+        """The sub-batch holding the given bags (re-indexed ``0..len(bags)-1``)."""
+        bags_t = torch.as_tensor(bags, dtype=torch.long, device=self.bag_index.device)
+        remap = torch.full((self.num_bags,), -1, dtype=torch.long, device=self.bag_index.device)
+        remap[bags_t] = torch.arange(len(bags_t), device=bags_t.device)
+        new_index = remap[self.bag_index]
+        keep = new_index >= 0
+        order = torch.argsort(new_index[keep], stable=True)
+        idx = torch.nonzero(keep, as_tuple=True)[0][order]
+        return BagBatch(
+            x=self.x[idx],
+            bag_index=new_index[idx],
+            bag_labels=self.bag_labels[bags_t],
+            instance_labels=None if self.instance_labels is None else self.instance_labels[idx],
+            instance_weights=None if self.instance_weights is None else self.instance_weights[idx],
+            bag_ids=None if self.bag_ids is None else [self.bag_ids[int(b)] for b in bags_t],
+        )
+
+
+def collate_bags(samples: Sequence[Any]) -> BagBatch:
+    """Collate bags into a :class:`BagBatch` (for ``DataLoader(collate_fn=collate_bags)``).
+
+    Each sample is a tuple ``(instances (n_b, ...), instance_labels (n_b,) or None, bag_label,
+    bag_id)`` (the last two entries optional) or a mapping with keys ``x``, ``instance_labels``,
+    ``bag_label``, ``bag_id``, ``instance_weights``.
+    """
+    xs, inst, labels, ids, weights = [], [], [], [], []
+    for s in samples:
+        if isinstance(s, dict):
+            xs.append(torch.as_tensor(s["x"]))
+            inst.append(s.get("instance_labels"))
+            labels.append(s.get("bag_label", 0))
+            ids.append(s.get("bag_id"))
+            weights.append(s.get("instance_weights"))
+        else:
+            xs.append(torch.as_tensor(s[0]))
+            inst.append(s[1] if len(s) > 1 else None)
+            labels.append(s[2] if len(s) > 2 else 0)
+            ids.append(s[3] if len(s) > 3 else None)
+            weights.append(None)
+    x, bag_index = flatten_bags(xs)
+    instance_labels = None
+    if all(i is not None for i in inst):
+        instance_labels = torch.cat([torch.as_tensor(i).reshape(-1) for i in inst])
+    instance_weights = None
+    if all(w is not None for w in weights):
+        instance_weights = torch.cat([torch.as_tensor(w).reshape(-1) for w in weights])
+    bag_labels = torch.as_tensor(np.asarray([float(l) if not isinstance(l, Tensor) else float(l.item()) for l in labels]))
+    bag_ids = None if all(i is None for i in ids) else [str(i) for i in ids]
+    return BagBatch(x, bag_index, bag_labels, instance_labels, instance_weights, bag_ids)
+
+
+class BagBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields lists of whole-bag indices (minibatches of bags), optionally shuffled.
+
+    Use as ``DataLoader(dataset, batch_sampler=BagBatchSampler(len(dataset), 8))`` with a dataset
+    whose items are bags, or directly to pick bags for :meth:`BagBatch.select_bags`.
+    """
+
+    def __init__(self, num_bags: int, bags_per_batch: int, shuffle: bool = True, drop_last: bool = False, seed: int = 0):
+        if num_bags < 1:
+            raise ValueError("num_bags must be at least 1")
+        if bags_per_batch < 1:
+            raise ValueError("bags_per_batch must be at least 1")
+        self.num_bags = num_bags
+        self.bags_per_batch = bags_per_batch
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = torch.randperm(self.num_bags, generator=self.generator) if self.shuffle else torch.arange(self.num_bags)
+        for start in range(0, self.num_bags, self.bags_per_batch):
+            chunk = order[start : start + self.bags_per_batch]
+            if self.drop_last and len(chunk) < self.bags_per_batch:
+                return
+            yield chunk.tolist()
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_bags, self.bags_per_batch)
+        return full if (self.drop_last or rest == 0) else full + 1

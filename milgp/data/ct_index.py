@@ -1,0 +1,297 @@
+"""The bag index: which files make up each CT bag, in scan order, with their labels.
+
+Layout-specific indexers (:mod:`milgp.data.rsna`, :mod:`milgp.data.cq500`,
+:mod:`milgp.data.generic_layout`) all produce a :class:`BagIndex`, the table the cache
+(:mod:`milgp.data.cache`) consumes. It is saved as JSON (lossless) or CSV (one row per slice),
+always atomically, and split by patient with :func:`split_by_patient`.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from milgp.data.atomic import atomic_write_json, atomic_write_text
+from milgp.data.dicom import SliceHeader, check_single_series, order_slices
+
+__all__ = ["BagIndex", "BagRecord", "INDEX_FORMAT_VERSION", "bag_from_headers", "split_by_patient"]
+
+#: Version of the JSON index format written by :meth:`BagIndex.save`.
+INDEX_FORMAT_VERSION = 1
+_CSV_COLUMNS = ["bag_id", "patient_id", "bag_label", "slice_index", "path", "slice_label", "series_uid", "ordering"]
+
+
+@dataclass(frozen=True)
+class BagRecord:
+    """One bag (a CT series): its ordered slices and labels.
+
+    Attributes:
+        bag_id: unique identifier (SeriesInstanceUID for RSNA, ``CQ500-CT-<n>`` for CQ500, the
+            folder name for the generic layout).
+        patient_id: the patient, for patient-grouped splits.
+        bag_label: bag target (``0.0``/``1.0`` for hemorrhage).
+        slice_paths: ``S`` files ordered along the scan axis.
+        slice_labels: ``S`` per-slice labels (``0``/``1``) or ``None`` when unknown.
+        series_uid: SeriesInstanceUID of the slices (empty when unknown).
+        ordering: ``"geometry"`` or ``"instance_number"`` (see :func:`milgp.data.dicom.order_slices`).
+    """
+
+    bag_id: str
+    patient_id: str
+    bag_label: float
+    slice_paths: tuple[str, ...]
+    slice_labels: tuple[int, ...] | None = None
+    series_uid: str = ""
+    ordering: str = "geometry"
+
+    def __post_init__(self) -> None:
+        if not self.slice_paths:
+            raise ValueError(f"bag {self.bag_id!r} has no slices")
+        if self.slice_labels is not None and len(self.slice_labels) != len(self.slice_paths):
+            raise ValueError(
+                f"bag {self.bag_id!r}: {len(self.slice_labels)} slice labels for {len(self.slice_paths)} slices"
+            )
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slice_paths)
+
+
+@dataclass
+class BagIndex:
+    """A table of bags plus the files that were skipped while building it.
+
+    Attributes:
+        bags: the :class:`BagRecord` rows, bag ids unique.
+        skipped: ``(path, reason)`` for files left out while indexing.
+    """
+
+    bags: list[BagRecord]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for b in self.bags:
+            if b.bag_id in seen:
+                raise ValueError(f"bag id {b.bag_id!r} appears twice in the index")
+            seen.add(b.bag_id)
+
+    def __len__(self) -> int:
+        return len(self.bags)
+
+    @property
+    def bag_ids(self) -> list[str]:
+        return [b.bag_id for b in self.bags]
+
+    @property
+    def bag_labels(self) -> np.ndarray:
+        """``(B,)`` float64 bag labels."""
+        return np.array([b.bag_label for b in self.bags], dtype=np.float64)
+
+    def subset(self, bag_ids: Iterable[str]) -> "BagIndex":
+        """The bags with the given ids, in index order (unknown ids raise ``KeyError`` naming one)."""
+        wanted = set(bag_ids)
+        missing = wanted - set(self.bag_ids)
+        if missing:
+            raise KeyError(f"bag id {sorted(missing)[0]!r} is not in the index")
+        return BagIndex([b for b in self.bags if b.bag_id in wanted], list(self.skipped))
+
+    def to_json_dict(self) -> dict:
+        """A JSON-serialisable dict (the :meth:`save` format)."""
+        return {
+            "format": "milgp-bag-index",
+            "version": INDEX_FORMAT_VERSION,
+            "bags": [asdict(b) for b in self.bags],
+            "skipped": [{"path": p, "reason": r} for p, r in self.skipped],
+        }
+
+    @classmethod
+    def from_json_dict(cls, obj: dict, source: str = "<dict>") -> "BagIndex":
+        """Inverse of :meth:`to_json_dict`; ``source`` names the file in errors."""
+        if obj.get("format") != "milgp-bag-index":
+            raise ValueError(f"{source}: not a milgp bag index (format field is {obj.get('format')!r})")
+        if obj.get("version") != INDEX_FORMAT_VERSION:
+            raise ValueError(f"{source}: bag index version {obj.get('version')}, this milgp reads {INDEX_FORMAT_VERSION}")
+        bags = []
+        for i, b in enumerate(obj["bags"]):
+            try:
+                bags.append(
+                    BagRecord(
+                        bag_id=str(b["bag_id"]),
+                        patient_id=str(b["patient_id"]),
+                        bag_label=float(b["bag_label"]),
+                        slice_paths=tuple(str(p) for p in b["slice_paths"]),
+                        slice_labels=None if b.get("slice_labels") is None else tuple(int(v) for v in b["slice_labels"]),
+                        series_uid=str(b.get("series_uid", "")),
+                        ordering=str(b.get("ordering", "geometry")),
+                    )
+                )
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"{source}: bag entry {i} is malformed: {err}") from err
+        skipped = [(str(s["path"]), str(s["reason"])) for s in obj.get("skipped", [])]
+        return cls(bags, skipped)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Save atomically; the format follows the suffix: ``.json`` (lossless) or ``.csv``.
+
+        The CSV has one row per slice (columns ``bag_id, patient_id, bag_label, slice_index, path,
+        slice_label, series_uid, ordering``; ``slice_label`` empty when unknown) and does not
+        keep the skipped-file list.
+        """
+        suffix = Path(path).suffix.lower()
+        if suffix == ".json":
+            atomic_write_json(path, self.to_json_dict())
+        elif suffix == ".csv":
+            buf = io.StringIO()
+            writer = csv.writer(buf, lineterminator="\n")
+            writer.writerow(_CSV_COLUMNS)
+            for b in self.bags:
+                for i, p in enumerate(b.slice_paths):
+                    label = "" if b.slice_labels is None else b.slice_labels[i]
+                    writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering])
+            atomic_write_text(path, buf.getvalue())
+        else:
+            raise ValueError(f"{path}: bag index files must end in .json or .csv")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> "BagIndex":
+        """Load an index written by :meth:`save` (format from the suffix)."""
+        suffix = Path(path).suffix.lower()
+        if suffix == ".json":
+            with open(path, encoding="utf-8") as fh:
+                try:
+                    obj = json.load(fh)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}: not valid JSON ({err})") from err
+            return cls.from_json_dict(obj, source=str(path))
+        if suffix == ".csv":
+            return cls._load_csv(path)
+        raise ValueError(f"{path}: bag index files must end in .json or .csv")
+
+    @classmethod
+    def _load_csv(cls, path: str | os.PathLike[str]) -> "BagIndex":
+        rows: dict[str, list[dict[str, str]]] = {}
+        with open(path, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            missing = set(_CSV_COLUMNS) - set(reader.fieldnames or [])
+            if missing:
+                raise ValueError(f"{path}: bag index CSV lacks columns {sorted(missing)}")
+            for row in reader:
+                rows.setdefault(row["bag_id"], []).append(row)
+        bags = []
+        for bag_id, bag_rows in rows.items():
+            try:
+                bag_rows.sort(key=lambda r: int(r["slice_index"]))
+                labels = [r["slice_label"] for r in bag_rows]
+                has_labels = all(v != "" for v in labels)
+                if not has_labels and any(v != "" for v in labels):
+                    raise ValueError("slice labels given for some slices only")
+                bags.append(
+                    BagRecord(
+                        bag_id=bag_id,
+                        patient_id=bag_rows[0]["patient_id"],
+                        bag_label=float(bag_rows[0]["bag_label"]),
+                        slice_paths=tuple(r["path"] for r in bag_rows),
+                        slice_labels=tuple(int(v) for v in labels) if has_labels else None,
+                        series_uid=bag_rows[0]["series_uid"],
+                        ordering=bag_rows[0]["ordering"],
+                    )
+                )
+            except ValueError as err:
+                raise ValueError(f"{path}: bag {bag_id!r}: {err}") from err
+        return cls(bags)
+
+
+def bag_from_headers(
+    bag_id: str,
+    headers: Sequence[SliceHeader],
+    bag_label: float,
+    slice_labels_by_path: dict[str, int] | None = None,
+    patient_id: str | None = None,
+) -> BagRecord:
+    """A :class:`BagRecord` from the headers of one series, slices ordered by geometry.
+
+    Args:
+        bag_id: the bag's id (also names the bag in errors).
+        headers: the series' slice headers, any order.
+        bag_label: the bag target.
+        slice_labels_by_path: label per slice path, or ``None`` when slice labels are unknown.
+        patient_id: defaults to the first slice's PatientID.
+
+    Raises:
+        ValueError: naming the bag for mixed series or image sizes.
+    """
+    check_single_series(headers, f"bag {bag_id!r}")
+    order, _, ordering = order_slices(headers, series_name=bag_id)
+    paths = tuple(headers[i].path for i in order)
+    labels = None if slice_labels_by_path is None else tuple(int(slice_labels_by_path[p]) for p in paths)
+    return BagRecord(
+        bag_id=bag_id,
+        patient_id=headers[order[0]].patient_id if patient_id is None else patient_id,
+        bag_label=float(bag_label),
+        slice_paths=paths,
+        slice_labels=labels,
+        series_uid=headers[order[0]].series_uid,
+        ordering=ordering,
+    )
+
+
+def _allocate(n: int, fractions: np.ndarray) -> np.ndarray:
+    """Split ``n`` items into ``len(fractions)`` integer counts by largest remainder."""
+    raw = fractions * n
+    counts = np.floor(raw).astype(int)
+    for k in np.argsort(-(raw - counts), kind="stable")[: n - int(counts.sum())]:
+        counts[k] += 1
+    return counts
+
+
+def split_by_patient(
+    index: BagIndex,
+    fractions: Sequence[float] = (0.8, 0.1, 0.1),
+    seed: int = 0,
+    names: Sequence[str] = ("train", "val", "test"),
+) -> dict[str, BagIndex]:
+    """Patient-grouped, label-stratified split: no patient appears in two splits.
+
+    Patients are the groups (all bags of a patient go to one split); a patient is positive when any
+    of its bags is (``bag_label > 0.5``). Within each stratum (negative / positive patients) the
+    patients are shuffled with ``seed`` and dealt to the splits in proportion to ``fractions``
+    (largest-remainder rounding), so each split gets its share of positive patients -- the
+    grouping and stratification of scikit-learn's ``StratifiedGroupKFold``, for arbitrary
+    fractions and for datasets of a handful of patients. Deterministic given ``seed``.
+
+    Args:
+        index: the bags to split.
+        fractions: non-negative split sizes (in patients), summing to 1.
+        seed: shuffling seed.
+        names: split names, one per fraction.
+
+    Returns:
+        ``{name: BagIndex}``; a split may be empty for tiny datasets.
+    """
+    frac = np.asarray(fractions, dtype=np.float64)
+    if len(frac) != len(names):
+        raise ValueError(f"{len(frac)} fractions for {len(names)} split names {list(names)}")
+    if (frac < 0).any() or abs(frac.sum() - 1.0) > 1e-6:
+        raise ValueError(f"split fractions must be non-negative and sum to 1, got {list(fractions)}")
+    positive: dict[str, bool] = {}
+    for b in index.bags:
+        positive[b.patient_id] = positive.get(b.patient_id, False) or b.bag_label > 0.5
+    rng = np.random.default_rng(seed)
+    split_of: dict[str, int] = {}
+    for stratum in (False, True):
+        patients = sorted(p for p, pos in positive.items() if pos == stratum)
+        patients = [patients[i] for i in rng.permutation(len(patients))]
+        counts = _allocate(len(patients), frac)
+        split_ids = np.repeat(np.arange(len(frac)), counts)
+        split_of.update(zip(patients, (int(s) for s in split_ids)))
+    return {
+        name: BagIndex([b for b in index.bags if split_of[b.patient_id] == k], list(index.skipped))
+        for k, name in enumerate(names)
+    }

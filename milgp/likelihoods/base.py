@@ -1,0 +1,115 @@
+"""The interface every augmented bag likelihood implements.
+
+An *augmented* bag likelihood is one whose expected log-likelihood, after introducing local
+variables (Pólya-Gamma/GSM scales and instance labels for VGPMIL, truncated normals for the
+probit model), is quadratic in ``f`` with coefficients available in closed form:
+
+    E_q[log p(T | f, locals)] = Σ_n b_n f_n − ½ Σ_n λ_n f_n² + const(locals).
+
+Subclasses implement four small methods; this base class turns them into
+
+* :meth:`expected_log_prob` for plain GPyTorch (``VariationalELBO`` + Adam or ``NGD``): the
+  augmented, quadratic-in-f form with the locals computed in closed form and detached, plus the
+  detached constants that make its value equal to the closed-form ELBO at the current locals;
+* the closed-form natural update and Algorithm 1 in :func:`milgp.variational.fit.fit_closed_form`.
+
+Shapes: ``mean``, ``var``, ``bag_index`` are ``(N,)``; ``bag_labels`` is ``(B,)``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import gpytorch
+import torch
+from torch import Tensor
+
+from milgp.data.bags import bag_sizes, segment_max
+
+__all__ = ["AugmentedBagLikelihood"]
+
+
+class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
+    """Base class of bag likelihoods with closed-form local updates (see module docstring)."""
+
+    @abstractmethod
+    def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Any:
+        """Initial state of the local factors that persist across iterations (``None`` if none)."""
+
+    @abstractmethod
+    def update_locals(
+        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
+    ) -> Any:
+        """Closed-form coordinate-ascent update of the persistent local factors given q(f)."""
+
+    @abstractmethod
+    def quadratic_terms(
+        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
+    ) -> tuple[Tensor, Tensor]:
+        """``(b, λ)`` ``(N,), (N,)``: coefficients of the augmented expected log-likelihood."""
+
+    @abstractmethod
+    def elbo_terms(
+        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
+    ) -> Tensor:
+        """Per-instance contributions ``(N,)`` to the closed-form ELBO's data part (everything but
+        ``−KL``; bag-level terms split evenly over the bag's instances). Differentiable in
+        ``mean`` and ``var`` with the locals held fixed (hyperparameter steps)."""
+
+    def hyperparameter_terms(
+        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
+    ) -> Tensor:
+        """Per-instance objective ``(N,)`` maximised over kernel hyperparameters with q(v) and the
+        locals fixed (Algorithm 1, step 8). Defaults to :meth:`elbo_terms`."""
+        return self.elbo_terms(mean, var, bag_index, bag_labels, num_bags, locals_)
+
+    # -- GPyTorch ------------------------------------------------------------------------------
+    def optimal_locals(
+        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, sweeps: int = 5
+    ) -> Any:
+        """Locals optimised for a fixed q(f) by ``sweeps`` coordinate-ascent passes."""
+        locals_ = self.init_locals(bag_index, bag_labels, num_bags, mean)
+        for _ in range(sweeps):
+            locals_ = self.update_locals(mean, var, bag_index, bag_labels, num_bags, locals_)
+        return locals_
+
+    def expected_log_prob(self, target: Tensor, function_dist: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Augmented expected log-likelihood per instance ``(N,)`` for ``VariationalELBO``.
+
+        Args:
+            target: ``(N,)`` the label of each instance's bag (``bag_labels[bag_index]``).
+            function_dist: ``q(f)`` over the ``N`` instances (GPyTorch ``MultivariateNormal``).
+            bag_index: keyword, ``(N,)`` long.
+            locals: keyword, optional persistent locals (e.g. VGPMIL's ``π``); when omitted they are
+                optimised for the current q(f) (:meth:`optimal_locals`).
+
+        The value equals the closed-form ELBO data term at the current locals; its gradient with
+        respect to q(f) is that of the augmented (quadratic) bound, so one ``NGD(lr=1)`` step is the
+        closed-form natural update.
+        """
+        bag_index = kwargs.get("bag_index")
+        if bag_index is None:
+            raise ValueError(
+                f"{type(self).__name__}.expected_log_prob needs bag_index=(N,) as a keyword argument, "
+                "e.g. mll(output, target, bag_index=bag_index)"
+            )
+        mean, var = function_dist.mean, function_dist.variance
+        num_bags = int(bag_index.max()) + 1
+        bag_labels = kwargs.get("bag_labels")
+        if bag_labels is None:
+            bag_labels = segment_max(target.to(mean.dtype), bag_index, num_bags)
+        with torch.no_grad():
+            m_d, v_d = mean.detach(), var.detach()
+            locals_ = kwargs.get("locals")
+            if locals_ is None:
+                locals_ = self.optimal_locals(m_d, v_d, bag_index, bag_labels, num_bags)
+            b, lam = self.quadratic_terms(m_d, v_d, bag_index, bag_labels, num_bags, locals_)
+            value = self.elbo_terms(m_d, v_d, bag_index, bag_labels, num_bags, locals_)
+            const = value - (b * m_d - 0.5 * lam * (m_d * m_d + v_d))
+        return b * mean - 0.5 * lam * (mean * mean + var) + const
+
+    @staticmethod
+    def _bag_share(bag_values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+        """Spread per-bag values ``(B,)`` evenly over their instances ``(N,)``."""
+        sizes = bag_sizes(bag_index, num_bags).to(bag_values.dtype)
+        return (bag_values / sizes)[bag_index]

@@ -1,0 +1,102 @@
+"""Mean-field updates of the instance labels q(y_n) = Bern(π_n) in VGPMIL (seed 000 Eqs. 25, 47–51).
+
+``π_n = sigmoid(μ_n + log H · (2T_b − 1) · (1 − E[max y_{b∖n}]))``.
+
+Under the mean field, ``E[max y_{b∖n}] = 1 − Π_{i∈b, i≠n} (1 − π_i)`` exactly (``"exact"``); the
+reference code approximates it by the largest other ``π_i`` (``"max"``). The leave-one-out
+product is computed in log space as ``Σ_{i∈b} log1p(−π_i) − log1p(−π_n)`` with ``π`` clamped
+away from 1.
+
+``"exact"`` updates are true coordinate ascent: instances are visited by their position within
+the bag, all bags at once (bags are independent given q(f)), so every update sees the latest
+``π`` of its bag-mates and the ELBO cannot decrease. ``"max"`` updates all ``π`` in parallel from
+the previous values, as the reference implementation does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from milgp.data.bags import bag_sizes, segment_sum
+
+__all__ = ["PI_CLAMP", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
+
+PI_CLAMP = 1e-7
+"""``π`` is kept in ``[PI_CLAMP, 1 − PI_CLAMP]`` so that ``log1p(−π)`` stays finite."""
+
+
+def positions_in_bag(bag_index: Tensor, num_bags: int) -> list[Tensor]:
+    """Instance indices grouped by their position within their bag: element ``k`` holds the
+    ``k``-th instance of every bag that has at least ``k + 1`` instances."""
+    sizes = bag_sizes(bag_index, num_bags)
+    order = torch.argsort(bag_index, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    pos = torch.empty_like(bag_index)
+    pos[order] = torch.arange(len(order), device=bag_index.device) - starts[bag_index[order]]
+    by_pos = torch.argsort(pos, stable=True)
+    counts = torch.bincount(pos).tolist()
+    return list(torch.split(by_pos, counts))
+
+
+def log_prob_bag_all_negative(pi: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+    """``log Π_{i∈b} (1 − π_i)`` per bag ``(B,)``, i.e. ``log(1 − E[max y_b])``."""
+    return segment_sum(torch.log1p(-pi.clamp(PI_CLAMP, 1 - PI_CLAMP)), bag_index, num_bags)
+
+
+def update_instance_labels(
+    mean: Tensor,
+    pi: Tensor,
+    bag_index: Tensor,
+    bag_labels: Tensor,
+    num_bags: int,
+    log_h: float,
+    rule: str = "exact",
+    positions: list[Tensor] | None = None,
+) -> Tensor:
+    """One coordinate-ascent pass over ``q(y)``: the new ``π`` ``(N,)``.
+
+    Args:
+        mean: ``(N,)`` current ``μ_n``.
+        pi: ``(N,)`` current ``π_n``.
+        bag_labels: ``(B,)`` in ``{0, 1}``.
+        log_h: ``log H``.
+        rule: ``"exact"`` (noisy-OR leave-one-out) or ``"max"`` (largest other π).
+        positions: cached :func:`positions_in_bag` (computed when ``None``).
+    """
+    sign = (2 * bag_labels - 1).to(mean.dtype)[bag_index]
+    if rule == "max":
+        return _parallel_max_update(mean, pi, bag_index, sign, num_bags, log_h)
+    if rule != "exact":
+        raise ValueError(f"unknown rule {rule!r} for E[max y_b\\n]: use 'exact' or 'max'")
+    positions = positions_in_bag(bag_index, num_bags) if positions is None else positions
+    pi = pi.clamp(PI_CLAMP, 1 - PI_CLAMP).clone()
+    log_keep = log_prob_bag_all_negative(pi, bag_index, num_bags)
+    for idx in positions:
+        bags = bag_index[idx]
+        old = torch.log1p(-pi[idx])
+        loo = (log_keep[bags] - old).clamp_max(0.0)
+        new_pi = torch.sigmoid(mean[idx] + log_h * sign[idx] * torch.exp(loo)).clamp(PI_CLAMP, 1 - PI_CLAMP)
+        pi[idx] = new_pi
+        log_keep[bags] = log_keep[bags] + torch.log1p(-new_pi) - old
+    return pi
+
+
+def _parallel_max_update(mean: Tensor, pi: Tensor, bag_index: Tensor, sign: Tensor, num_bags: int, log_h: float) -> Tensor:
+    """Reference-code rule: ``E[max y_{b∖n}] ≈ max_{i∈b, i≠n} π_i`` (0 for a bag of one)."""
+    neg_inf = torch.tensor(-math.inf, dtype=pi.dtype, device=pi.device)
+    top1 = pi.new_full((num_bags,), -math.inf).scatter_reduce(0, bag_index, pi, "amax", include_self=True)
+    is_top = pi == top1[bag_index]
+    # the second largest: mask one occurrence of the maximum per bag
+    first_top = torch.zeros_like(is_top)
+    cand = torch.where(is_top, torch.arange(len(pi), device=pi.device), torch.full_like(bag_index, len(pi)))
+    first_idx = torch.full((num_bags,), len(pi), device=pi.device, dtype=torch.long).scatter_reduce(
+        0, bag_index, cand, "amin", include_self=True
+    )
+    first_top[first_idx[first_idx < len(pi)]] = True
+    rest = torch.where(first_top, neg_inf, pi)
+    top2 = pi.new_full((num_bags,), -math.inf).scatter_reduce(0, bag_index, rest, "amax", include_self=True)
+    other_max = torch.where(first_top, top2[bag_index], top1[bag_index])
+    other_max = torch.where(torch.isinf(other_max), torch.zeros_like(other_max), other_max)
+    return torch.sigmoid(mean + log_h * sign * (1 - other_max)).clamp(PI_CLAMP, 1 - PI_CLAMP)

@@ -1,0 +1,4 @@
+"""GP heads."""
+from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+
+__all__ = ["Projection", "SparseGP", "WhitenedPosterior"]
