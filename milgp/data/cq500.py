@@ -173,6 +173,8 @@ def index_cq500(
     Raises:
         ValueError: when ``root`` holds no CQ500 study folder, or for ``reads.csv`` errors.
     """
+    if not Path(root).is_dir():
+        raise ValueError(f"{root}: not a folder")
     labels = read_cq500_labels(reads_csv)
     studies: dict[int, Path] = {}
     for d in sorted(Path(root).iterdir()):

@@ -253,9 +253,10 @@ def apply_window(hu: np.ndarray, center: float, width: float) -> np.ndarray:
     """
     if not width > 0:
         raise ValueError(f"window width must be positive, got {width} (center {center})")
-    low = center - width / 2.0
-    out = (np.asarray(hu, dtype=np.float32) - np.float32(low)) / np.float32(width)
-    return np.clip(out, 0.0, 1.0).astype(np.float32, copy=False)
+    out = np.array(hu, dtype=np.float32)
+    out -= np.float32(center - width / 2.0)
+    out *= np.float32(1.0 / width)
+    return np.clip(out, 0.0, 1.0, out=out)
 
 
 def resize_images(images: np.ndarray, size: int | tuple[int, int]) -> np.ndarray:
@@ -267,8 +268,8 @@ def resize_images(images: np.ndarray, size: int | tuple[int, int]) -> np.ndarray
 
     Returns:
         ``(..., H', W')`` float32 array. Antialiasing (a triangle filter widened by the scale
-        factor when shrinking) keeps thin structures from aliasing; because the weights are
-        non-negative, values stay inside the input range.
+        factor when shrinking) keeps thin structures from aliasing; the weights are non-negative,
+        so values stay inside the input range up to float rounding.
     """
     out_hw = (int(size), int(size)) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
     if min(out_hw) < 1:
@@ -306,8 +307,18 @@ def ct_channels(
         raise ValueError(f"ct_channels expects (H, W) or (S, H, W) HU, got shape {hu.shape}")
     if len(windows) == 0:
         raise ValueError("ct_channels needs at least one (center, width) window")
-    stacked = np.stack([apply_window(hu, c, w) for c, w in windows], axis=-3)
-    return stacked if size is None else resize_images(stacked, size)
+    win = np.asarray(windows, dtype=np.float32).reshape(-1, 2)
+    if (win[:, 1] <= 0).any():
+        raise ValueError(f"window widths must be positive, got windows {list(windows)}")
+    low = (win[:, 0] - win[:, 1] / 2)[:, None, None]
+    inv_width = (1.0 / win[:, 1])[:, None, None]
+    # one broadcast pass per operation over (..., C, H, W), same values as apply_window per channel
+    stacked = np.subtract(hu[..., None, :, :], low, dtype=np.float32)
+    stacked *= inv_width
+    np.clip(stacked, 0.0, 1.0, out=stacked)
+    if size is None:
+        return stacked
+    return np.clip(resize_images(stacked, size), 0.0, 1.0)  # clip float rounding (e.g. 1 + 1e-7)
 
 
 @dataclass(frozen=True)
@@ -492,7 +503,8 @@ def read_headers(
     path_list = [str(p) for p in paths]
     bar = tqdm(total=len(path_list), desc="reading headers", unit="file", disable=not progress)
     if workers > 1:
-        ctx = multiprocessing.get_context("spawn")
+        # fork where available: workers start in milliseconds instead of re-importing torch
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             results = []
             chunk = max(1, len(path_list) // (workers * 16))

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from milgp.data.ct_index import BagIndex, BagRecord, bag_from_headers
-from milgp.data.dicom import list_files, read_headers
+from milgp.data.dicom import SliceHeader, list_files, read_headers
 
 __all__ = ["index_generic", "read_bag_labels", "read_slice_labels"]
 
@@ -97,6 +97,8 @@ def index_generic(
             slice), and naming the slice for a missing slice label.
     """
     root_path = Path(root)
+    if not root_path.is_dir():
+        raise ValueError(f"{root}: not a folder")
     bag_labels = read_bag_labels(labels_csv)
     slice_labels = read_slice_labels(slice_labels_csv) if slice_labels_csv is not None else None
     skipped: list[tuple[str, str]] = [
@@ -112,7 +114,7 @@ def index_generic(
         bag_of.update({f: bag_id for f in list_files(folder)})
     headers, bad = read_headers(list(bag_of), workers=workers, progress=progress)
     skipped.extend(bad)
-    by_bag: dict[str, list] = {bag_id: [] for bag_id in bag_labels}
+    by_bag: dict[str, list[SliceHeader]] = {bag_id: [] for bag_id in bag_labels}
     for h in headers:
         by_bag[bag_of[h.path]].append(h)
     bags: list[BagRecord] = []

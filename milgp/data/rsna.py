@@ -99,6 +99,8 @@ def index_rsna(
         ValueError: for an empty folder, for label-file errors, and naming the image for a
             ``.dcm`` file that has no rows in the label file.
     """
+    if not Path(image_dir).is_dir():
+        raise ValueError(f"{image_dir}: not a folder")
     files = sorted(Path(image_dir).glob("ID_*.dcm"))
     if not files:
         raise ValueError(f"{image_dir}: no ID_*.dcm files (expected the RSNA stage_2_train layout)")

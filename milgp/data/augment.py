@@ -1,0 +1,107 @@
+"""Train-time augmentation of whole CT bags: one random transform per bag, applied to every slice.
+
+A scan's slices are one 3-D object, so they must move together: the same horizontal flip, the
+same small affine transform (rotation, translation, scale) and the same intensity jitter for all
+slices of a bag. Randomness comes from a ``torch.Generator`` the caller seeds (the dataset seeds
+it from ``(seed, epoch, bag)``), so augmentation is reproducible and independent of DataLoader
+workers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["AugmentParams", "BagAugment"]
+
+
+@dataclass(frozen=True)
+class AugmentParams:
+    """One bag's transform.
+
+    Attributes:
+        flip: mirror left-right.
+        angle_deg: in-plane rotation in degrees.
+        translate: ``(tx, ty)`` shift as a fraction of the image width/height.
+        scale: zoom factor (``> 1`` enlarges).
+        contrast: intensity multiplier.
+        brightness: intensity offset (in windowed units, ``[0, 1]`` scale).
+    """
+
+    flip: bool
+    angle_deg: float
+    translate: tuple[float, float]
+    scale: float
+    contrast: float
+    brightness: float
+
+
+@dataclass(frozen=True)
+class BagAugment:
+    """Bag-consistent random flip, affine and intensity jitter (off unless a dataset is given one).
+
+    Attributes:
+        flip_p: probability of a horizontal flip.
+        max_rotation_deg: rotation drawn uniformly in ``[-max, max]`` degrees.
+        max_translate: shift drawn uniformly in ``[-max, max]`` of the image size, per axis.
+        scale_range: zoom drawn uniformly in this range.
+        contrast_range: intensity multiplier drawn uniformly in this range.
+        brightness_range: intensity offset drawn uniformly in this range.
+    """
+
+    flip_p: float = 0.5
+    max_rotation_deg: float = 10.0
+    max_translate: float = 0.05
+    scale_range: tuple[float, float] = (0.95, 1.05)
+    contrast_range: tuple[float, float] = (0.9, 1.1)
+    brightness_range: tuple[float, float] = (-0.05, 0.05)
+
+    def sample(self, generator: torch.Generator) -> AugmentParams:
+        """Draw one bag's :class:`AugmentParams`."""
+        u = torch.rand(7, generator=generator, dtype=torch.float64).tolist()
+
+        def between(v: float, lo: float, hi: float) -> float:
+            return lo + (hi - lo) * v
+
+        return AugmentParams(
+            flip=u[0] < self.flip_p,
+            angle_deg=between(u[1], -self.max_rotation_deg, self.max_rotation_deg),
+            translate=(between(u[2], -self.max_translate, self.max_translate), between(u[3], -self.max_translate, self.max_translate)),
+            scale=between(u[4], *self.scale_range),
+            contrast=between(u[5], *self.contrast_range),
+            brightness=between(u[6], *self.brightness_range),
+        )
+
+    @staticmethod
+    def apply(slices: Tensor, params: AugmentParams) -> Tensor:
+        """Apply one transform to every slice.
+
+        Args:
+            slices: ``(S, C, H, W)`` float, windowed values in ``[0, 1]``.
+            params: the bag's transform.
+
+        Returns:
+            ``(S, C, H, W)`` float in ``[0, 1]``; pixels moved in from outside the image are 0
+            (air in every window).
+        """
+        if slices.ndim != 4:
+            raise ValueError(f"BagAugment expects slices of shape (S, C, H, W), got {tuple(slices.shape)}")
+        x = slices.flip(-1) if params.flip else slices
+        angle = math.radians(params.angle_deg)
+        cos, sin = math.cos(angle) / params.scale, math.sin(angle) / params.scale
+        # affine_grid maps output to input coordinates in [-1, 1]: a shift of t (fraction of the
+        # size) moves content by +t, i.e. samples from -2t.
+        theta = torch.tensor(
+            [[cos, -sin, -2.0 * params.translate[0]], [sin, cos, -2.0 * params.translate[1]]],
+            dtype=x.dtype, device=x.device,
+        )
+        grid = F.affine_grid(theta.expand(x.shape[0], 2, 3), list(x.shape), align_corners=False)
+        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        return (x * params.contrast + params.brightness).clamp_(0.0, 1.0)
+
+    def __call__(self, slices: Tensor, generator: torch.Generator) -> Tensor:
+        """Sample one transform with ``generator`` and apply it to all ``(S, C, H, W)`` slices."""
+        return self.apply(slices, self.sample(generator))

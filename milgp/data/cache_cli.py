@@ -1,0 +1,156 @@
+"""``milgp-cache``: index a CT dataset and preprocess it into a bag cache (or write a synthetic one).
+
+Examples::
+
+    milgp-cache rsna --images stage_2_train --labels stage_2_train.csv --out cache/rsna --size 256 --workers 8
+    milgp-cache cq500 --root CQ500 --reads reads.csv --out cache/cq500
+    milgp-cache generic --root my_scans --labels labels.csv --slice-labels slice_labels.csv --out cache/mine
+    milgp-cache index --index cache/rsna/index.json --out cache/rsna_128 --size 128
+    milgp-cache synthetic --layout rsna --out data/synthetic --scans 20
+
+Rerunning an interrupted command resumes it. Also runs as ``python -m milgp.data.cache_cli``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from milgp.data.atomic import atomic_write_json
+from milgp.data.cache import CacheParams, build_cache
+from milgp.data.ct_index import BagIndex, split_by_patient
+from milgp.data.cq500 import index_cq500
+from milgp.data.dicom import HEAD_CT_WINDOWS
+from milgp.data.generic_layout import index_generic
+from milgp.data.rsna import index_rsna
+from milgp.data.synthetic import write_cq500_dataset, write_generic_dataset, write_rsna_dataset
+
+__all__ = ["build_parser", "main"]
+
+
+def _window(text: str) -> tuple[float, float]:
+    try:
+        center, width = (float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"window {text!r} is not CENTER,WIDTH (e.g. 40,80)") from None
+    if width <= 0:
+        raise argparse.ArgumentTypeError(f"window {text!r} has a non-positive width")
+    return center, width
+
+
+def _fractions(text: str) -> tuple[float, float, float]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TRAIN,VAL,TEST fractions (e.g. 0.8,0.1,0.1)") from None
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: give three fractions TRAIN,VAL,TEST")
+    return values  # type: ignore[return-value]
+
+
+def _add_cache_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, type=Path, help="cache folder (created; an existing one is resumed)")
+    p.add_argument("--size", type=int, default=256, help="resize slices to SIZE x SIZE pixels; 0 keeps the native size (default 256)")
+    p.add_argument("--dtype", choices=("uint8", "float16"), default="uint8", help="storage dtype (default uint8)")
+    p.add_argument(
+        "--windows", type=_window, nargs="+", default=list(HEAD_CT_WINDOWS), metavar="CENTER,WIDTH",
+        help="display windows in HU, one channel each (default: brain 40,80 subdural 80,200 soft tissue 40,380)",
+    )
+    p.add_argument("--workers", type=int, default=1, help="worker processes for header reading and caching (default 1)")
+    p.add_argument("--splits", type=_fractions, default=None, metavar="TRAIN,VAL,TEST",
+                   help="also write OUT/splits.json: patient-grouped stratified split with these fractions")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``milgp-cache`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="milgp-cache",
+        description="Index a CT dataset (RSNA, CQ500 or folder-per-bag layout) and cache windowed, resized slices per bag.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("rsna", help="RSNA layout: a folder of ID_*.dcm and stage_2_train.csv")
+    p.add_argument("--images", required=True, type=Path, help="folder of ID_*.dcm slices")
+    p.add_argument("--labels", required=True, type=Path, help="stage_2_train.csv")
+    _add_cache_options(p)
+    p = sub.add_parser("cq500", help="CQ500 layout: study folders and reads.csv")
+    p.add_argument("--root", required=True, type=Path, help="folder holding the CQ500CT<n> study folders")
+    p.add_argument("--reads", required=True, type=Path, help="reads.csv")
+    _add_cache_options(p)
+    p = sub.add_parser("generic", help="one folder per bag plus a bag_id,label CSV")
+    p.add_argument("--root", required=True, type=Path, help="folder holding one sub-folder per bag")
+    p.add_argument("--labels", required=True, type=Path, help="CSV with columns bag_id,label[,patient_id]")
+    p.add_argument("--slice-labels", type=Path, default=None, help="optional CSV with columns bag_id,file,label")
+    _add_cache_options(p)
+    p = sub.add_parser("index", help="cache from a saved bag index (.json or .csv)")
+    p.add_argument("--index", required=True, type=Path, help="bag index written by a previous run (OUT/index.json)")
+    _add_cache_options(p)
+    p = sub.add_parser("synthetic", help="write a synthetic head-CT dataset as real DICOM files")
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--layout", choices=("rsna", "cq500", "generic"), default="rsna")
+    p.add_argument("--scans", type=int, default=20, help="number of scans/studies/bags (default 20)")
+    p.add_argument("--slices", type=int, nargs=2, default=(10, 14), metavar=("MIN", "MAX"), help="slices per scan (default 10 14)")
+    p.add_argument("--size", type=int, default=64, help="image size in pixels (default 64)")
+    p.add_argument("--prevalence", type=float, default=0.5, help="fraction of positive scans (default 0.5)")
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _synthetic(args: argparse.Namespace) -> int:
+    kw = dict(slices=tuple(args.slices), size=args.size, prevalence=args.prevalence, seed=args.seed)
+    if args.layout == "rsna":
+        ds = write_rsna_dataset(args.out, n_scans=args.scans, **kw)
+        hint = f"milgp-cache rsna --images {ds.image_dir} --labels {ds.labels_csv} --out CACHE"
+    elif args.layout == "cq500":
+        ds = write_cq500_dataset(args.out, n_studies=args.scans, **kw)
+        hint = f"milgp-cache cq500 --root {ds.image_dir} --reads {ds.labels_csv} --out CACHE"
+    else:
+        ds = write_generic_dataset(args.out, n_bags=args.scans, **kw)
+        hint = f"milgp-cache generic --root {ds.image_dir} --labels {ds.labels_csv} --slice-labels {ds.slice_labels_csv} --out CACHE"
+    positives = sum(s.bag_label > 0.5 for s in ds.scans)
+    print(f"wrote {len(ds.scans)} synthetic {args.layout} scans ({positives} positive) to {args.out}")
+    print(f"cache it with: {hint}")
+    return 0
+
+
+def _index(args: argparse.Namespace) -> BagIndex:
+    progress = not args.no_progress
+    if args.command == "rsna":
+        return index_rsna(args.images, args.labels, workers=args.workers, progress=progress)
+    if args.command == "cq500":
+        return index_cq500(args.root, args.reads, workers=args.workers, progress=progress)
+    if args.command == "generic":
+        return index_generic(args.root, args.labels, args.slice_labels, workers=args.workers, progress=progress)
+    return BagIndex.load(args.index)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``milgp-cache``; returns the exit status (0 ok, 1 error or nothing cached, 130 interrupted)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "synthetic":
+            return _synthetic(args)
+        index = _index(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        if args.command != "index":
+            index.save(args.out / "index.json")
+        params = CacheParams(windows=tuple(args.windows), size=None if args.size == 0 else args.size, dtype=args.dtype)
+        report = build_cache(index, args.out, params, workers=args.workers, progress=not args.no_progress)
+        if args.splits is not None:
+            splits = split_by_patient(index, args.splits, seed=args.seed)
+            atomic_write_json(args.out / "splits.json", {name: s.bag_ids for name, s in splits.items()})
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume (finished bags are kept)", file=sys.stderr)
+        return 130
+    except (ValueError, KeyError, OSError) as err:
+        print(f"milgp-cache: error: {err}", file=sys.stderr)
+        return 1
+    print(report.summary())
+    cached = len(report.done) + len(report.reused)
+    return 0 if cached > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

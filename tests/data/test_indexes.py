@@ -1,0 +1,207 @@
+"""Bag indexes: RSNA, CQ500 and generic layouts, label files, save/load and patient splits."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from milgp.data.cq500 import SeriesSummary, choose_series, cq500_number, index_cq500, is_contrast_series
+from milgp.data.ct_index import BagIndex, BagRecord, split_by_patient
+from milgp.data.generic_layout import index_generic
+from milgp.data.rsna import index_rsna, read_rsna_labels
+from milgp.data.synthetic import SyntheticDataset, write_cq500_dataset, write_generic_dataset
+
+
+def test_rsna_index_matches_ground_truth(rsna_synth: SyntheticDataset) -> None:
+    """One bag per series with slices in anatomical order, slice labels = 'any', bag label = max, patient
+    from PatientID. Failing means ordering, grouping or labelling is wrong."""
+    index = index_rsna(rsna_synth.image_dir, rsna_synth.labels_csv)
+    assert len(index) == len(rsna_synth.scans) and not index.skipped
+    for bag in index.bags:
+        truth = rsna_synth.scan(bag.bag_id)
+        assert bag.slice_paths == truth.paths
+        assert bag.slice_labels == truth.slice_labels
+        assert bag.bag_label == truth.bag_label == max(truth.slice_labels)
+        assert bag.patient_id == truth.patient_id and bag.ordering == "geometry"
+
+
+def _write_labels(path: Path, rows: list[str]) -> Path:
+    path.write_text("ID,Label\n" + "".join(r + "\n" for r in rows))
+    return path
+
+
+def test_rsna_duplicate_identical_rows_are_accepted(tmp_path: Path) -> None:
+    """Identical duplicate rows (present in the real file) must be merged silently."""
+    rows = [f"ID_abc_{s},0" for s in ("epidural", "subdural", "any")]
+    labels = read_rsna_labels(_write_labels(tmp_path / "l.csv", rows + rows[:2]))
+    assert labels == {"ID_abc": {"epidural": 0, "subdural": 0, "any": 0}}
+
+
+def test_rsna_conflicting_duplicate_rows_name_the_image(tmp_path: Path) -> None:
+    """Two rows for the same image/subtype with different labels must raise an error naming the image and lines."""
+    path = _write_labels(tmp_path / "l.csv", ["ID_abc_any,0", "ID_def_any,1", "ID_abc_any,1"])
+    with pytest.raises(ValueError, match=r"conflicting duplicate rows for image ID_abc, subtype any.*line 2.*line 4"):
+        read_rsna_labels(path)
+
+
+def test_rsna_missing_any_row_names_the_image(tmp_path: Path) -> None:
+    """An image with subtype rows but no 'any' row has no slice label: the error must name it."""
+    path = _write_labels(tmp_path / "l.csv", ["ID_abc_any,0", "ID_def_epidural,1"])
+    with pytest.raises(ValueError, match="image ID_def has no 'ID_def_any' row"):
+        read_rsna_labels(path)
+
+
+def test_rsna_malformed_label_files(tmp_path: Path) -> None:
+    """A wrong header, an unknown subtype or a label other than 0/1 must be refused with the line named."""
+    bad_header = tmp_path / "h.csv"
+    bad_header.write_text("Image,Target\nID_a_any,0\n")
+    with pytest.raises(ValueError, match="expected header 'ID,Label'"):
+        read_rsna_labels(bad_header)
+    with pytest.raises(ValueError, match="line 2: unknown subtype 'foo'"):
+        read_rsna_labels(_write_labels(tmp_path / "s.csv", ["ID_a_foo,0"]))
+    with pytest.raises(ValueError, match="line 3: label '2'"):
+        read_rsna_labels(_write_labels(tmp_path / "v.csv", ["ID_a_any,0", "ID_b_any,2"]))
+
+
+def test_rsna_image_without_label_rows_is_an_error(rsna_copy: SyntheticDataset) -> None:
+    """A .dcm file absent from the label file must raise an error naming the image."""
+    shutil.copy(rsna_copy.scans[0].paths[0], Path(rsna_copy.image_dir) / "ID_ffffffff0.dcm")
+    with pytest.raises(ValueError, match="image ID_ffffffff0 .* has no rows in the label file"):
+        index_rsna(rsna_copy.image_dir, rsna_copy.labels_csv)
+
+
+def test_rsna_corrupt_file_is_skipped_and_reported(rsna_copy: SyntheticDataset) -> None:
+    """A corrupt slice must be left out of its bag and listed in index.skipped with its path; the bag stays."""
+    victim = rsna_copy.scans[0].paths[1]
+    Path(victim).write_text("garbage")
+    index = index_rsna(rsna_copy.image_dir, rsna_copy.labels_csv)
+    assert [p for p, _ in index.skipped] == [victim]
+    bag = next(b for b in index.bags if b.bag_id == rsna_copy.scans[0].bag_id)
+    assert victim not in bag.slice_paths and len(bag.slice_paths) == len(rsna_copy.scans[0].paths) - 1
+
+
+def test_rsna_empty_folder_is_an_error(tmp_path: Path) -> None:
+    """An empty image folder must raise a clear error rather than produce an empty index."""
+    (tmp_path / "imgs").mkdir()
+    labels = _write_labels(tmp_path / "l.csv", ["ID_a_any,0"])
+    with pytest.raises(ValueError, match="no ID_\\*.dcm files"):
+        index_rsna(tmp_path / "imgs", labels)
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv"])
+def test_index_save_load_round_trip(rsna_synth: SyntheticDataset, tmp_path: Path, suffix: str) -> None:
+    """Saving and loading (JSON or CSV) must give back the same bags, and leave no temporary files."""
+    index = index_rsna(rsna_synth.image_dir, rsna_synth.labels_csv)
+    index.bags.append(BagRecord("no-labels", "p", 1.0, ("a.dcm", "b.dcm")))
+    path = tmp_path / f"index{suffix}"
+    index.save(path)
+    loaded = BagIndex.load(path)
+    assert loaded.bags == index.bags
+    assert os.listdir(tmp_path) == [path.name]
+    with pytest.raises(ValueError, match="must end in .json or .csv"):
+        index.save(tmp_path / "index.txt")
+
+
+def test_index_rejects_duplicate_bag_ids_and_bad_records() -> None:
+    """Duplicate bag ids or label/slice count mismatches must be refused, naming the bag."""
+    rec = BagRecord("b1", "p", 0.0, ("x",))
+    with pytest.raises(ValueError, match="'b1' appears twice"):
+        BagIndex([rec, rec])
+    with pytest.raises(ValueError, match="bag 'b2': 1 slice labels for 2 slices"):
+        BagRecord("b2", "p", 0.0, ("x", "y"), (1,))
+
+
+def test_split_by_patient_groups_and_stratifies(rsna_synth: SyntheticDataset) -> None:
+    """No patient may appear in two splits, every bag lands in exactly one split, the split is reproducible
+    and each stratum is dealt proportionally. Failing leaks patients between train and test."""
+    index = index_rsna(rsna_synth.image_dir, rsna_synth.labels_csv)
+    splits = split_by_patient(index, (0.5, 0.25, 0.25), seed=3)
+    patients = [{b.patient_id for b in s.bags} for s in splits.values()]
+    assert all(not (a & b) for i, a in enumerate(patients) for b in patients[i + 1:])
+    assert sorted(b for s in splits.values() for b in s.bag_ids) == sorted(index.bag_ids)
+    again = split_by_patient(index, (0.5, 0.25, 0.25), seed=3)
+    assert {k: v.bag_ids for k, v in again.items()} == {k: v.bag_ids for k, v in splits.items()}
+    assert any(b.bag_label == 1 for b in splits["train"].bags) and any(b.bag_label == 0 for b in splits["train"].bags)
+
+
+def test_split_by_patient_tiny_dataset_and_bad_fractions() -> None:
+    """Two patients must still split (one split may be empty); fractions not summing to 1 are refused."""
+    index = BagIndex([BagRecord("a", "p1", 1.0, ("x",)), BagRecord("b", "p1", 0.0, ("y",)), BagRecord("c", "p2", 0.0, ("z",))])
+    splits = split_by_patient(index, seed=0)
+    assert sum(len(s) for s in splits.values()) == 3
+    assert sum(1 for s in splits.values() if {"a", "b"} <= set(s.bag_ids)) == 1
+    with pytest.raises(ValueError, match="sum to 1"):
+        split_by_patient(index, (0.5, 0.2, 0.2))
+
+
+def test_cq500_picks_the_plain_5mm_series_and_majority_label(tmp_path: Path) -> None:
+    """Among plain 5 mm, thin, post-contrast and bone-kernel series the rule must pick the plain 5 mm one
+    (the others have more slices), order it by geometry, and label the study by the readers' majority."""
+    ds = write_cq500_dataset(tmp_path / "cq500", n_studies=3, slices=(4, 5), size=16, seed=2)
+    index = index_cq500(ds.image_dir, ds.labels_csv)
+    assert [b.bag_id for b in index.bags] == [s.bag_id for s in ds.scans] and not index.skipped
+    for bag in index.bags:
+        truth = ds.scan(bag.bag_id)
+        assert bag.series_uid == truth.series_uid and bag.slice_paths == truth.paths
+        assert bag.bag_label == truth.bag_label and bag.slice_labels is None and bag.patient_id == bag.bag_id
+
+
+def test_cq500_unlabelled_study_is_reported(tmp_path: Path) -> None:
+    """A study folder with no reads.csv row must be listed in skipped, not indexed with a made-up label."""
+    ds = write_cq500_dataset(tmp_path / "cq500", n_studies=2, slices=(3, 3), size=16, seed=0)
+    Path(ds.labels_csv).write_text("\n".join(Path(ds.labels_csv).read_text().splitlines()[:2]) + "\n")
+    index = index_cq500(ds.image_dir, ds.labels_csv)
+    assert [b.bag_id for b in index.bags] == ["CQ500-CT-0"]
+    assert "CQ500-CT-1 has no row" in index.skipped[0][1]
+
+
+def test_cq500_name_mapping_and_series_rule() -> None:
+    """Folder and reads.csv spellings must map to one study number; contrast wording must be recognised
+    including negations ('PRE CONTRAST' is plain); bone kernels lose to soft kernels."""
+    assert cq500_number("CQ500CT1 CQ500CT1") == cq500_number("CQ500-CT-1") == 1
+    assert cq500_number("cq500_ct_427") == 427
+    with pytest.raises(ValueError, match="not a CQ500 study name"):
+        cq500_number("study7")
+    assert is_contrast_series("CT POST CONTRAST", "") and is_contrast_series("HEAD C+", "")
+    assert is_contrast_series("CT 5mm", "IOHEXOL") and not is_contrast_series("CT 5mm", "NONE")
+    assert not is_contrast_series("CT PRE CONTRAST 5MM STD", "") and not is_contrast_series("CT PLAIN THIN", "")
+    soft = SeriesSummary("1", "CT 5mm", "", "H30s", 5.0, 30, True)
+    bone = SeriesSummary("2", "CT 5mm BONE", "", "H70h", 5.0, 40, True)
+    thin = SeriesSummary("3", "CT 0.625mm", "", "STANDARD", 0.625, 240, True)
+    sagittal = SeriesSummary("4", "CT SAG", "", "STANDARD", 5.0, 90, False)
+    assert choose_series([bone, thin, soft, sagittal]) == soft
+    assert choose_series([sagittal]) is None
+
+
+def test_generic_layout_matches_ground_truth(tmp_path: Path) -> None:
+    """Folder-per-bag data with bag and slice label CSVs must index to the written truth, in anatomical order."""
+    ds = write_generic_dataset(tmp_path / "gen", n_bags=3, slices=(4, 6), size=16, n_patients=2, seed=4)
+    index = index_generic(ds.image_dir, ds.labels_csv, ds.slice_labels_csv)
+    assert [b.bag_id for b in index.bags] == [s.bag_id for s in ds.scans]
+    for bag in index.bags:
+        truth = ds.scan(bag.bag_id)
+        assert bag.slice_paths == truth.paths and bag.slice_labels == truth.slice_labels
+        assert bag.bag_label == truth.bag_label and bag.patient_id == truth.patient_id
+    no_slices = index_generic(ds.image_dir, ds.labels_csv)
+    assert all(b.slice_labels is None for b in no_slices.bags)
+
+
+def test_generic_layout_errors_name_the_bag_or_slice(tmp_path: Path) -> None:
+    """A missing slice-label row, a listed bag without folder, and an unlisted folder must each be reported
+    with the bag/slice named."""
+    ds = write_generic_dataset(tmp_path / "gen", n_bags=2, slices=(3, 3), size=16, seed=4)
+    lines = Path(ds.slice_labels_csv).read_text().splitlines()
+    short = tmp_path / "short.csv"
+    short.write_text("\n".join(lines[:-1]) + "\n")
+    missing_name = Path(lines[-1].split(",")[1]).name
+    with pytest.raises(ValueError, match=f"bag 'scan_001': slice '{missing_name}' has no row"):
+        index_generic(ds.image_dir, ds.labels_csv, short)
+    extra = tmp_path / "extra.csv"
+    extra.write_text(Path(ds.labels_csv).read_text() + "ghost,1,p\n")
+    with pytest.raises(ValueError, match="bag 'ghost' is listed"):
+        index_generic(ds.image_dir, extra)
+    (Path(ds.image_dir) / "unlisted").mkdir()
+    index = index_generic(ds.image_dir, ds.labels_csv)
+    assert any("'unlisted' is not listed" in r for _, r in index.skipped)

@@ -1,0 +1,99 @@
+"""milgp.data.synthetic: real DICOM phantoms, ground truth, determinism and speed."""
+from __future__ import annotations
+
+import csv
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pydicom
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian
+
+from milgp.data.dicom import read_hu
+from milgp.data.synthetic import SyntheticDataset, write_rsna_dataset
+
+
+def test_files_are_valid_ct_image_storage(rsna_synth: SyntheticDataset) -> None:
+    """Every written file must be a CT Image Storage object in explicit VR little endian with file meta,
+    UIDs, identifiers, geometry, rescale and window tags -- otherwise real DICOM tools would reject it."""
+    ds = pydicom.dcmread(rsna_synth.scans[0].paths[0])
+    assert ds.file_meta.MediaStorageSOPClassUID == CTImageStorage == ds.SOPClassUID
+    assert ds.file_meta.TransferSyntaxUID == ExplicitVRLittleEndian
+    assert ds.file_meta.MediaStorageSOPInstanceUID == ds.SOPInstanceUID
+    for tag in ("PatientID", "StudyInstanceUID", "SeriesInstanceUID", "ImagePositionPatient", "ImageOrientationPatient",
+                "PixelSpacing", "SliceThickness", "RescaleSlope", "RescaleIntercept", "WindowCenter", "WindowWidth",
+                "BitsStored", "InstanceNumber"):
+        assert tag in ds, tag
+    assert ds.Modality == "CT" and ds.BitsStored == 16 and ds.PixelRepresentation == 1
+    uids = {pydicom.dcmread(p, stop_before_pixels=True).SOPInstanceUID for s in rsna_synth.scans for p in s.paths}
+    assert len(uids) == sum(len(s.paths) for s in rsna_synth.scans)
+
+
+def test_phantom_tissues_have_ct_densities(rsna_synth: SyntheticDataset) -> None:
+    """A mid slice must contain air (~-1000 HU), bone (~+1000 HU) and brain (~35 HU) as read back in HU."""
+    scan = rsna_synth.scans[0]
+    hu = read_hu(scan.paths[len(scan.paths) // 2])
+    assert abs(np.median(hu[hu < -500]) + 1000) < 10
+    assert abs(np.median(hu[hu > 500]) - 1000) < 10
+    assert abs(np.median(hu[(hu > 0) & (hu < 50)]) - 35) < 6
+
+
+def test_lesions_are_hyperdense_and_on_contiguous_labelled_slices(rsna_synth: SyntheticDataset) -> None:
+    """Positive scans must have a run of contiguous positive slices showing 60-90 HU blobs; negative scans none.
+    Failing means the slice ground truth does not match the pixels."""
+    positives = [s for s in rsna_synth.scans if s.bag_label == 1.0]
+    assert len(positives) == 4 and all(s.bag_label == 0.0 for s in rsna_synth.scans if s not in positives)
+    for s in rsna_synth.scans:
+        labels = np.array(s.slice_labels)
+        assert labels.max() == s.bag_label
+        if s.bag_label:
+            idx = np.flatnonzero(labels)
+            assert np.all(np.diff(idx) == 1)
+            hu = read_hu(s.paths[idx[len(idx) // 2]])
+            assert ((hu > 55) & (hu < 100)).sum() >= 4
+
+
+def test_file_order_is_not_anatomical_order(rsna_synth: SyntheticDataset) -> None:
+    """File names must be shuffled relative to anatomy (else ordering tests would pass by accident)."""
+    shuffled = [s for s in rsna_synth.scans if list(s.paths) != sorted(s.paths)]
+    assert len(shuffled) >= len(rsna_synth.scans) - 1
+    for s in rsna_synth.scans:
+        z = [float(pydicom.dcmread(p, stop_before_pixels=True).ImagePositionPatient[2]) for p in s.paths]
+        np.testing.assert_allclose(z, s.z_mm, atol=1e-3)
+        assert np.all(np.diff(z) > 0)
+
+
+def test_rsna_label_csv_format(rsna_synth: SyntheticDataset) -> None:
+    """The label file must be 'ID,Label' with six subtype rows per image (plus the planted duplicates), and the
+    'any' row must equal the slice ground truth; file names must be ID_<hex>.dcm in one folder."""
+    with open(rsna_synth.labels_csv, newline="") as fh:
+        rows = list(csv.reader(fh))
+    assert rows[0] == ["ID", "Label"]
+    n_images = sum(len(s.paths) for s in rsna_synth.scans)
+    assert len(rows) - 1 == 6 * n_images + 4
+    table = dict((r[0], int(r[1])) for r in rows[1:])
+    for s in rsna_synth.scans:
+        for p, lab in zip(s.paths, s.slice_labels):
+            stem = Path(p).stem
+            assert Path(p).parent == Path(rsna_synth.image_dir) and stem.startswith("ID_") and len(stem) == 12
+            assert table[f"{stem}_any"] == lab
+
+
+def test_generator_is_deterministic(tmp_path: Path) -> None:
+    """The same seed must give byte-identical files and names; another seed must give different data."""
+    a = write_rsna_dataset(tmp_path / "a", n_scans=2, slices=(3, 4), size=16, seed=5)
+    b = write_rsna_dataset(tmp_path / "b", n_scans=2, slices=(3, 4), size=16, seed=5)
+    c = write_rsna_dataset(tmp_path / "c", n_scans=2, slices=(3, 4), size=16, seed=6)
+    assert sorted(os.listdir(a.image_dir)) == sorted(os.listdir(b.image_dir)) != sorted(os.listdir(c.image_dir))
+    for name in os.listdir(a.image_dir):
+        assert (Path(a.image_dir) / name).read_bytes() == (Path(b.image_dir) / name).read_bytes()
+    assert Path(a.labels_csv).read_text() == Path(b.labels_csv).read_text()
+
+
+def test_generator_is_fast(tmp_path: Path) -> None:
+    """20 scans x 12 slices x 64x64 must be written in a few seconds (tests and demos depend on it)."""
+    start = time.perf_counter()
+    ds = write_rsna_dataset(tmp_path / "fast", n_scans=20, slices=(12, 12), size=64, seed=0)
+    assert time.perf_counter() - start < 8.0
+    assert sum(len(s.paths) for s in ds.scans) == 240
