@@ -20,8 +20,10 @@ surrogate, not a bound, for model comparison across ψ.
 
 Hyperparameters: without ``−log Z`` the surrogate is unbounded in the kernel variance when ψ has
 heavier tails than φ (``ψ_G/φ`` grows like ``e^{|f|/2}``), so gradient steps on it would inflate
-the output scale without limit. For ψ ≠ φ the kernel hyperparameters are therefore learned on the
-logistic (ψ = φ) bound with the current q(v) and q(y) — the exact ELBO of the logistic MIL model —
+the output scale without limit. For every ψ the kernel hyperparameters are therefore learned on
+the ELBO of the logistic MIL model with the current q(v) and q(y), with ``E_q[log φ(f_n)]`` computed
+exactly by Gauss–Hermite quadrature rather than bounded by ``log φ(c_n)`` (the tangent bound's
+slack grows with the predictive variance and biases the kernel towards small output scales),
 while ψ shapes the updates of q(v) (:meth:`MILBernoulliLikelihood.hyperparameter_terms`).
 """
 from __future__ import annotations
@@ -37,8 +39,9 @@ from milgp.data.bags import segment_sum
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.noisy_or import (
     PI_CLAMP,
+    BagLayout,
+    bag_layout,
     log_prob_bag_all_negative,
-    positions_in_bag,
     update_instance_labels,
 )
 from milgp.likelihoods.psi import GammaPsi, GSMDensity, HyperbolicSecantPsi
@@ -81,17 +84,19 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         self.psi = make_psi(psi)
         self.H = float(H)
         self.max_rule = max_rule
-        self._positions_cache: tuple[int, int, list[Tensor]] | None = None
+        self._positions_cache: tuple[tuple, Tensor, BagLayout] | None = None
 
     @property
     def log_h(self) -> float:
         return math.log(self.H)
 
     # -- augmented-likelihood interface ----------------------------------------------------------
-    def _positions(self, bag_index: Tensor, num_bags: int) -> list[Tensor]:
-        key = (bag_index.data_ptr(), bag_index.numel())
-        if self._positions_cache is None or self._positions_cache[:2] != key:
-            self._positions_cache = (*key, positions_in_bag(bag_index, num_bags))
+    def _positions(self, bag_index: Tensor, num_bags: int) -> BagLayout:
+        # The cache holds a reference to bag_index, so no other live tensor can reuse its memory:
+        # a matching (data_ptr, numel, stride, version) means the same contents.
+        key = (bag_index.data_ptr(), bag_index.numel(), bag_index.stride(), bag_index._version, num_bags)
+        if self._positions_cache is None or self._positions_cache[0] != key:
+            self._positions_cache = (key, bag_index, bag_layout(bag_index, num_bags))
         return self._positions_cache[2]
 
     def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Tensor:
@@ -125,12 +130,18 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
     def hyperparameter_terms(
         self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
     ) -> Tensor:
-        """The logistic (ψ = φ) ELBO terms, whatever ψ is (see the module docstring)."""
-        if isinstance(self.psi, HyperbolicSecantPsi):
-            return self.elbo_terms(mean, var, bag_index, bag_labels, num_bags, locals_)
+        """The exact logistic (ψ = φ) expected log-likelihood at the current π, whatever ψ is.
+
+        ``(π_n − ½) μ_n + E_q[log φ(f_n)] + log π`` with the expectation by 20-node Gauss–Hermite
+        quadrature, i.e. the ELBO of the un-augmented logistic MIL model with q(y) held fixed (the
+        entropy and bag terms do not depend on the kernel and are left out). The closed-form PG
+        bound ``log φ(c)`` would also be a valid objective, but its slack
+        ``E_q[log φ(f)] − log φ(c) ≥ 0`` grows with the predictive variance, so maximising it over
+        the kernel biases towards small output scales and long lengthscales (see docs/core.md).
+        """
         pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
-        c = torch.sqrt(mean * mean + var)
-        return (pi - 0.5) * mean + _LOGISTIC_PSI.log_psi(c) + _LOG_PI
+        expected_log_phi = gauss_hermite_expectation(_LOGISTIC_PSI.log_psi, mean, var, 20)
+        return (pi - 0.5) * mean + expected_log_phi + _LOG_PI
 
     def bag_log_likelihood(self, pi: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Tensor:
         """``E_q[log p(T_b | y_b)] = log H · E[G_b] − log(H + 1)`` per bag ``(B,)``."""
@@ -200,7 +211,9 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         eps = torch.randn(
             (num_samples,) + tuple(mean_pad.shape), dtype=mean_pad.dtype, device=mean_pad.device, generator=generator
         )
-        f = mean_pad + (L @ eps.unsqueeze(-1)).squeeze(-1)  # (S, B, N_max)
+        # f[s, b] = mean[b] + L[b] eps[s, b], as one batched GEMM over bags (B, S, N) @ (B, N, N):
+        # broadcasting L over the samples would materialise S copies of every L[b]
+        f = mean_pad + (eps.transpose(0, 1) @ L.mT).transpose(0, 1)  # (S, B, N_max)
         log_neg = torch.nn.functional.logsigmoid(-f) * mask
         p_bag = -torch.expm1(log_neg.sum(-1))  # (S, B)
         return p_bag.mean(0), p_bag.std(0)

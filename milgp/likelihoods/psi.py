@@ -15,6 +15,7 @@ A new model is one small subclass of :class:`GSMDensity` implementing those two 
 from __future__ import annotations
 
 import math
+import warnings
 from abc import ABC, abstractmethod
 
 import torch
@@ -68,16 +69,28 @@ class GammaPsi(GSMDensity):
     ``θ(c) = α / (β + c²/2)`` exactly (seed 000 §5). The normaliser, needed only for the ELBO's
     value, is ``Z(α, β) = √(2π) β^(½−α) Γ(α−½) / Γ(α)`` for ``α > ½``.
 
-    Defaults ``α = 1, β = 4`` give ``θ(0) = 1/4``, the same curvature at the origin as the
-    hyperbolic secant (VGPMIL), with heavier tails; the paper's grid is α ∈ {0.5, 1}, β ∈ {1, 2.5, 4}.
+    Existence of a finite optimum: for a confidently labelled instance (``π → 1``) the stationary
+    point of ``(π − ½) f − ½ θ(f) f²`` solves ``f = (π − ½)(β + f²/2)/α``, which has a real root only
+    when ``β ≤ 2α²``; beyond that the quadratic penalty saturates (``θ(f) f² → 2α``) and ``|f|`` grows
+    without bound. A warning is issued for such (α, β).
+
+    Defaults ``α = 1, β = 1``: inside the paper's grid (α ∈ {0.5, 1}, β ∈ {1, 2.5, 4}) and the only
+    point of it that satisfies ``β ≤ 2α²``.
     """
 
-    def __init__(self, alpha: float = 1.0, beta: float = 4.0):
+    def __init__(self, alpha: float = 1.0, beta: float = 1.0):
         super().__init__()
         if not alpha > 0.5:
             raise ValueError(f"GammaPsi needs alpha > 0.5 for a normalisable density, got alpha={alpha}")
         if not beta > 0:
             raise ValueError(f"GammaPsi needs beta > 0, got beta={beta}")
+        if beta > 2 * alpha * alpha:
+            warnings.warn(
+                f"GammaPsi(alpha={alpha}, beta={beta}) has beta > 2*alpha**2: confidently labelled instances "
+                "have no finite optimum and the latent function can grow without bound; use beta <= 2*alpha**2",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.alpha = float(alpha)
         self.beta = float(beta)
 

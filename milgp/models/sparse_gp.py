@@ -17,7 +17,7 @@ The jitter is GPyTorch's own (``variational_strategy.jitter_val``) so both paths
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gpytorch
 import torch
@@ -57,6 +57,8 @@ class WhitenedPosterior:
     m: Tensor
     S: Tensor
     precision: Tensor
+    chol_precision: Tensor | None = field(default=None, repr=False, compare=False)
+    """Lower Cholesky factor of ``precision`` when already known (saves a factorisation)."""
 
     @property
     def natural(self) -> tuple[Tensor, Tensor]:
@@ -65,7 +67,7 @@ class WhitenedPosterior:
 
     def kl_divergence(self) -> Tensor:
         """``KL(N(m, S) ‖ N(0, I)) = ½ (tr S + mᵀm − M − log|S|)``."""
-        L_P = robust_cholesky(self.precision, what="q(v) precision")
+        L_P = self.chol_precision if self.chol_precision is not None else robust_cholesky(self.precision, what="q(v) precision")
         logdet_S = -2.0 * torch.log(torch.diagonal(L_P)).sum()
         M = self.m.shape[0]
         return 0.5 * (torch.diagonal(self.S).sum() + self.m @ self.m - M - logdet_S)
@@ -73,8 +75,8 @@ class WhitenedPosterior:
     @classmethod
     def from_natural(cls, eta1: Tensor, precision: Tensor) -> "WhitenedPosterior":
         precision = 0.5 * (precision + precision.mT)
-        S, _ = cholesky_inverse_from_precision(precision, what="q(v) precision")
-        return cls(m=S @ eta1, S=S, precision=precision)
+        S, L_P = cholesky_inverse_from_precision(precision, what="q(v) precision")
+        return cls(m=S @ eta1, S=S, precision=precision, chol_precision=L_P)
 
 
 class SparseGP(gpytorch.models.ApproximateGP):
@@ -208,7 +210,13 @@ class SparseGP(gpytorch.models.ApproximateGP):
         """Marginals of ``q(f_n)``: mean ``(N,)`` and variance ``(N,)`` (clamped at 1e-10)."""
         A = proj.A
         mean = proj.prior_mean + A.mT @ q.m
-        var = proj.prior_var - (A * A).sum(0) + (A * (q.S @ A)).sum(0)
+        # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
+        S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)
+        SA = S_minus_I @ A
+        if torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad):
+            var = proj.prior_var + (SA * A).sum(0)
+        else:
+            var = proj.prior_var + SA.mul_(A).sum(0)
         return mean, var.clamp_min(1e-10)
 
     def predict_marginals(self, x: Tensor, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from milgp.data.bags import BagBatch, bag_sizes
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics, natural_step
 
 __all__ = ["FitResult", "closed_form_elbo", "fit_closed_form"]
@@ -51,22 +51,102 @@ class FitResult:
     locals: Any = None
 
 
-def _moments(model: SparseGP, x: Tensor, q: WhitenedPosterior, chunk_size: int) -> tuple[Tensor, Tensor]:
+DEFAULT_CACHE_BYTES = 2 * 1024**3
+"""Default budget of :class:`_Projector`'s cache of ``A`` (``N·(M+2)`` floats; 2 GiB holds
+``N = 10⁶`` at ``M = 200`` in float64)."""
+
+
+class _Projector:
+    """The whitened projection ``A = L⁻¹K_zx`` of a fixed set of inputs, chunked and cached.
+
+    ``A`` depends only on the inputs and the hyperparameters; it is computed once and reused by
+    every pass (statistics, moments, minibatches) until :meth:`invalidate` is called after a
+    hyperparameter step. It is kept (as ``Aᵀ`` ``(N, M)``, so that chunks of rows and minibatch
+    rows are contiguous) only when ``N·(M + 2)`` floats fit ``cache_bytes``; otherwise each pass
+    recomputes it chunk by chunk and no ``N×M`` matrix is held. ``L`` is factorised once per
+    hyperparameter setting either way. No gradients are recorded.
+    """
+
+    def __init__(self, model: SparseGP, x: Tensor, chunk_size: int, cache_bytes: int):
+        self.model, self.x, self.chunk_size = model, x, max(1, int(chunk_size))
+        N, M = x.shape[0], model.num_inducing
+        self.cacheable = N * (M + 2) * x.element_size() <= cache_bytes
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        self._L: Tensor | None = None
+        self._AT: Tensor | None = None
+        self._prior_var: Tensor | None = None
+        self._prior_mean: Tensor | None = None
+
+    def adopt(self, L: Tensor, proj: Projection) -> None:
+        """Use an already computed projection of all of this projector's inputs."""
+        self._L, self._AT, self._prior_var, self._prior_mean = L, proj.A.mT, proj.prior_var, proj.prior_mean
+
+    @property
+    def cached(self) -> bool:
+        return self._AT is not None
+
+    def L(self) -> Tensor:
+        if self._L is None:
+            with torch.no_grad():
+                self._L = self.model.inducing_cholesky()
+        return self._L
+
+    def _fill(self) -> None:
+        x, N, M = self.x, self.x.shape[0], self.model.num_inducing
+        AT = x.new_empty((N, M))
+        prior_var, prior_mean = x.new_empty(N), x.new_empty(N)
+        with torch.no_grad():
+            L = self.L()
+            for s in range(0, N, self.chunk_size):
+                proj = self.model.projection(x[s : s + self.chunk_size], L)
+                AT[s : s + self.chunk_size] = proj.A.mT
+                prior_var[s : s + self.chunk_size] = proj.prior_var
+                prior_mean[s : s + self.chunk_size] = proj.prior_mean
+        self._AT, self._prior_var, self._prior_mean = AT, prior_var, prior_mean
+
+    def chunks(self):
+        """Yield ``(start, Projection)`` over all inputs in chunks of ``chunk_size``."""
+        N = self.x.shape[0]
+        if self._AT is None and self.cacheable:
+            self._fill()
+        for s in range(0, N, self.chunk_size):
+            e = min(N, s + self.chunk_size)
+            if self._AT is not None:
+                yield s, Projection(A=self._AT[s:e].mT, prior_var=self._prior_var[s:e], prior_mean=self._prior_mean[s:e])
+            else:  # callers run under torch.no_grad()
+                yield s, self.model.projection(self.x[s:e], self.L())
+
+    def rows(self, idx: Tensor) -> Projection | None:
+        """The projection of instances ``idx`` from the cache (``None`` when nothing is cached)."""
+        if self._AT is None and self.cacheable:
+            self._fill()
+        if self._AT is None:
+            return None
+        return Projection(A=self._AT[idx].mT, prior_var=self._prior_var[idx], prior_mean=self._prior_mean[idx])
+
+
+def _moments(
+    model: SparseGP, x: Tensor, q: WhitenedPosterior, chunk_size: int, projector: _Projector | None = None
+) -> tuple[Tensor, Tensor]:
+    projector = _Projector(model, x, chunk_size, 0) if projector is None else projector
     with torch.no_grad():
-        L = model.inducing_cholesky()
-        parts = [model.marginals(model.projection(x[s : s + chunk_size], L), q) for s in range(0, x.shape[0], chunk_size)]
+        parts = [model.marginals(proj, q) for _, proj in projector.chunks()]
+    if len(parts) == 1:
+        return parts[0]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def _statistics(
-    model: SparseGP, x: Tensor, b: Tensor, lam: Tensor, chunk_size: int
+    model: SparseGP, x: Tensor, b: Tensor, lam: Tensor, chunk_size: int, projector: _Projector | None = None
 ) -> NaturalStatistics:
+    projector = _Projector(model, x, chunk_size, 0) if projector is None else projector
     with torch.no_grad():
-        L = model.inducing_cholesky()
         stats = None
-        for s in range(0, x.shape[0], chunk_size):
-            proj = model.projection(x[s : s + chunk_size], L)
-            part = natural_statistics(proj.A, b[s : s + chunk_size], lam[s : s + chunk_size], proj.prior_mean)
+        for s, proj in projector.chunks():
+            e = s + proj.A.shape[1]
+            part = natural_statistics(proj.A, b[s:e], lam[s:e], proj.prior_mean)
             stats = part if stats is None else stats + part
     return stats
 
@@ -140,6 +220,7 @@ def fit_closed_form(
     seed: int = 0,
     progress: bool = False,
     callback: Callable[[int, float], None] | None = None,
+    cache_bytes: int = DEFAULT_CACHE_BYTES,
 ) -> FitResult:
     """Fit ``model``'s q(v), the locals and (optionally) the hyperparameters on ``batch``.
 
@@ -153,6 +234,11 @@ def fit_closed_form(
             minibatches of that many bags with step sizes from ``schedule`` (default
             :class:`RobbinsMonro` ``τ = 1, κ = 0.6``).
         callback: called as ``callback(iteration, elbo)``.
+        chunk_size: instances per chunk of ``A`` in the statistics and moment passes.
+        cache_bytes: memory budget for keeping ``A = L⁻¹K_zx`` of all instances between passes
+            (reused until the hyperparameters change). Above it, ``A`` is recomputed chunk by chunk
+            in every pass and no ``N×M`` matrix is kept; ``0`` disables the cache. Results are the
+            same either way (to rounding).
     """
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
@@ -160,7 +246,10 @@ def fit_closed_form(
     B, N = batch.num_bags, batch.num_instances
     optimizer = torch.optim.Adam(model.hyperparameters(), lr=lr) if learn_hyperparameters else None
     q = model.whitened_posterior()
-    mean, var = _moments(model, batch.x, q, chunk_size)
+    # With minibatches and hyperparameter steps A changes after every minibatch: no full cache.
+    budget = 0 if (bags_per_batch is not None and learn_hyperparameters) else cache_bytes
+    projector = _Projector(model, batch.x, chunk_size, budget)
+    mean, var = _moments(model, batch.x, q, chunk_size, projector)
     locals_ = likelihood.init_locals(batch.bag_index, batch.bag_labels, B, mean)
     schedule = schedule or RobbinsMonro()
     step_t = 0
@@ -169,35 +258,43 @@ def fit_closed_form(
     for it in bar:
         if bags_per_batch is None:
             b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
-            q = natural_step(q, _statistics(model, batch.x, b, lam, chunk_size), rho=1.0)
+            q = natural_step(q, _statistics(model, batch.x, b, lam, chunk_size, projector), rho=1.0)
             model.set_whitened_posterior(q)
-            mean, var = _moments(model, batch.x, q, chunk_size)
+            mean, var = _moments(model, batch.x, q, chunk_size, projector)
             locals_ = likelihood.update_locals(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
         else:
             order = torch.randperm(B, generator=generator)
             for s in range(0, B, bags_per_batch):
                 bags = order[s : s + bags_per_batch].to(batch.bag_index.device)
                 mb, idx = _select(batch, bags)
-                mb_mean, mb_var = _moments(model, mb.x, q, chunk_size)
+                # one projection of the minibatch serves both passes of this step
+                mb_proj = _Projector(model, mb.x, chunk_size, cache_bytes)
+                cached_rows = projector.rows(idx)
+                if cached_rows is not None:
+                    mb_proj.adopt(projector.L(), cached_rows)
+                mb_mean, mb_var = _moments(model, mb.x, q, chunk_size, mb_proj)
                 mb_locals = _subset_locals(locals_, idx)
                 b, lam = likelihood.quadratic_terms(mb_mean, mb_var, mb.bag_index, mb.bag_labels, mb.num_bags, mb_locals)
-                q = natural_step(q, _statistics(model, mb.x, b, lam, chunk_size), rho=schedule(step_t), scale=B / mb.num_bags)
+                q = natural_step(q, _statistics(model, mb.x, b, lam, chunk_size, mb_proj), rho=schedule(step_t), scale=B / mb.num_bags)
                 step_t += 1
                 model.set_whitened_posterior(q)
-                mb_mean, mb_var = _moments(model, mb.x, q, chunk_size)
+                mb_mean, mb_var = _moments(model, mb.x, q, chunk_size, mb_proj)
+                del mb_proj
                 new_locals = likelihood.update_locals(mb_mean, mb_var, mb.bag_index, mb.bag_labels, mb.num_bags, mb_locals)
                 if isinstance(locals_, Tensor) and locals_.ndim == 1:
                     locals_[idx] = new_locals
                 if optimizer is not None:
                     for _ in range(hyper_steps):
                         _hyper_step(model, likelihood, mb, new_locals, optimizer, 1.0, q)
-            mean, var = _moments(model, batch.x, q, chunk_size)
+                    projector.invalidate()
+            mean, var = _moments(model, batch.x, q, chunk_size, projector)
         if optimizer is not None and bags_per_batch is None:
             for _ in range(hyper_steps):
                 sub, idx, scale = _bag_subset(batch, hyper_max_instances, generator)
                 _hyper_step(model, likelihood, sub, _subset_locals(locals_, idx), optimizer, 1.0, q)
             model.set_whitened_posterior(q)  # clears GPyTorch's caches after the kernel changed
-            mean, var = _moments(model, batch.x, q, chunk_size)
+            projector.invalidate()  # A is recomputed once, here, and reused by the next sweep
+            mean, var = _moments(model, batch.x, q, chunk_size, projector)
         with torch.no_grad():
             elbo = float(likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_).sum() - q.kl_divergence())
         if not math.isfinite(elbo):
@@ -230,4 +327,13 @@ def _select(batch: BagBatch, bags: Tensor) -> tuple[BagBatch, Tensor]:
     new_index = remap[batch.bag_index]
     members = torch.nonzero(new_index >= 0, as_tuple=True)[0]
     idx = members[torch.argsort(new_index[members], stable=True)]
-    return batch.select_bags(bags), idx
+    # the same sub-batch as batch.select_bags(bags), without sorting the instances a second time
+    sub = BagBatch(
+        x=batch.x[idx],
+        bag_index=new_index[idx],
+        bag_labels=batch.bag_labels[bags],
+        instance_labels=None if batch.instance_labels is None else batch.instance_labels[idx],
+        instance_weights=None if batch.instance_weights is None else batch.instance_weights[idx],
+        bag_ids=None if batch.bag_ids is None else [batch.bag_ids[int(b)] for b in bags],
+    )
+    return sub, idx

@@ -1,0 +1,160 @@
+"""Bag- and instance-level classification metrics (library side: no Lightning).
+
+Everything takes probabilities (or scores) and binary labels as NumPy arrays or tensors:
+
+* :func:`auroc`, :func:`accuracy`, :func:`f1_score` — via ``torchmetrics.functional``;
+  ``auroc`` is ``nan`` when only one class is present (it is undefined there);
+* :func:`expected_calibration_error` — equal-width bins on the predicted probability of the
+  positive class: ``ECE = Σ_k (n_k / n) · |mean(y in bin k) − mean(p in bin k)|`` with bins
+  ``[0, 1/K], (1/K, 2/K], …`` (a probability of exactly 0 falls in the first bin);
+* :func:`log_loss` — mean binary cross-entropy;
+* :func:`calibration_curve` — the per-bin points of that reliability diagram;
+* :func:`classification_metrics` — all of them as a dict with a common prefix, the format of the
+  ``metrics.json`` files the training system writes (``nan`` is written as JSON ``null``).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torchmetrics.functional.classification import binary_accuracy, binary_auroc, binary_f1_score
+
+__all__ = [
+    "accuracy",
+    "auroc",
+    "calibration_curve",
+    "classification_metrics",
+    "expected_calibration_error",
+    "f1_score",
+    "json_safe",
+    "log_loss",
+]
+
+
+def _as_arrays(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    p = np.asarray(probs.detach().cpu() if isinstance(probs, torch.Tensor) else probs, dtype=np.float64).reshape(-1)
+    y = np.asarray(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels, dtype=np.float64).reshape(-1)
+    if p.shape != y.shape:
+        raise ValueError(f"{p.shape[0]} predictions for {y.shape[0]} labels")
+    if not np.isin(y, (0.0, 1.0)).all():
+        raise ValueError("labels must be 0 or 1")
+    return p, y
+
+
+def _tensors(probs: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    p, y = _as_arrays(probs, labels)
+    return torch.as_tensor(p), torch.as_tensor(y, dtype=torch.long)
+
+
+def auroc(scores: Any, labels: Any) -> float:
+    """Area under the ROC curve; ``nan`` when the labels hold one class only (or are empty)."""
+    p, y = _tensors(scores, labels)
+    if y.numel() == 0 or y.min() == y.max():
+        return float("nan")
+    return float(binary_auroc(p, y))
+
+
+def accuracy(probs: Any, labels: Any, threshold: float = 0.5) -> float:
+    """Fraction of correct decisions ``1[p > threshold]`` (``nan`` when empty)."""
+    p, y = _tensors(probs, labels)
+    if y.numel() == 0:
+        return float("nan")
+    return float(binary_accuracy((p > threshold).long(), y, threshold=0.5))
+
+
+def f1_score(probs: Any, labels: Any, threshold: float = 0.5) -> float:
+    """F1 of the positive class for decisions ``1[p > threshold]`` (0 when nothing is predicted
+    or labelled positive, as scikit-learn's ``zero_division=0``)."""
+    p, y = _tensors(probs, labels)
+    if y.numel() == 0:
+        return float("nan")
+    return float(binary_f1_score((p > threshold).long(), y, threshold=0.5))
+
+
+def log_loss(probs: Any, labels: Any, eps: float = 1e-7) -> float:
+    """Mean negative log-likelihood (binary cross-entropy) of the labels, probabilities clipped to
+    ``[eps, 1 − eps]`` (``nan`` when empty)."""
+    p, y = _as_arrays(probs, labels)
+    if p.size == 0:
+        return float("nan")
+    p = np.clip(p, eps, 1 - eps)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
+
+
+def _bin_ids(p: np.ndarray, n_bins: int) -> np.ndarray:
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be at least 1, got {n_bins}")
+    # bin k holds (k/K, (k+1)/K]; p = 0 goes to bin 0
+    return np.clip(np.ceil(np.clip(p, 0.0, 1.0) * n_bins).astype(np.int64) - 1, 0, n_bins - 1)
+
+
+def calibration_curve(probs: Any, labels: Any, n_bins: int = 10) -> dict[str, np.ndarray]:
+    """Reliability-diagram points of the non-empty bins.
+
+    Returns:
+        ``{"mean_predicted", "fraction_positive", "count", "bin_lower", "bin_upper"}``, each
+        ``(K',)`` for the ``K'`` non-empty bins.
+    """
+    p, y = _as_arrays(probs, labels)
+    ids = _bin_ids(p, n_bins)
+    count = np.bincount(ids, minlength=n_bins)
+    sum_p = np.bincount(ids, weights=p, minlength=n_bins)
+    sum_y = np.bincount(ids, weights=y, minlength=n_bins)
+    keep = count > 0
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    return {
+        "mean_predicted": sum_p[keep] / count[keep],
+        "fraction_positive": sum_y[keep] / count[keep],
+        "count": count[keep],
+        "bin_lower": edges[:-1][keep],
+        "bin_upper": edges[1:][keep],
+    }
+
+
+def expected_calibration_error(probs: Any, labels: Any, n_bins: int = 10) -> float:
+    """``Σ_k (n_k / n) |mean(y)_k − mean(p)_k|`` over ``n_bins`` equal-width bins of the predicted
+    positive probability (``nan`` when empty)."""
+    p, _ = _as_arrays(probs, labels)
+    if p.size == 0:
+        return float("nan")
+    curve = calibration_curve(probs, labels, n_bins)
+    weights = curve["count"] / p.size
+    return float(np.sum(weights * np.abs(curve["fraction_positive"] - curve["mean_predicted"])))
+
+
+def classification_metrics(
+    probs: Any, labels: Any, prefix: str = "", threshold: float = 0.5, n_bins: int = 10
+) -> dict[str, float]:
+    """``{prefix}auc``, ``{prefix}accuracy``, ``{prefix}f1``, ``{prefix}ece``, ``{prefix}nll`` and ``{prefix}count``.
+
+    ``probs`` should be probabilities for accuracy/F1/ECE to mean anything; AUROC only needs scores.
+    """
+    p, y = _as_arrays(probs, labels)
+    return {
+        f"{prefix}auc": auroc(p, y),
+        f"{prefix}accuracy": accuracy(p, y, threshold),
+        f"{prefix}f1": f1_score(p, y, threshold),
+        f"{prefix}ece": expected_calibration_error(p, y, n_bins),
+        f"{prefix}nll": log_loss(p, y),
+        f"{prefix}count": int(p.size),
+    }
+
+
+def json_safe(obj: Any) -> Any:
+    """Recursively turn NumPy/torch scalars into Python numbers and ``nan``/``inf`` into ``None``."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        obj = obj.item() if obj.numel() == 1 else obj.tolist()
+        return json_safe(obj)
+    if isinstance(obj, np.ndarray):
+        return json_safe(obj.tolist())
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj

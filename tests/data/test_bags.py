@@ -1,0 +1,132 @@
+"""Bag utilities: flat instances + bag_index (DESIGN §2)."""
+import numpy as np
+import pytest
+import torch
+
+from milgp.data.bags import (
+    BagBatch,
+    BagBatchSampler,
+    bag_index_from_sizes,
+    bag_sizes,
+    collate_bags,
+    flatten_bags,
+    from_padded,
+    labels_per_instance,
+    segment_max,
+    segment_sum,
+    split_by_bag,
+    to_padded,
+)
+
+
+def bags_list(seed=0, sizes=(3, 1, 5, 2)):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=(n, 4)) for n in sizes]
+
+
+def test_flatten_split_round_trip():
+    """split_by_bag ∘ flatten_bags must be the identity (order within bags kept)."""
+    bags = bags_list()
+    x, bag_index = flatten_bags(bags)
+    assert x.shape == (11, 4) and bag_index.tolist() == [0, 0, 0, 1, 2, 2, 2, 2, 2, 3, 3]
+    back = split_by_bag(x, bag_index)
+    for a, b in zip(bags, back):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_split_by_bag_with_interleaved_index():
+    """split_by_bag must group by bag even when the instances of bags are interleaved."""
+    values = torch.arange(6.0)
+    bag_index = torch.tensor([1, 0, 1, 2, 0, 1])
+    parts = split_by_bag(values, bag_index)
+    assert [p.tolist() for p in parts] == [[1.0, 4.0], [0.0, 2.0, 5.0], [3.0]]
+
+
+def test_padded_round_trip_and_mask():
+    """to_padded/from_padded are inverses; mask marks real instances; padding is the fill."""
+    bags = bags_list()
+    x, bag_index = flatten_bags(bags)
+    padded, mask = to_padded(x, bag_index, fill=-7.0)
+    assert padded.shape == (4, 5, 4)
+    assert mask.sum(1).tolist() == [3, 1, 5, 2]
+    assert (padded[~mask] == -7.0).all()
+    x2, bi2 = from_padded(padded, mask)
+    torch.testing.assert_close(x2, x)
+    assert bi2.tolist() == bag_index.tolist()
+
+
+def test_segment_reductions_and_sizes():
+    """segment_sum/segment_max/bag_sizes agree with per-bag Python reductions."""
+    values = torch.tensor([1.0, -2.0, 3.0, 0.5, 4.0])
+    bag_index = torch.tensor([0, 0, 1, 2, 2])
+    assert segment_sum(values, bag_index, 3).tolist() == [-1.0, 3.0, 4.5]
+    assert segment_max(values, bag_index, 3).tolist() == [1.0, 3.0, 4.0]
+    assert bag_sizes(bag_index).tolist() == [2, 1, 2]
+    assert bag_sizes(bag_index, 4).tolist() == [2, 1, 2, 0]
+    assert labels_per_instance(torch.tensor([1, 0, 1]), bag_index).tolist() == [1, 1, 0, 1, 1]
+
+
+def test_select_bags_reindexes_and_keeps_fields():
+    """select_bags returns the chosen bags in the requested order, re-indexed 0..k-1, with
+    instance labels, weights and ids carried along."""
+    bags = bags_list()
+    x, bag_index = flatten_bags(bags)
+    batch = BagBatch(
+        x, bag_index, torch.tensor([1.0, 0.0, 1.0, 0.0]), instance_labels=torch.arange(11),
+        instance_weights=torch.ones(11), bag_ids=["a", "b", "c", "d"],
+    )
+    sub = batch.select_bags([2, 0])
+    assert sub.num_bags == 2 and sub.num_instances == 8
+    assert sub.bag_index.tolist() == [0] * 5 + [1] * 3
+    torch.testing.assert_close(sub.x[:5], torch.as_tensor(bags[2]))
+    torch.testing.assert_close(sub.x[5:], torch.as_tensor(bags[0]))
+    assert sub.bag_labels.tolist() == [1.0, 1.0]
+    assert sub.instance_labels.tolist() == [4, 5, 6, 7, 8, 0, 1, 2]
+    assert sub.bag_ids == ["c", "a"]
+    moved = sub.to("cpu", torch.float32)
+    assert moved.x.dtype == torch.float32 and moved.bag_index.dtype == torch.long
+
+
+def test_collate_bags_tuples_and_dicts():
+    """collate_bags accepts (x, instance_labels, bag_label, id) tuples and dicts."""
+    bags = bags_list(sizes=(2, 3))
+    batch = collate_bags([(bags[0], np.array([0, 1]), 1, "p"), (bags[1], np.array([0, 0, 0]), 0, "n")])
+    assert batch.bag_index.tolist() == [0, 0, 1, 1, 1]
+    assert batch.bag_labels.tolist() == [1.0, 0.0]
+    assert batch.instance_labels.tolist() == [0, 1, 0, 0, 0]
+    assert batch.bag_ids == ["p", "n"]
+    batch2 = collate_bags([{"x": bags[0], "bag_label": 1}, {"x": bags[1], "bag_label": 0}])
+    assert batch2.num_instances == 5 and batch2.instance_labels is None and batch2.bag_ids is None
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_bag_batch_sampler_covers_each_bag_once_per_epoch(drop_last):
+    """Every bag appears exactly once per epoch (unless dropped as the last partial batch),
+    epochs are reshuffled, and len() matches the number of batches yielded."""
+    sampler = BagBatchSampler(23, 5, shuffle=True, drop_last=drop_last, seed=1)
+    epochs = [list(sampler) for _ in range(3)]
+    for batches in epochs:
+        assert len(batches) == len(sampler)
+        flat = [b for batch in batches for b in batch]
+        if drop_last:
+            assert len(flat) == 20 and len(set(flat)) == 20
+        else:
+            assert sorted(flat) == list(range(23))
+    assert epochs[0] != epochs[1]
+    assert list(BagBatchSampler(7, 3, shuffle=False)) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_error_messages_name_the_bag():
+    """Bad bags must raise ValueError naming the offending bag, not a torch.cat error."""
+    with pytest.raises(ValueError, match="bag 1 is empty"):
+        flatten_bags([np.ones((2, 3)), np.ones((0, 3))])
+    with pytest.raises(ValueError, match="bag 2 has instances of shape"):
+        flatten_bags([np.ones((2, 3)), np.ones((1, 3)), np.ones((2, 4))])
+    with pytest.raises(ValueError, match="bag 0 is a scalar"):
+        flatten_bags([np.float64(3.0)])
+    with pytest.raises(ValueError, match="no bags"):
+        flatten_bags([])
+    with pytest.raises(ValueError, match="bag 1 is empty"):
+        bag_index_from_sizes([2, 0, 1])
+    with pytest.raises(ValueError, match="bags_per_batch"):
+        BagBatchSampler(3, 0)

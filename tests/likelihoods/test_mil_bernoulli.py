@@ -1,0 +1,216 @@
+"""The ψ-VGPMIL bag likelihood: GPyTorch interface, reduction to GP logistic classification,
+predictions (seed 000 Eqs. 31–36)."""
+import math
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+
+from milgp.data.bags import BagBatch, bag_index_from_sizes
+from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
+from milgp.likelihoods.quadrature import gauss_hermite_expectation
+from milgp.models.sparse_gp import SparseGP
+from milgp.variational import fit_closed_form
+
+
+def small_problem(seed=0, B=10, M=6, sizes=None):
+    g = torch.Generator().manual_seed(seed)
+    sizes = sizes or torch.randint(1, 5, (B,), generator=g).tolist()
+    bag_index = bag_index_from_sizes(sizes)
+    N = len(bag_index)
+    labels = (torch.arange(len(sizes)) % 2).to(torch.float64)
+    x = torch.randn(N, 2, generator=g, dtype=torch.float64) + 1.2 * labels[bag_index].unsqueeze(1)
+    Z = x[torch.randperm(N, generator=g)[:M]].clone()
+    return Z, BagBatch(x, bag_index, labels)
+
+
+# -- expected_log_prob and the closed-form ELBO --------------------------------------------------
+@pytest.mark.parametrize("psi", ["pg", "gamma"])
+def test_expected_log_prob_value_equals_closed_form_elbo_terms(psi):
+    """The augmented expected_log_prob must have the value of the closed-form ELBO data terms at
+    the same locals, so that VariationalELBO reports the same number as the fast path."""
+    Z, batch = small_problem()
+    model = SparseGP(Z, lengthscale=1.0, outputscale=1.5)
+    lik = MILBernoulliLikelihood(psi)
+    res = fit_closed_form(model, lik, batch, max_iter=3, tol=0.0, learn_hyperparameters=False)
+    model.train()
+    out = model(batch.x)
+    target = batch.bag_labels[batch.bag_index]
+    elp = lik.expected_log_prob(target, out, bag_index=batch.bag_index, locals=res.locals).sum()
+    mean, var = model.predict_marginals(batch.x)
+    closed = lik.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, res.locals).sum()
+    assert elp.item() == pytest.approx(closed.item(), rel=1e-10)
+    # and the whole VariationalELBO (× N) equals the fast path's ELBO
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=batch.num_instances)
+    value = mll(out, target, bag_index=batch.bag_index, locals=res.locals).item() * batch.num_instances
+    assert value == pytest.approx(res.elbo[-1], rel=1e-9)
+
+
+def test_expected_log_prob_requires_bag_index():
+    """Without bag_index the bag structure is unknown: the error must say how to pass it."""
+    Z, batch = small_problem()
+    model = SparseGP(Z)
+    model.train()
+    with pytest.raises(ValueError, match="bag_index"):
+        MILBernoulliLikelihood().expected_log_prob(batch.bag_labels[batch.bag_index], model(batch.x))
+
+
+def test_adam_on_variational_elbo_reaches_closed_form_optimum():
+    """Plain GPyTorch (Cholesky q(v), Adam, locals optimised inside expected_log_prob) must climb
+    the same objective as CAVI and get within 1% of its optimum; otherwise the likelihood is not
+    usable as an ordinary GPyTorch likelihood."""
+    torch.manual_seed(0)
+    Z, batch = small_problem(seed=1, B=8, M=4)
+    lik = MILBernoulliLikelihood("pg")
+    ref_model = SparseGP(Z, lengthscale=1.0, outputscale=1.5)
+    best = fit_closed_form(ref_model, lik, batch, max_iter=300, tol=1e-12, learn_hyperparameters=False).elbo[-1]
+    model = SparseGP(Z, lengthscale=1.0, outputscale=1.5, natural=False)
+    model.train()
+    N = batch.num_instances
+    mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=N)
+    opt = torch.optim.Adam(model.variational_parameters(), lr=0.1)
+    target = batch.bag_labels[batch.bag_index]
+    values = []
+    for _ in range(200):
+        opt.zero_grad()
+        loss = -mll(model(batch.x), target, bag_index=batch.bag_index)
+        loss.backward()
+        opt.step()
+        values.append(-loss.item() * N)
+    assert values[-1] > values[0]
+    assert values[-1] <= best + 1e-6 * abs(best)
+    assert abs(values[-1] - best) < 0.01 * abs(best)
+
+
+# -- bags of one: sparse GP logistic classification ---------------------------------------------
+def logistic_pg_cavi(A, y, iters=200):
+    """Independent PG-augmented sparse GP logistic classification (whitened), numpy."""
+    M, N = A.shape
+    m, S = np.zeros(M), np.eye(M)
+    for _ in range(iters):
+        mu = A.T @ m
+        var = PRIOR_RESIDUAL + np.einsum("mn,mk,kn->n", A, S, A)
+        c = np.sqrt(mu**2 + var)
+        th = np.where(c < 1e-8, 0.25, np.tanh(c / 2) / (2 * np.maximum(c, 1e-300)))
+        S = np.linalg.inv(np.eye(M) + A @ np.diag(th) @ A.T)
+        m = S @ A @ (y - 0.5)
+    return m, S
+
+
+PRIOR_RESIDUAL = None
+
+
+def test_bags_of_one_reduce_to_sparse_gp_logistic_classification():
+    """With bags of one and T = y, π_n = sigmoid(μ_n + log H·(2y_n − 1)) → y_n as H → ∞ (the
+    leave-one-out term is 0 for a bag of one), so q(v) must equal the PG sparse GP logistic
+    classifier with b = y − ½. With H = 1e12 and |μ| < 10, |π − y| ≤ max(PI_CLAMP=1e-7,
+    e^{10}/H) ≈ 1e-7, which moves m by at most ‖S A‖₁·1e-7: we assert 1e-5."""
+    global PRIOR_RESIDUAL
+    g = torch.Generator().manual_seed(4)
+    N, M = 40, 8
+    x = torch.randn(N, 2, generator=g, dtype=torch.float64)
+    y = (x[:, 0] + 0.5 * torch.randn(N, generator=g, dtype=torch.float64) > 0).to(torch.float64)
+    batch = BagBatch(x, torch.arange(N), y)
+    Z = x[:M].clone() + 0.01
+    model = SparseGP(Z, lengthscale=1.2, outputscale=2.0)
+    lik = MILBernoulliLikelihood("pg", H=1e12)
+    res = fit_closed_form(model, lik, batch, max_iter=200, tol=1e-13, learn_hyperparameters=False)
+    with torch.no_grad():
+        proj = model.projection(x)
+    A = proj.A.numpy()
+    PRIOR_RESIDUAL = proj.prior_var.numpy() - (A * A).sum(0)
+    m_ref, S_ref = logistic_pg_cavi(A, y.numpy())
+    q = model.whitened_posterior()
+    assert (res.locals - y).abs().max() < 2e-7
+    np.testing.assert_allclose(q.m.numpy(), m_ref, atol=1e-5)
+    np.testing.assert_allclose(q.S.numpy(), S_ref, atol=1e-5)
+
+    # the closed-form ELBO is a lower bound of the exact logistic ELBO at the same q (quadrature)
+    mean, var = model.predict_marginals(x)
+    sign = 2 * y - 1
+    exact = gauss_hermite_expectation(lambda f: torch.nn.functional.logsigmoid(sign.unsqueeze(-1) * f), mean, var, 80)
+    c = torch.sqrt(mean**2 + var)
+    bound = (y - 0.5) * mean - torch.log(2 * torch.cosh(c / 2))
+    assert (bound <= exact + 1e-12).all()
+    # tight where var → 0 (PG tangent exact at f² = c²)
+    tiny = torch.full_like(var, 1e-10)
+    exact0 = gauss_hermite_expectation(lambda f: torch.nn.functional.logsigmoid(sign.unsqueeze(-1) * f), mean, tiny, 80)
+    bound0 = (y - 0.5) * mean - torch.log(2 * torch.cosh(torch.sqrt(mean**2 + tiny) / 2))
+    torch.testing.assert_close(bound0, exact0, atol=1e-9, rtol=0)
+    # and the project's ELBO equals that bound up to the vanishing bag/entropy terms
+    elbo_data = lik.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, N, res.locals).sum()
+    assert elbo_data.item() == pytest.approx(bound.sum().item(), abs=N * 1e-5)
+
+
+# -- predictions ------------------------------------------------------------------------------
+def test_instance_probability_matches_monte_carlo():
+    """E[sigmoid(f)] and its std by quadrature (Eqs. 31–33) must agree with 1e6 MC samples within
+    5 MC standard errors; a wrong node scaling in Gauss–Hermite fails here."""
+    g = torch.Generator().manual_seed(0)
+    mean = torch.tensor([-3.0, -0.5, 0.0, 1.0, 4.0], dtype=torch.float64)
+    var = torch.tensor([0.01, 1.0, 4.0, 9.0, 0.5], dtype=torch.float64)
+    p, s = MILBernoulliLikelihood.instance_probability(mean, var)
+    f = mean + var.sqrt() * torch.randn(1_000_000, 5, generator=g, dtype=torch.float64)
+    sig = torch.sigmoid(f)
+    mc_p, mc_s = sig.mean(0), sig.std(0)
+    se = mc_s / 1000.0
+    assert ((p - mc_p).abs() <= 5 * se + 1e-12).all()
+    # std of the sample std ≈ sd/√(2n) for near-normal; use a loose 5·√(E[(x-μ)^4])/… bound
+    se_s = ((sig - mc_p) ** 2).std(0) / (2 * mc_s * 1000.0)
+    assert ((s - mc_s).abs() <= 5 * se_s + 1e-12).all()
+
+
+def test_bag_probability_noisy_or_matches_monte_carlo_under_factorised_marginals():
+    """Eqs. 34–36 under ν(f*) = Π q(f*_n): mean and std of 1 − Π(1 − σ(f_n)) vs 1e6 samples."""
+    g = torch.Generator().manual_seed(1)
+    bag_index = torch.tensor([0, 0, 0, 1, 1, 2])
+    mean = torch.tensor([-2.0, -1.0, 0.5, -3.0, -2.5, 1.0], dtype=torch.float64)
+    var = torch.tensor([1.0, 0.5, 2.0, 0.2, 3.0, 1.0], dtype=torch.float64)
+    p, s = MILBernoulliLikelihood.bag_probability_noisy_or(mean, var, bag_index, 3)
+    f = mean + var.sqrt() * torch.randn(1_000_000, 6, generator=g, dtype=torch.float64)
+    keep = torch.sigmoid(-f)
+    prod = torch.stack([keep[:, bag_index == b].prod(1) for b in range(3)], 1)
+    pb = 1 - prod
+    se = pb.std(0) / 1000.0
+    assert ((p - pb.mean(0)).abs() <= 5 * se).all()
+    se_s = ((pb - pb.mean(0)) ** 2).std(0) / (2 * pb.std(0) * 1000.0)
+    assert ((s - pb.std(0)).abs() <= 5 * se_s).all()
+
+
+def test_bag_probability_joint_with_diagonal_covariance_equals_noisy_or():
+    """Sampling the joint q(f*_b) with a diagonal covariance is the factorised model: it must
+    agree with the quadrature noisy-OR within MC error, and padded entries must not count."""
+    bag_index = torch.tensor([0, 0, 0, 1, 1, 2])
+    mean = torch.tensor([-2.0, -1.0, 0.5, -3.0, -2.5, 1.0], dtype=torch.float64)
+    var = torch.tensor([1.0, 0.5, 2.0, 0.2, 3.0, 1.0], dtype=torch.float64)
+    p, s = MILBernoulliLikelihood.bag_probability_noisy_or(mean, var, bag_index, 3)
+    mean_pad = torch.tensor([[-2.0, -1.0, 0.5], [-3.0, -2.5, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    var_pad = torch.tensor([[1.0, 0.5, 2.0], [0.2, 3.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    n = 200_000
+    gen = torch.Generator().manual_seed(7)
+    pj, sj = MILBernoulliLikelihood.bag_probability_joint(mean_pad, torch.diag_embed(var_pad), mask, num_samples=n, generator=gen)
+    assert ((pj - p).abs() <= 5 * s / math.sqrt(n)).all()
+    torch.testing.assert_close(sj, s, rtol=0.02, atol=1e-3)
+
+
+def test_bag_probability_max_rule():
+    """Max rule: the bag probability is the largest instance probability in the bag."""
+    bag_index = torch.tensor([0, 0, 1, 1, 1])
+    mean = torch.tensor([-1.0, 2.0, -3.0, 0.0, -1.0], dtype=torch.float64)
+    var = torch.full((5,), 0.5, dtype=torch.float64)
+    p_inst, s_inst = MILBernoulliLikelihood.instance_probability(mean, var)
+    p, s = MILBernoulliLikelihood.bag_probability_max(mean, var, bag_index, 2)
+    torch.testing.assert_close(p, torch.stack([p_inst[1], p_inst[3]]))
+    torch.testing.assert_close(s, torch.stack([s_inst[1], s_inst[3]]))
+
+
+def test_constructor_validation():
+    """H ≤ 1 makes wrong bag labels as likely as right ones; an unknown rule or ψ must raise."""
+    with pytest.raises(ValueError, match="H"):
+        MILBernoulliLikelihood(H=1.0)
+    with pytest.raises(ValueError, match="max_rule"):
+        MILBernoulliLikelihood(max_rule="mean")
+    with pytest.raises(ValueError, match="psi"):
+        MILBernoulliLikelihood(psi="student")

@@ -1,0 +1,112 @@
+"""SparseGP: the fast-path quantities equal GPyTorch's own predictive distribution."""
+import gpytorch
+import pytest
+import torch
+
+from milgp.data.bags import bag_index_from_sizes
+from milgp.linalg import CholeskyError
+from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+
+
+def fitted_like_model(natural=True, constant_mean=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    model = SparseGP(Z, lengthscale=1.1, outputscale=1.8, natural=natural, constant_mean=constant_mean)
+    if constant_mean:
+        model.mean_module.constant.data.fill_(0.3)
+    R = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    S = 0.3 * R @ R.mT + 0.2 * torch.eye(7, dtype=torch.float64)
+    m = torch.randn(7, generator=g, dtype=torch.float64)
+    model.set_whitened_posterior(WhitenedPosterior(m=m, S=S, precision=torch.linalg.inv(S)))
+    return model, g
+
+
+@pytest.mark.parametrize("natural", [True, False])
+@pytest.mark.parametrize("constant_mean", [False, True])
+def test_marginals_equal_gpytorch_predictive(natural, constant_mean):
+    """predict_marginals must equal GPyTorch's q(f) mean and variance (same jitter, whitening,
+    mean function) in eval and train mode; otherwise the fast path optimises another model."""
+    model, g = fitted_like_model(natural, constant_mean)
+    x = torch.randn(15, 3, generator=g, dtype=torch.float64)
+    mu, var = model.predict_marginals(x)
+    for mode in (model.eval, model.train):
+        mode()
+        with torch.no_grad():
+            out = model(x)
+        torch.testing.assert_close(mu, out.mean, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(var, out.variance, rtol=1e-9, atol=1e-10)
+
+
+def test_whitened_posterior_round_trip_both_parameterisations():
+    """Writing q(v) and reading it back must be the identity for natural and Cholesky storage."""
+    for natural in (True, False):
+        model, _ = fitted_like_model(natural)
+        q = model.whitened_posterior()
+        model.set_whitened_posterior(q)
+        q2 = model.whitened_posterior()
+        torch.testing.assert_close(q2.m, q.m)
+        torch.testing.assert_close(q2.S, q.S)
+        torch.testing.assert_close(q.precision @ q.S, torch.eye(7, dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+def test_kl_divergence_matches_torch_distributions():
+    """KL(N(m,S) ‖ N(0,I)) must match torch.distributions and GPyTorch's strategy KL."""
+    model, _ = fitted_like_model()
+    q = model.whitened_posterior()
+    ref = torch.distributions.kl_divergence(
+        torch.distributions.MultivariateNormal(q.m, q.S),
+        torch.distributions.MultivariateNormal(torch.zeros(7, dtype=torch.float64), torch.eye(7, dtype=torch.float64)),
+    )
+    assert q.kl_divergence().item() == pytest.approx(ref.item(), rel=1e-10)
+    assert model.variational_strategy.kl_divergence().item() == pytest.approx(ref.item(), rel=1e-8)
+
+
+def test_bag_covariances_equal_gpytorch_full_covariance_blocks():
+    """Per-bag blocks must equal the corresponding blocks of GPyTorch's full predictive
+    covariance (eval mode); padded rows/columns are the identity, padded means 0, mask right."""
+    model, g = fitted_like_model(constant_mean=True)
+    sizes = [3, 1, 4, 2]
+    bag_index = bag_index_from_sizes(sizes)[torch.randperm(10, generator=g)]  # interleaved bags
+    x = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    mean_pad, cov_pad, mask = model.bag_covariances(x, bag_index, 4)
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        out = model(x)
+        full_mean, full_cov = out.mean, out.covariance_matrix
+    assert mask.shape == (4, 4) and mask.sum(1).tolist() == sizes
+    for b in range(4):
+        idx = torch.nonzero(bag_index == b, as_tuple=True)[0]  # instances keep their order
+        k = len(idx)
+        torch.testing.assert_close(mean_pad[b, :k], full_mean[idx], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(cov_pad[b, :k, :k], full_cov[idx][:, idx], rtol=1e-8, atol=1e-9)
+        assert (mean_pad[b, k:] == 0).all()
+        pad = cov_pad[b, k:, k:]
+        torch.testing.assert_close(pad, torch.eye(4 - k, dtype=torch.float64))
+        assert (cov_pad[b, :k, k:] == 0).all() and (cov_pad[b, k:, :k] == 0).all()
+        assert mask[b, :k].all() and not mask[b, k:].any()
+
+
+def test_nan_kernel_raises_cholesky_error():
+    """A NaN kernel hyperparameter must surface as CholeskyError naming K_zz, not as a silent NaN
+    posterior or a bare torch error."""
+    model, g = fitted_like_model()
+    model.covar_module.raw_outputscale.data.fill_(float("nan"))
+    with pytest.raises(CholeskyError, match="K_zz"):
+        model.inducing_cholesky()
+
+
+def test_duplicated_inducing_points_need_only_jitter():
+    """Duplicated inducing points make K_zz singular; robust_cholesky must escalate the jitter
+    and still factorise it (a finite L)."""
+    Z = torch.zeros(4, 2, dtype=torch.float64)
+    model = SparseGP(Z)
+    L = model.inducing_cholesky()
+    assert torch.isfinite(L).all()
+
+
+def test_hyperparameters_exclude_variational_parameters():
+    """hyperparameters() is what Adam trains in Algorithm 1: it must not contain q(v)."""
+    model, _ = fitted_like_model()
+    var_ids = {id(p) for p in model.variational_parameters()}
+    hyp = model.hyperparameters()
+    assert hyp and not any(id(p) in var_ids for p in hyp)

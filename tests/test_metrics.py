@@ -1,0 +1,59 @@
+"""milgp.metrics against scikit-learn and a hand-computed expected calibration error."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import accuracy_score, f1_score, roc_auc_score
+
+from milgp import metrics
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_auroc_accuracy_f1_match_sklearn(seed: int) -> None:
+    """AUROC (with ties), accuracy and F1 at threshold ½ equal scikit-learn's.
+
+    If this fails, every reported bag/instance metric in metrics.json is wrong."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, 200)
+    p = np.clip(0.3 * y + rng.uniform(0, 0.7, 200), 0, 1).round(2)  # rounding creates ties
+    assert metrics.auroc(p, y) == pytest.approx(roc_auc_score(y, p), abs=1e-6)
+    assert metrics.accuracy(p, y) == pytest.approx(accuracy_score(y, p > 0.5), abs=1e-6)
+    assert metrics.f1_score(p, y) == pytest.approx(f1_score(y, p > 0.5), abs=1e-6)
+    assert metrics.auroc(torch.as_tensor(p), torch.as_tensor(y)) == pytest.approx(roc_auc_score(y, p), abs=1e-6)
+
+
+def test_degenerate_cases() -> None:
+    """One class → AUROC nan (undefined, written as JSON null); nothing predicted positive → F1 0."""
+    assert math.isnan(metrics.auroc([0.2, 0.7], [1, 1]))
+    assert metrics.f1_score([0.1, 0.2], [1, 0]) == 0.0
+    assert metrics.json_safe({"a": float("nan"), "b": np.float32(0.5)}) == {"a": None, "b": 0.5}
+
+
+def test_ece_by_hand() -> None:
+    """ECE with 4 equal-width bins on a 6-sample example worked out by hand.
+
+    bins (0,.25]: p=[.1,.2] y=[0,1] → |0.5−0.15| = 0.35, weight 2/6
+    (.25,.5]:     p=[.5]    y=[0]   → |0−0.5| = 0.5,    weight 1/6   (0.5 is the upper edge)
+    (.5,.75]:     p=[.7]    y=[1]   → |1−0.7| = 0.3,    weight 1/6
+    (.75,1]:      p=[.9,1]  y=[1,1] → |1−0.95| = 0.05,  weight 2/6
+    ECE = (0.7 + 0.5 + 0.3 + 0.1) / 6 = 1.6 / 6.
+
+    If this fails, the calibration numbers and plots are wrong."""
+    p = [0.1, 0.2, 0.5, 0.7, 0.9, 1.0]
+    y = [0, 1, 0, 1, 1, 1]
+    assert metrics.expected_calibration_error(p, y, n_bins=4) == pytest.approx(1.6 / 6)
+    curve = metrics.calibration_curve(p, y, n_bins=4)
+    np.testing.assert_allclose(curve["count"], [2, 1, 1, 2])
+    np.testing.assert_allclose(curve["mean_predicted"], [0.15, 0.5, 0.7, 0.95])
+    assert metrics.expected_calibration_error([0.0, 1.0], [0, 1]) == 0.0
+
+
+def test_classification_metrics_keys() -> None:
+    out = metrics.classification_metrics([0.2, 0.8, 0.6], [0, 1, 0], prefix="bag_")
+    assert set(out) == {"bag_auc", "bag_accuracy", "bag_f1", "bag_ece", "bag_nll", "bag_count"}
+    from sklearn.metrics import log_loss
+
+    assert out["bag_nll"] == pytest.approx(log_loss([0, 1, 0], [0.2, 0.8, 0.6]))

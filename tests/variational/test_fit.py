@@ -1,0 +1,104 @@
+"""Algorithm 1 (fit_closed_form): monotone ELBO, fixed point, minibatch path."""
+import numpy as np
+import pytest
+import torch
+
+from milgp.data.bags import BagBatch, bag_index_from_sizes
+from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
+from milgp.models.sparse_gp import SparseGP
+from milgp.variational import closed_form_elbo, fit_closed_form, natural_statistics, natural_step
+
+
+def make_problem(seed=0, B=16, M=10):
+    g = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 7, (B,), generator=g).tolist()
+    bag_index = bag_index_from_sizes(sizes)
+    N = len(bag_index)
+    labels = (torch.arange(B) % 2).to(torch.float64)
+    x = torch.randn(N, 3, generator=g, dtype=torch.float64)
+    # one "witness" per positive bag, shifted away from the negatives
+    first = torch.cumsum(torch.tensor(sizes), 0) - torch.tensor(sizes)
+    x[first[labels.bool()]] += 2.5
+    Z = x[torch.randperm(N, generator=g)[:M]].clone()
+    return Z, BagBatch(x, bag_index, labels)
+
+
+@pytest.mark.parametrize(
+    "psi,rule", [("pg", "exact"), ("gamma", "exact")], ids=["pg-exact", "gamma-exact"]
+)
+def test_elbo_never_decreases_under_cavi(psi, rule):
+    """With fixed hyperparameters every CAVI sweep maximises the (surrogate) ELBO in one block,
+    so the ELBO sequence must be non-decreasing; a decrease means an update is not the
+    coordinate-wise optimum (wrong θ, wrong π rule, π updated in parallel) or the ELBO formula
+    does not match the updates."""
+    Z, batch = make_problem()
+    model = SparseGP(Z, lengthscale=1.5, outputscale=2.0)
+    lik = MILBernoulliLikelihood(psi, H=100.0, max_rule=rule)
+    res = fit_closed_form(model, lik, batch, max_iter=60, tol=0.0, learn_hyperparameters=False)
+    elbo = np.asarray(res.elbo)
+    assert len(elbo) >= 10
+    diffs = np.diff(elbo)
+    assert (diffs >= -1e-9 * np.abs(elbo[1:])).all(), diffs.min()
+    assert elbo[-1] > elbo[0]
+    # the reported ELBO equals closed_form_elbo of the final state
+    assert closed_form_elbo(model, lik, batch, res.locals) == pytest.approx(elbo[-1], rel=1e-10)
+
+
+@pytest.mark.parametrize("psi", ["pg", "gamma"])
+@pytest.mark.parametrize("rule", ["exact", "max"])
+def test_converged_state_is_a_fixed_point(psi, rule):
+    """At convergence another full sweep must leave m, S and π unchanged (< 1e-6); otherwise
+    the stopping rule stops too early or the updates cycle."""
+    Z, batch = make_problem(seed=1)
+    model = SparseGP(Z, lengthscale=1.5, outputscale=2.0)
+    lik = MILBernoulliLikelihood(psi, H=100.0, max_rule=rule)
+    res = fit_closed_form(model, lik, batch, max_iter=500, tol=1e-13, learn_hyperparameters=False)
+    assert res.converged
+    q0 = model.whitened_posterior()
+    pi0 = res.locals.clone()
+    # one more sweep by hand: θ from q, natural step, then π from the converged π
+    with torch.no_grad():
+        proj = model.projection(batch.x)
+        mean, var = model.marginals(proj, q0)
+        b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
+        q1 = natural_step(q0, natural_statistics(proj.A, b, lam, proj.prior_mean))
+        mean1, var1 = model.marginals(proj, q1)
+        pi1 = lik.update_locals(mean1, var1, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
+    assert (q1.m - q0.m).abs().max() < 1e-6
+    assert (q1.S - q0.S).abs().max() < 1e-6
+    assert (pi1 - pi0).abs().max() < 1e-6
+
+
+def test_hyperparameter_learning_increases_elbo():
+    """Alternating CAVI with Adam on the kernel hyperparameters must not end below the fixed-
+    hyperparameter optimum it started from (the hyperparameter objective is the ELBO)."""
+    Z, batch = make_problem(seed=2)
+    model = SparseGP(Z, lengthscale=3.0, outputscale=0.5)
+    lik = MILBernoulliLikelihood("pg")
+    fixed = fit_closed_form(model, lik, batch, max_iter=100, tol=1e-10, learn_hyperparameters=False)
+    learned = fit_closed_form(model, lik, batch, max_iter=15, tol=0.0, learn_hyperparameters=True, lr=0.05, hyper_steps=3)
+    assert learned.elbo[-1] > fixed.elbo[-1]
+
+
+def test_minibatch_path_reaches_full_batch_elbo():
+    """Stochastic natural steps on minibatches of whole bags (scaled by B/B_batch, Robbins–Monro)
+    must approach the full-batch optimum; a wrong scale s or step mixing gives a clearly worse
+    ELBO."""
+    Z, batch = make_problem(seed=3, B=24)
+    lik = MILBernoulliLikelihood("pg")
+    full_model = SparseGP(Z, lengthscale=1.5, outputscale=2.0)
+    full = fit_closed_form(full_model, lik, batch, max_iter=200, tol=1e-10, learn_hyperparameters=False)
+    mb_model = SparseGP(Z, lengthscale=1.5, outputscale=2.0)
+    mb = fit_closed_form(mb_model, lik, batch, max_iter=60, tol=0.0, bags_per_batch=6, learn_hyperparameters=False)
+    assert mb.iterations == 60
+    gap = full.elbo[-1] - mb.elbo[-1]
+    assert gap >= -1e-6  # the full-batch CAVI optimum is the best
+    assert gap < 0.02 * abs(full.elbo[-1])
+
+
+def test_minibatch_with_hyperparameters_runs_and_is_finite():
+    """The minibatch path with hyperparameter steps must run end to end with a finite ELBO."""
+    Z, batch = make_problem(seed=4)
+    model = SparseGP(Z, lengthscale=1.5, outputscale=2.0)
+    res = fit_closed_form(model, MILBernoulliLikelihood("gamma"), batch, max_iter=5, bags_per_batch=5, hyper_steps=2)
+    assert np.isfinite(res.elbo).all() and res.iterations == 5
