@@ -1,0 +1,434 @@
+"""Aggregate-output bag likelihoods (seed 001, VBAgg): shared machinery.
+
+Bag ``a`` holds instances ``x_i`` with known weights/populations ``w_i > 0`` and one observed
+aggregate ``y_a`` whose mean parameter is ``η_a = Σ_i w_i Ψ(f_i)`` (seed 001 Eq. 2/17), with
+``f ~ GP`` and a link ``Ψ`` (``exp``, ``square`` or ``identity``). Concrete likelihoods
+(:mod:`~milgp.likelihoods.aggregate_poisson`, :mod:`~milgp.likelihoods.aggregate_normal`,
+:mod:`~milgp.likelihoods.aggregate_exponential`) implement one method,
+:meth:`AggregateLikelihood.bag_terms`: the per-bag expected log-likelihood (exact, a lower bound,
+or the paper's Taylor approximation) as a differentiable function of ``q(f)``.
+
+``q(f)`` is passed as instance marginals ``mean, var`` ``(N,)`` and, for the likelihoods that
+need the within-bag covariance (``needs_covariance``: Poisson-square, Normal), as
+:class:`PaddedBlocks` — the per-bag joint ``q(f_b) = N(m^a, S^a)`` (seed 001 Eq. 9) padded to the
+largest bag of a group, ``S^a = K_bb + jitter·I − A_bᵀA_b + A_bᵀ S A_b`` (whitened), never N×N.
+
+**GPyTorch pitfall (DESIGN §5).** In training mode ``model(x)`` returns only a valid *diagonal*
+(``diag=True``); its off-diagonal entries are not the predictive covariance. The GPyTorch entry
+point :meth:`AggregateLikelihood.expected_log_prob` therefore builds the blocks itself: pass
+``model=model, x=x`` (blocks from the model's kernel and its current ``q(u)``, differentiable in
+both), or call the model as ``model(x, diag=False)`` (or in eval mode), whose lazy covariance is
+then *indexed* per bag. A train-mode diagonal output without ``model``/``x`` raises ``ValueError``.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import gpytorch
+import numpy as np
+import torch
+from linear_operator.operators import DiagLinearOperator, SumLinearOperator
+from scipy import stats
+from torch import Tensor
+
+from milgp.data.bags import bag_sizes, segment_max, segment_sum, to_padded
+
+__all__ = [
+    "AggregateLikelihood",
+    "ExpLink",
+    "IdentityLink",
+    "Link",
+    "BlockBase",
+    "PaddedBlocks",
+    "SquareLink",
+    "bag_blocks",
+    "block_base",
+    "blocks_from_base",
+    "make_link",
+    "segment_logsumexp",
+    "whitened_marginals",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# links Ψ and the distribution of Ψ(f) for Gaussian f
+# ---------------------------------------------------------------------------------------------
+class Link(ABC):
+    """``η = Ψ(f)``; moments and quantiles of ``Ψ(f)`` for ``f ~ N(μ, σ²)``."""
+
+    name: str = ""
+
+    @abstractmethod
+    def __call__(self, f: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def mean(self, mu: Tensor, var: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
+        """``Cov(Ψ(f_i), Ψ(f_j))`` for jointly Gaussian ``f`` with covariance ``cov_ij``."""
+
+    def variance(self, mu: Tensor, var: Tensor) -> Tensor:
+        return self.covariance(mu, mu, var)
+
+    @abstractmethod
+    def quantile(self, mu: np.ndarray, var: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """Quantiles of ``Ψ(f)``: ``mu, var`` ``(n,)``, ``q`` ``(k,)`` → ``(n, k)``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class ExpLink(Link):
+    """``Ψ(f) = e^f``: ``Ψ(f)`` is log-normal."""
+
+    name = "exp"
+
+    def __call__(self, f: Tensor) -> Tensor:
+        return torch.exp(f)
+
+    def mean(self, mu: Tensor, var: Tensor) -> Tensor:
+        return torch.exp(mu + 0.5 * var)
+
+    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
+        """Here ``mu_i, mu_j`` are the log-normal means ``E[e^{f_i}]``: ``E_i E_j (e^{S_ij} − 1)``."""
+        return mu_i * mu_j * torch.expm1(cov_ij)
+
+    def variance(self, mu: Tensor, var: Tensor) -> Tensor:
+        return torch.expm1(var) * torch.exp(2 * mu + var)
+
+    def quantile(self, mu: np.ndarray, var: np.ndarray, q: np.ndarray) -> np.ndarray:
+        return np.exp(mu[:, None] + np.sqrt(var)[:, None] * stats.norm.ppf(q)[None, :])
+
+
+class SquareLink(Link):
+    """``Ψ(f) = f²``: ``Ψ(f)/σ²`` is non-central χ² with 1 degree of freedom, ``nc = μ²/σ²``."""
+
+    name = "square"
+
+    def __call__(self, f: Tensor) -> Tensor:
+        return f * f
+
+    def mean(self, mu: Tensor, var: Tensor) -> Tensor:
+        return mu * mu + var
+
+    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
+        return 2 * cov_ij * cov_ij + 4 * mu_i * mu_j * cov_ij
+
+    def quantile(self, mu: np.ndarray, var: np.ndarray, q: np.ndarray) -> np.ndarray:
+        nc = (mu * mu / var)[:, None]
+        qq = np.broadcast_to(q[None, :], (len(mu), len(q)))
+        # scipy's ncx2 needs nc > 0 for stability; nc → 0 is the central χ².
+        out = np.where(nc > 1e-10, stats.ncx2.ppf(qq, 1, np.maximum(nc, 1e-10)), stats.chi2.ppf(qq, 1))
+        return var[:, None] * out
+
+
+class IdentityLink(Link):
+    """``Ψ(f) = f``: Gaussian."""
+
+    name = "identity"
+
+    def __call__(self, f: Tensor) -> Tensor:
+        return f
+
+    def mean(self, mu: Tensor, var: Tensor) -> Tensor:
+        return mu
+
+    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
+        return cov_ij
+
+    def quantile(self, mu: np.ndarray, var: np.ndarray, q: np.ndarray) -> np.ndarray:
+        return mu[:, None] + np.sqrt(var)[:, None] * stats.norm.ppf(q)[None, :]
+
+
+def make_link(link: str | Link) -> Link:
+    """``"exp"`` / ``"square"`` / ``"identity"`` or a :class:`Link` instance."""
+    if isinstance(link, Link):
+        return link
+    links = {"exp": ExpLink, "square": SquareLink, "identity": IdentityLink}
+    if link not in links:
+        raise ValueError(f"unknown link {link!r}: use 'exp', 'square' or 'identity'")
+    return links[link]()
+
+
+# ---------------------------------------------------------------------------------------------
+# per-bag joint q(f_b)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class PaddedBlocks:
+    """Joint ``q(f_b)`` of a group of bags, padded to the largest bag.
+
+    Attributes:
+        mean: ``(B, n_max)``; cov: ``(B, n_max, n_max)`` (padding rows/columns: identity);
+        weights: ``(B, n_max)`` with **zeros at padding**, so weighted sums ignore padded entries;
+        mask: ``(B, n_max)`` ``True`` at real instances.
+    """
+
+    mean: Tensor
+    cov: Tensor
+    weights: Tensor
+    mask: Tensor
+
+
+def segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+    """``log Σ_{i∈a} exp(values_i)`` per bag ``(B,)``, stable (max-shifted), differentiable."""
+    top = segment_max(values.detach(), bag_index, num_bags)
+    return top + torch.log(segment_sum(torch.exp(values - top[bag_index]), bag_index, num_bags))
+
+
+def whitened_marginals(A: Tensor, prior_var: Tensor, prior_mean: Tensor, m: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
+    """``q(f_n)`` mean and variance from the whitened ``q(v) = N(m, S)`` (differentiable in all)."""
+    mean = prior_mean + A.mT @ m
+    var = prior_var - (A * A).sum(0) + (A * (S @ A)).sum(0)
+    return mean, var.clamp_min(1e-10)
+
+
+@dataclass
+class BlockBase:
+    """The ``q``-independent part of a group's per-bag blocks: ``A_pad`` ``(B, n_max, M)``,
+    ``base = K_bb + jitter·I − A_bᵀA_b`` ``(B, n_max, n_max)``, prior means ``(B, n_max)``,
+    weights (zero-padded) and mask. Cache it while the hyperparameters are fixed."""
+
+    A_pad: Tensor
+    base: Tensor
+    prior_mean: Tensor
+    weights: Tensor
+    mask: Tensor
+
+
+def block_base(
+    model: Any, x: Tensor, proj: Any, bag_index: Tensor, num_bags: int, weights: Tensor, kernel_grad: bool = True
+) -> BlockBase:
+    """:class:`BlockBase` of a group of bags (``model``: a :class:`milgp.models.SparseGP`, ``proj``
+    its projection of ``x``). ``kernel_grad=False`` builds the kernel block without a graph."""
+    x_pad, mask = to_padded(x, bag_index, num_bags)
+    A_pad, _ = to_padded(proj.A.mT, bag_index, num_bags)  # (B, n, M)
+    mu0_pad, _ = to_padded(proj.prior_mean, bag_index, num_bags)
+    w_pad, _ = to_padded(weights, bag_index, num_bags, fill=0.0)
+    with torch.set_grad_enabled(kernel_grad and torch.is_grad_enabled()):
+        K = model.covar_module(x_pad).to_dense()
+    n_max = mask.shape[1]
+    eye = torch.eye(n_max, dtype=x.dtype, device=x.device)
+    base = K + model.jitter * eye - A_pad @ A_pad.mT
+    return BlockBase(A_pad=A_pad, base=base, prior_mean=mu0_pad, weights=w_pad, mask=mask)
+
+
+def blocks_from_base(bb: BlockBase, m: Tensor, S: Tensor) -> PaddedBlocks:
+    """``S^a = base + A_bᵀ S A_b`` and ``m^a = μ0 + A_bᵀ m`` (differentiable in ``m, S``)."""
+    cov = bb.base + bb.A_pad @ S @ bb.A_pad.mT
+    n_max = bb.mask.shape[1]
+    eye = torch.eye(n_max, dtype=cov.dtype, device=cov.device)
+    pair = bb.mask.unsqueeze(-1) & bb.mask.unsqueeze(-2)
+    cov = torch.where(pair, cov, eye.expand_as(cov))
+    mean = bb.prior_mean + (bb.A_pad @ m.unsqueeze(-1)).squeeze(-1)
+    return PaddedBlocks(mean=mean, cov=0.5 * (cov + cov.mT), weights=bb.weights, mask=bb.mask)
+
+
+def bag_blocks(
+    model: Any,
+    x: Tensor,
+    proj: Any,
+    bag_index: Tensor,
+    num_bags: int,
+    m: Tensor,
+    S: Tensor,
+    weights: Tensor,
+    kernel_grad: bool = True,
+) -> PaddedBlocks:
+    """Per-bag blocks ``S^a = K_bb + jitter·I + A_bᵀ(S − I)A_b`` and means (seed 001 Eq. 9, whitened).
+
+    ``model`` is a :class:`milgp.models.SparseGP` (its ``covar_module`` and ``jitter``), ``proj``
+    its :class:`~milgp.models.sparse_gp.Projection` of ``x``. Differentiable in ``m``, ``S`` and
+    the kernel hyperparameters (``kernel_grad=False``: the kernel block is built without a graph,
+    e.g. for natural steps). Memory ``O(B · n_max²)``: group bags of similar size.
+    """
+    return blocks_from_base(block_base(model, x, proj, bag_index, num_bags, weights, kernel_grad), m, S)
+
+
+def _blocks_from_distribution(function_dist: Any, bag_index: Tensor, num_bags: int, weights: Tensor) -> PaddedBlocks:
+    """Index a full-covariance GPyTorch ``MultivariateNormal`` per bag (no N×N is formed)."""
+    N = bag_index.shape[0]
+    idx = torch.arange(N, device=bag_index.device)
+    idx_pad, mask = to_padded(idx, bag_index, num_bags, fill=0)
+    idx_pad = idx_pad.long()
+    cov = function_dist.lazy_covariance_matrix[idx_pad[:, :, None], idx_pad[:, None, :]]
+    cov = cov.to_dense() if hasattr(cov, "to_dense") else cov
+    mean_pad, _ = to_padded(function_dist.mean, bag_index, num_bags)
+    w_pad, _ = to_padded(weights, bag_index, num_bags, fill=0.0)
+    n_max = mask.shape[1]
+    eye = torch.eye(n_max, dtype=cov.dtype, device=cov.device)
+    pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
+    cov = torch.where(pair, cov, eye.expand_as(cov))
+    return PaddedBlocks(mean=mean_pad, cov=0.5 * (cov + cov.mT), weights=w_pad, mask=mask)
+
+
+def _is_train_mode_diagonal(function_dist: Any) -> bool:
+    """True when GPyTorch returned its train-mode ``diag=True`` covariance (invalid off-diagonals)."""
+    cov = function_dist.lazy_covariance_matrix
+    if type(cov) is DiagLinearOperator:
+        return True
+    if isinstance(cov, SumLinearOperator):
+        return any(type(op) is DiagLinearOperator for op in cov.linear_ops)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# base class
+# ---------------------------------------------------------------------------------------------
+class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
+    """Base class of the aggregate-output bag likelihoods (see the module docstring).
+
+    Subclasses set :attr:`needs_covariance` and implement :meth:`bag_terms` and
+    :meth:`check_targets`; optionally :meth:`closed_form_statistics` (conjugate models) and
+    :meth:`observation_moments`.
+    """
+
+    needs_covariance: bool = False
+    target_name: str = "target"
+
+    def __init__(self, link: str | Link):
+        super().__init__()
+        self.link = make_link(link)
+
+    # -- interface --------------------------------------------------------------------------
+    @abstractmethod
+    def bag_terms(
+        self,
+        y: Tensor,
+        weights: Tensor,
+        mean: Tensor,
+        var: Tensor,
+        bag_index: Tensor,
+        num_bags: int,
+        blocks: PaddedBlocks | None,
+    ) -> Tensor:
+        """Per-bag expected log-likelihood ``(B,)`` (exact, bound or approximation; includes the
+        normalising constants so that it is comparable with ``E_q[log p(y_a | f_a)]``)."""
+
+    @abstractmethod
+    def check_targets(self, y: np.ndarray) -> None:
+        """Raise ``ValueError`` naming the first bag whose target is invalid for this model."""
+
+    def closed_form_statistics(self, *args: Any, **kwargs: Any) -> Any:
+        """Exact natural-parameter statistics when the expected log-likelihood is quadratic in
+        ``v`` (Normal); ``None`` means use the generic natural gradient."""
+        return None
+
+    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sum: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
+        """Predictive mean and variance of the observed ``y_a`` given the mean and variance of
+        ``η_a = Σ w_i Ψ(f_i)`` (law of total variance)."""
+        return rate_mean, rate_var
+
+    # -- validation ---------------------------------------------------------------------------
+    def check_data(self, y: Any, weights: Any, bag_index: Any, num_bags: int) -> None:
+        """Validate targets ``(B,)`` and weights ``(N,)``: ``ValueError`` naming the bag."""
+        y_np = np.asarray(torch.as_tensor(y).detach().cpu().numpy() if isinstance(y, Tensor) else y, dtype=np.float64)
+        if y_np.shape != (num_bags,):
+            raise ValueError(f"expected one {self.target_name} per bag ({num_bags}), got shape {y_np.shape}")
+        bad = np.nonzero(~np.isfinite(y_np))[0]
+        if len(bad):
+            raise ValueError(f"bag {int(bad[0])} has {self.target_name} {float(y_np[bad[0]])}; targets must be finite (no NaN/inf)")
+        self.check_targets(y_np)
+        w = np.asarray(weights.detach().cpu().numpy() if isinstance(weights, Tensor) else weights, dtype=np.float64)
+        b_idx = np.asarray(bag_index.detach().cpu().numpy() if isinstance(bag_index, Tensor) else bag_index)
+        bad = np.nonzero(~(np.isfinite(w) & (w > 0)))[0]
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(
+                f"bag {int(b_idx[i])} has weight/population {float(w[i])} (instance {i}); "
+                "populations must be finite and strictly positive"
+            )
+
+    # -- GPyTorch entry point ---------------------------------------------------------------
+    def expected_log_prob(self, target: Tensor, function_dist: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Expected log-likelihood per instance ``(N,)`` for ``gpytorch.mlls.VariationalELBO``.
+
+        Each bag's term (:meth:`bag_terms`) is split evenly over its instances, so the sum over a
+        minibatch of whole bags is the bag-level value and ``num_data`` = number of instances.
+
+        Keyword args:
+            bag_index: ``(N,)`` long, required.
+            weights: ``(N,)`` populations (default ones).
+            bag_targets: ``(B,)``; default: read from ``target`` (``y_a`` broadcast to instances).
+            model, x: the :class:`~milgp.models.SparseGP` and its inputs. When given (and the
+                likelihood needs within-bag covariances) the per-bag blocks are built from them —
+                the recommended call in training mode: ``mll(model(x), y[bag_index],
+                bag_index=bag_index, weights=w, model=model, x=x)``. Otherwise ``function_dist``
+                must carry a full covariance: ``model(x, diag=False)`` or eval mode.
+            check: validate targets and weights (default ``True``).
+        """
+        bag_index = kwargs.get("bag_index")
+        if bag_index is None:
+            raise ValueError(
+                f"{type(self).__name__}.expected_log_prob needs bag_index=(N,) as a keyword argument, "
+                "e.g. mll(output, y[bag_index], bag_index=bag_index)"
+            )
+        num_bags = int(bag_index.max()) + 1
+        mean, var = function_dist.mean, function_dist.variance
+        weights = kwargs.get("weights")
+        weights = torch.ones_like(mean) if weights is None else weights.to(mean)
+        y = kwargs.get("bag_targets")
+        if y is None:
+            y = target.new_zeros(num_bags).scatter(0, bag_index, target)
+        y = y.to(mean)
+        if kwargs.get("check", True):
+            self.check_data(y, weights, bag_index, num_bags)
+        blocks = None
+        model, x = kwargs.get("model"), kwargs.get("x")
+        if self.needs_covariance:
+            if model is not None and x is not None:
+                q_u = model.variational_strategy.variational_distribution
+                m, S = q_u.mean, q_u.covariance_matrix
+                proj = model.projection(x)
+                mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
+                blocks = bag_blocks(model, x, proj, bag_index, num_bags, m, S, weights)
+            elif _is_train_mode_diagonal(function_dist) and bool((bag_sizes(bag_index, num_bags) > 1).any()):
+                raise ValueError(
+                    f"{type(self).__name__} needs the within-bag covariance, but function_dist is GPyTorch's "
+                    "train-mode diag=True output whose off-diagonal entries are not valid (DESIGN §5). "
+                    "Pass model=model, x=x to expected_log_prob / the mll, or call model(x, diag=False)."
+                )
+            else:
+                blocks = _blocks_from_distribution(function_dist, bag_index, num_bags, weights)
+        terms = self.bag_terms(y, weights, mean, var, bag_index, num_bags, blocks)
+        sizes = bag_sizes(bag_index, num_bags).to(terms.dtype)
+        return (terms / sizes)[bag_index]
+
+    def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - subclasses
+        raise NotImplementedError
+
+    # -- predictions --------------------------------------------------------------------------
+    def rate_mean(self, mean: Tensor, var: Tensor) -> Tensor:
+        """Posterior mean of the individual rate/mean parameter ``Ψ(f)``."""
+        return self.link.mean(mean, var)
+
+    def rate_quantiles(self, mean: Tensor, var: Tensor, q: Any) -> np.ndarray:
+        """Posterior quantiles of ``Ψ(f)`` ``(n, k)`` (log-normal / scaled ncχ² / Gaussian)."""
+        q = np.atleast_1d(np.asarray(q, dtype=np.float64))
+        if ((q <= 0) | (q >= 1)).any():
+            raise ValueError(f"quantile levels must lie in (0, 1), got {q}")
+        mu = mean.detach().cpu().double().numpy()
+        v = var.detach().cpu().double().clamp_min(1e-300).numpy()
+        return self.link.quantile(mu, v, q)
+
+    def bag_rate_moments(self, blocks: PaddedBlocks) -> tuple[Tensor, Tensor]:
+        """Mean and variance ``(B,)`` of the bag aggregate ``η_a = Σ w_i Ψ(f_i)`` under the joint
+        ``q(f_b)`` (full within-bag covariance)."""
+        w = blocks.weights
+        var_diag = torch.diagonal(blocks.cov, dim1=-2, dim2=-1)
+        if isinstance(self.link, ExpLink):
+            e = torch.exp(blocks.mean + 0.5 * var_diag) * blocks.mask
+            cov = e.unsqueeze(-1) * e.unsqueeze(-2) * torch.expm1(blocks.cov)
+        else:
+            mu = blocks.mean * blocks.mask
+            cov = self.link.covariance(mu.unsqueeze(-1), mu.unsqueeze(-2), blocks.cov)
+        mean = (w * self.link.mean(blocks.mean, var_diag)).sum(-1)
+        variance = (w.unsqueeze(-1) * cov * w.unsqueeze(-2)).sum((-1, -2))
+        return mean, variance.clamp_min(0)
+
+    def extra_repr(self) -> str:
+        return f"link={self.link.name!r}"
+

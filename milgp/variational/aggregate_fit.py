@@ -1,0 +1,458 @@
+"""Training VBAgg models: natural-gradient steps on q(v) alternating with Adam on hyperparameters.
+
+**Natural step.** For the whitened ``q(v) = N(m, S)`` with prior ``N(0, I)`` and data term
+``E(m, S)`` (the sum of :meth:`AggregateLikelihood.bag_terms` over bags), the natural gradient of
+the ELBO ``E − KL`` with step ρ is (Hensman et al. 2013; Salimbeni et al. 2018)
+
+    η ← (1 − ρ) η + ρ (η_prior + ∇_μ E),
+
+where ``∇_μ E`` is the gradient with respect to the *expectation* parameters ``(m, S + mmᵀ)``:
+``∇_{μ₁}E = ∂E/∂m − 2 (∂E/∂S) m``, ``∇_{μ₂}E = ∂E/∂S``. In the additive form of
+:class:`~milgp.variational.natural_update.NaturalStatistics` this is
+
+    h = ∂E/∂m − 2 (∂E/∂S) m,      G = −2 ∂E/∂S,        (η̂₁, P̂) = (s·h, I + s·G),
+
+i.e. exactly the target of :func:`~milgp.variational.natural_update.natural_step`; for a quadratic
+(augmented) likelihood it coincides with the closed-form statistics (tested). ``∂E/∂m`` and
+``∂E/∂S`` come from autograd, accumulated over chunks of whole bags, so memory is bounded by the
+chunk. The Normal model has exact closed-form statistics (rank one per bag) and ρ = 1 is its
+optimum. Poisson/Exponential are non-conjugate: full batch, ρ is adapted by backtracking (the step
+is accepted when the ELBO does not decrease and the new precision is positive definite; ρ grows
+×1.5 after an accepted step, up to ``rho_max``); with minibatches of bags ρ follows a Robbins–Monro
+schedule (capped at ``rho_max``) and is halved until the precision is positive definite.
+
+**Hyperparameters** (kernel, constant mean, Normal noise τ, optionally Z): Adam on the ELBO with
+``q(v)`` fixed, on random subsets of whole bags (at most ``hyper_max_instances`` instances),
+gradients accumulated chunk by chunk.
+
+**Chunks.** Bags are sorted by size and packed into groups of at most ``chunk_instances``
+instances and, when the likelihood needs within-bag covariances, ``block_budget`` padded block
+entries (``B_g · n_max²``); a bag larger than the budget forms its own group. The Poisson-exp and
+Exponential models need only marginals: ``O(chunk · M)`` memory whatever the bag sizes.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from milgp.data.bags import BagBatch, bag_sizes, segment_sum
+from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
+from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
+
+__all__ = [
+    "AggregateFitResult",
+    "BagGroup",
+    "aggregate_elbo",
+    "aggregate_natural_statistics",
+    "fit_aggregate",
+    "make_bag_groups",
+    "predict_bag_moments",
+]
+
+
+@dataclass
+class BagGroup:
+    """A chunk of whole bags: instance indices ``(n_g,)`` (bag by bag), local bag index
+    ``(n_g,)`` in ``0..B_g−1`` and the global ids of its bags ``(B_g,)``."""
+
+    inst: Tensor
+    local: Tensor
+    bags: Tensor
+
+    @property
+    def num_bags(self) -> int:
+        return int(self.bags.shape[0])
+
+
+def make_bag_groups(
+    bag_index: Tensor,
+    num_bags: int,
+    chunk_instances: int = 32768,
+    block_budget: int | None = None,
+    bags: Tensor | None = None,
+) -> list[BagGroup]:
+    """Pack (a subset ``bags`` of) the bags into groups, smallest bags first (see module doc)."""
+    device = bag_index.device
+    sizes = bag_sizes(bag_index, num_bags)
+    perm = torch.argsort(bag_index, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    chosen = torch.arange(num_bags, device=device) if bags is None else torch.as_tensor(bags, device=device)
+    chosen = chosen[torch.argsort(sizes[chosen], stable=True)]
+    sizes_l = sizes[chosen].tolist()
+    groups, current, n_inst = [], [], 0
+    for b, n in zip(chosen.tolist(), sizes_l):
+        over_inst = current and n_inst + n > chunk_instances
+        over_block = current and block_budget is not None and (len(current) + 1) * n * n > block_budget
+        if over_inst or over_block:
+            groups.append(current)
+            current, n_inst = [], 0
+        current.append(b)
+        n_inst += n
+    if current:
+        groups.append(current)
+    out = []
+    for g in groups:
+        g_t = torch.as_tensor(g, dtype=torch.long, device=device)
+        g_sizes = sizes[g_t]
+        local = torch.repeat_interleave(torch.arange(len(g), device=device), g_sizes)
+        offsets = torch.arange(int(g_sizes.sum()), device=device) - torch.repeat_interleave(torch.cumsum(g_sizes, 0) - g_sizes, g_sizes)
+        inst = perm[starts[g_t][local] + offsets]
+        out.append(BagGroup(inst=inst, local=local, bags=g_t))
+    return out
+
+
+def _weights(batch: BagBatch) -> Tensor:
+    return batch.instance_weights if batch.instance_weights is not None else torch.ones_like(batch.x[:, 0])
+
+
+@dataclass
+class _Cached:
+    """Hyperparameter-dependent, q-independent quantities of one group (no graph)."""
+
+    proj: Projection
+    block: BlockBase | None
+
+
+def _prepare(model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, group: BagGroup, L: Tensor, grad_hyper: bool) -> _Cached:
+    x = batch.x[group.inst]
+    with torch.set_grad_enabled(grad_hyper and torch.is_grad_enabled()):
+        proj = model.projection(x, L)
+        block = None
+        if likelihood.needs_covariance:
+            block = block_base(model, x, proj, group.local, group.num_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
+    return _Cached(proj, block)
+
+
+def _group_terms(
+    model: SparseGP,
+    likelihood: AggregateLikelihood,
+    batch: BagBatch,
+    group: BagGroup,
+    m: Tensor,
+    S: Tensor,
+    L: Tensor | None,
+    grad_hyper: bool,
+    cached: _Cached | None = None,
+) -> Tensor:
+    """Per-bag expected log-likelihood ``(B_g,)`` of one group; differentiable in ``m, S`` (and in
+    the hyperparameters when ``grad_hyper``; then ``cached`` must be ``None``)."""
+    if cached is None:
+        cached = _prepare(model, likelihood, batch, group, L, grad_hyper)
+    proj = cached.proj
+    w = _weights(batch)[group.inst]
+    y = batch.bag_labels[group.bags]
+    mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
+    blocks = blocks_from_base(cached.block, m, S) if cached.block is not None else None
+    return likelihood.bag_terms(y, w, mean, var, group.local, group.num_bags, blocks)
+
+
+class _Cache:
+    """Per-group :class:`_Cached` while the hyperparameters are fixed, if it fits in
+    ``max_entries`` floats (else recomputed on the fly)."""
+
+    def __init__(self, model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup], max_entries: int):
+        self.model, self.likelihood, self.batch, self.groups = model, likelihood, batch, groups
+        M = model.num_inducing
+        entries = sum(int(g.inst.numel()) * (M + 2) for g in groups)
+        if likelihood.needs_covariance:
+            for g in groups:
+                n_max = int(bag_sizes(g.local, g.num_bags).max())
+                entries += g.num_bags * n_max * (n_max + M + 2)
+        self.enabled = entries <= max_entries
+        self.items: list[_Cached] | None = None
+
+    def invalidate(self) -> None:
+        self.items = None
+
+    def get(self) -> list[_Cached | None]:
+        if not self.enabled:
+            return [None] * len(self.groups)
+        if self.items is None:
+            with torch.no_grad():
+                L = self.model.inducing_cholesky()
+                self.items = [_prepare(self.model, self.likelihood, self.batch, g, L, False) for g in self.groups]
+        return self.items
+
+
+def aggregate_elbo(
+    model: SparseGP,
+    likelihood: AggregateLikelihood,
+    batch: BagBatch,
+    groups: list[BagGroup],
+    q: WhitenedPosterior | None = None,
+    cache: _Cache | None = None,
+) -> float:
+    """The VBAgg objective: ``Σ_a bag_terms − KL(q(v) ‖ N(0, I))`` (float)."""
+    q = model.whitened_posterior() if q is None else q
+    with torch.no_grad():
+        L = model.inducing_cholesky() if cache is None or not cache.enabled else None
+        items = cache.get() if cache is not None else [None] * len(groups)
+        data = sum(float(_group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum()) for g, c in zip(groups, items))
+        return data - float(q.kl_divergence())
+
+
+def aggregate_natural_statistics(
+    model: SparseGP,
+    likelihood: AggregateLikelihood,
+    batch: BagBatch,
+    groups: list[BagGroup],
+    q: WhitenedPosterior,
+    closed_form: bool = True,
+    cache: _Cache | None = None,
+) -> tuple[NaturalStatistics, float]:
+    """Natural-gradient statistics ``(h, G)`` of the data term at ``q`` and the data term's value.
+
+    Closed form when the likelihood offers it (Normal) and ``closed_form``; otherwise the
+    autograd route of the module docstring.
+    """
+    items = cache.get() if cache is not None else [None] * len(groups)
+    with torch.no_grad():
+        L = model.inducing_cholesky()
+    if closed_form and _is_conjugate(likelihood):
+        stats, value = None, 0.0
+        w_all = _weights(batch)
+        with torch.no_grad():
+            for g, c in zip(groups, items):
+                c = c if c is not None else _prepare(model, likelihood, batch, g, L, False)
+                part = likelihood.closed_form_statistics(
+                    batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local, g.num_bags
+                )
+                value += float(_group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum())
+                stats = part if stats is None else stats + part
+        return stats, value
+    m = q.m.detach().clone().requires_grad_(True)
+    S = q.S.detach().clone().requires_grad_(True)
+    value = 0.0
+    for g, c in zip(groups, items):
+        terms = _group_terms(model, likelihood, batch, g, m, S, L, False, c).sum()
+        terms.backward()
+        value += float(terms.detach())
+    gm = m.grad if m.grad is not None else torch.zeros_like(m)
+    gS = S.grad if S.grad is not None else torch.zeros_like(S)
+    gS = 0.5 * (gS + gS.mT)
+    h = gm - 2.0 * gS @ q.m
+    return NaturalStatistics(h=h.detach(), G=(-2.0 * gS).detach()), value
+
+
+def _is_conjugate(likelihood: AggregateLikelihood) -> bool:
+    return type(likelihood).closed_form_statistics is not AggregateLikelihood.closed_form_statistics
+
+
+def _try_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float, scale: float) -> WhitenedPosterior | None:
+    """``η ← (1−ρ)η + ρη̂`` or ``None`` when the new precision is not positive definite."""
+    eta1_hat, P_hat = stats.targets(scale)
+    P = (1.0 - rho) * q.precision + rho * P_hat
+    P = 0.5 * (P + P.mT)
+    eta1 = (1.0 - rho) * (q.precision @ q.m) + rho * eta1_hat
+    L_P, info = torch.linalg.cholesky_ex(P)
+    if int(info) != 0 or not torch.isfinite(L_P).all():
+        return None
+    S = torch.cholesky_inverse(L_P)
+    S = 0.5 * (S + S.mT)
+    return WhitenedPosterior(m=S @ eta1, S=S, precision=P)
+
+
+@dataclass
+class AggregateFitResult:
+    """What :func:`fit_aggregate` returns: the ELBO per iteration/epoch, convergence flag,
+    iterations, wall time and the final natural step size."""
+
+    elbo: list[float] = field(default_factory=list)
+    converged: bool = False
+    iterations: int = 0
+    seconds: float = 0.0
+    rho: float = 1.0
+
+
+def _hyper_step(
+    model: SparseGP,
+    likelihood: AggregateLikelihood,
+    batch: BagBatch,
+    groups: list[BagGroup],
+    q: WhitenedPosterior,
+    optimizer: torch.optim.Optimizer,
+    normaliser: float,
+) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    for g in groups:
+        L = model.inducing_cholesky()
+        terms = _group_terms(model, likelihood, batch, g, q.m, q.S, L, True).sum()
+        (-terms / normaliser).backward()
+    optimizer.step()
+
+
+def fit_aggregate(
+    model: SparseGP,
+    likelihood: AggregateLikelihood,
+    batch: BagBatch,
+    *,
+    max_iter: int = 100,
+    tol: float = 1e-6,
+    learn_hyperparameters: bool = True,
+    hyper_steps: int = 5,
+    lr: float = 0.02,
+    hyper_max_instances: int = 20000,
+    bags_per_batch: int | None = None,
+    schedule: Callable[[int], float] | None = None,
+    rho0: float = 0.5,
+    rho_max: float = 1.0,
+    chunk_instances: int = 32768,
+    block_budget: int = 2_000_000,
+    cache_entries: int = 50_000_000,
+    min_iter: int = 3,
+    seed: int = 0,
+    progress: bool = False,
+    callback: Callable[[int, float], None] | None = None,
+) -> AggregateFitResult:
+    """Fit ``q(v)`` (natural steps) and the hyperparameters (Adam) of a VBAgg model.
+
+    Args:
+        batch: all training bags: ``x (N, D)``, ``bag_index (N,)``, ``bag_labels`` = ``y (B,)``,
+            ``instance_weights`` = populations ``(N,)`` (``None`` = ones).
+        max_iter: iterations (full batch) or epochs (``bags_per_batch`` set).
+        tol: stop when the relative ELBO change stays below ``tol`` for two iterations.
+        rho0, rho_max: initial and largest natural step (non-conjugate likelihoods).
+        bags_per_batch: minibatches of whole bags with Robbins–Monro steps ``schedule``
+            (default :class:`RobbinsMonro` ``τ = 1, κ = 0.6``) scaled by ``rho_max``.
+        chunk_instances, block_budget: memory bounds of one chunk of bags (module docstring).
+        cache_entries: keep the q-independent projections/kernel blocks of all chunks between
+            hyperparameter steps when they fit in this many floats (else recompute per pass).
+    """
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
+    B = batch.num_bags
+    likelihood.check_data(batch.bag_labels, _weights(batch), batch.bag_index, B)
+    budget = block_budget if likelihood.needs_covariance else None
+    groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget)
+    conjugate = _is_conjugate(likelihood)
+    cache = _Cache(model, likelihood, batch, groups, cache_entries)
+    params = list(model.hyperparameters()) + list(likelihood.parameters())
+    optimizer = torch.optim.Adam(params, lr=lr) if learn_hyperparameters and params else None
+    schedule = schedule or RobbinsMonro()
+    sizes = bag_sizes(batch.bag_index, B)
+    result = AggregateFitResult()
+    q = model.whitened_posterior()
+    rho = 1.0 if conjugate else min(rho0, rho_max)
+    step_t, quiet = 0, 0
+
+    def hyper_round() -> None:
+        if optimizer is None:
+            return
+        for _ in range(hyper_steps):
+            if int(sizes.sum()) <= hyper_max_instances:
+                sub_groups, n_sub = groups, int(sizes.sum())
+            else:
+                order = torch.randperm(B, generator=generator).to(sizes.device)
+                keep = order[torch.cumsum(sizes[order], 0) <= hyper_max_instances]
+                keep = order[:1] if keep.numel() == 0 else keep
+                sub_groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget, bags=keep)
+                n_sub = int(sizes[keep].sum())
+            # objective per instance of the subset: the ELBO / N estimated from whole bags
+            _hyper_step(model, likelihood, batch, sub_groups, q, optimizer, float(n_sub))
+        cache.invalidate()
+
+    bar = tqdm(range(max_iter), disable=not progress, desc="vbagg", leave=False)
+    elbo = None
+    for it in bar:
+        if bags_per_batch is None:
+            stats, data = aggregate_natural_statistics(model, likelihood, batch, groups, q, cache=cache)
+            elbo_old = data - float(q.kl_divergence())
+            if conjugate:
+                q = _try_step(q, stats, 1.0, 1.0) or q
+            else:
+                while True:
+                    q_new = _try_step(q, stats, rho, 1.0)
+                    if q_new is not None:
+                        elbo_new = aggregate_elbo(model, likelihood, batch, groups, q_new, cache)
+                        if math.isfinite(elbo_new) and elbo_new >= elbo_old - 1e-9 * abs(elbo_old):
+                            q = q_new
+                            rho = min(rho_max, rho * 1.5)
+                            break
+                    rho *= 0.5
+                    if rho < 1e-6:
+                        break
+        else:
+            order = torch.randperm(B, generator=generator)
+            for s in range(0, B, bags_per_batch):
+                mb = order[s : s + bags_per_batch].to(batch.bag_index.device)
+                mb_groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget, bags=mb)
+                stats, _ = aggregate_natural_statistics(model, likelihood, batch, mb_groups, q)
+                r = 1.0 if (conjugate and bags_per_batch >= B) else min(1.0, rho_max * schedule(step_t))
+                step_t += 1
+                while True:
+                    q_new = _try_step(q, stats, r, B / len(mb))
+                    if q_new is not None or r < 1e-6:
+                        break
+                    r *= 0.5
+                q = q_new or q
+                rho = r
+                if optimizer is not None:
+                    for _ in range(hyper_steps):
+                        _hyper_step(model, likelihood, batch, mb_groups, q, optimizer, float(sizes[mb].sum()))
+                    cache.invalidate()
+        if bags_per_batch is None:
+            hyper_round()
+        model.set_whitened_posterior(q)  # writes q(v) and clears GPyTorch's caches
+        elbo = aggregate_elbo(model, likelihood, batch, groups, q, cache)
+        if not math.isfinite(elbo):
+            raise FloatingPointError(
+                f"the VBAgg objective became {elbo} at iteration {it}; lower lr or check targets/populations"
+            )
+        prev = result.elbo[-1] if result.elbo else None
+        result.elbo.append(elbo)
+        bar.set_postfix(elbo=f"{elbo:.6g}", rho=f"{rho:.3g}")
+        if callback is not None:
+            callback(it, elbo)
+        if prev is not None and abs(elbo - prev) <= tol * max(1.0, abs(prev)):
+            quiet += 1
+            if quiet >= 2 and it + 1 >= min_iter:
+                result.converged = True
+                break
+        else:
+            quiet = 0
+    result.iterations = len(result.elbo)
+    result.seconds = time.perf_counter() - start
+    result.rho = rho
+    return result
+
+
+def predict_bag_moments(
+    model: SparseGP,
+    likelihood: AggregateLikelihood,
+    x: Tensor,
+    bag_index: Tensor,
+    num_bags: int,
+    weights: Tensor | None = None,
+    chunk_instances: int = 32768,
+    block_budget: int = 2_000_000,
+) -> dict[str, Tensor]:
+    """Bag-level predictive moments ``(B,)`` under the joint ``q(f_b)`` of each bag.
+
+    Returns ``rate_mean``/``rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` (full within-bag covariance) and
+    ``y_mean``/``y_var`` of the observed aggregate (:meth:`AggregateLikelihood.observation_moments`).
+    """
+    weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
+    q = model.whitened_posterior()
+    groups = make_bag_groups(bag_index, num_bags, chunk_instances, block_budget)
+    rate_mean = x.new_zeros(num_bags)
+    rate_var = x.new_zeros(num_bags)
+    with torch.no_grad():
+        L = model.inducing_cholesky()
+        for g in groups:
+            xg = x[g.inst]
+            proj = model.projection(xg, L)
+            blocks = bag_blocks(model, xg, proj, g.local, g.num_bags, q.m, q.S, weights[g.inst])
+            mu, var = likelihood.bag_rate_moments(blocks)
+            rate_mean[g.bags] = mu
+            rate_var[g.bags] = var
+        w_sum = segment_sum(weights, bag_index, num_bags)
+        w_sq = segment_sum(weights * weights, bag_index, num_bags)
+        y_mean, y_var = likelihood.observation_moments(rate_mean, rate_var, w_sum, w_sq)
+    return {"rate_mean": rate_mean, "rate_var": rate_var, "y_mean": y_mean, "y_var": y_var}

@@ -1,0 +1,118 @@
+"""Stable truncated-normal moments, log-normaliser pieces and exact samplers
+(:mod:`milgp.likelihoods.truncated_normal`), against mpmath (50 digits) and scipy."""
+import math
+
+import mpmath as mp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from milgp.likelihoods.truncated_normal import (
+    log1mexp,
+    log_expm1_ratio,
+    log_hazard,
+    log_neg_log_ndtr,
+    mean_above_zero,
+    mean_below_zero,
+    sample_above,
+    sample_truncated,
+    var_above_zero,
+    var_below_zero,
+)
+
+mp.mp.dps = 60
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: one intra-op thread avoids oversubscription on shared CI machines."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+GRID = np.concatenate([np.linspace(-30, 30, 241), [-35.0, 35.0, 2.999, 3.0, 3.001, 1e-8, -1e-8]])
+
+
+def _ref_moments(mu: float) -> tuple[float, float]:
+    m = mp.mpf(mu)
+    h = mp.npdf(m) / mp.ncdf(-m)
+    return float(m - h), float(1 - h * (h - m))
+
+
+def test_moments_match_mpmath_over_the_whole_range():
+    """If this fails, E[m] or Var[m] of N(μ,1) truncated to (−∞,0) loses precision somewhere in
+    μ ∈ [−35, 35] (cancellation in μ − φ/Φ or 1 − h(h − μ)), which would bias the natural step."""
+    mu = torch.tensor(GRID, dtype=torch.float64)
+    mean, var = mean_below_zero(mu), var_below_zero(mu)
+    ref = np.array([_ref_moments(float(x)) for x in GRID])
+    np.testing.assert_allclose(mean.numpy(), ref[:, 0], rtol=1e-12, atol=0)
+    np.testing.assert_allclose(var.numpy(), ref[:, 1], rtol=1e-11, atol=0)
+    # the mirrored (0, ∞) versions
+    np.testing.assert_allclose(mean_above_zero(-mu).numpy(), -ref[:, 0], rtol=1e-12)
+    np.testing.assert_allclose(var_above_zero(-mu).numpy(), ref[:, 1], rtol=1e-11)
+
+
+def test_moments_match_scipy_truncnorm():
+    """If this fails, the moments disagree with scipy's truncnorm where scipy is reliable (|μ| ≤ 8)."""
+    mu = np.linspace(-8, 8, 81)
+    m_ref, v_ref = stats.truncnorm.stats(-np.inf, -mu, loc=mu, scale=1.0, moments="mv")
+    t = torch.tensor(mu, dtype=torch.float64)
+    np.testing.assert_allclose(mean_below_zero(t).numpy(), m_ref, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(var_below_zero(t).numpy(), v_ref, rtol=1e-8, atol=1e-12)
+
+
+def test_log_hazard_and_log_neg_log_ndtr_match_mpmath():
+    """If this fails, log φ/Φ or log(−log Φ) (the pieces of the positive-bag normaliser) overflow,
+    underflow or cancel for some |x| ≤ 40."""
+    xs = np.linspace(-40, 40, 321)
+    t = torch.tensor(xs, dtype=torch.float64)
+    lh, lnl = log_hazard(t).numpy(), log_neg_log_ndtr(t).numpy()
+    for x, a, b in zip(xs, lh, lnl):
+        xm = mp.mpf(x)
+        ra = mp.log(mp.npdf(xm) / mp.ncdf(-xm))
+        rb = mp.log(-mp.log1p(-mp.ncdf(-xm))) if x > 0 else mp.log(-mp.log(mp.ncdf(xm)))
+        assert math.isfinite(a) and math.isfinite(b)
+        assert abs(a - float(ra)) <= 1e-13 * max(1.0, abs(float(ra)))
+        assert abs(b - float(rb)) <= 1e-13 * max(1.0, abs(float(rb)))
+
+
+def test_log1mexp_and_expm1_ratio():
+    """If this fails, log(1 − eˣ) or log(expm1(s)/s) is inaccurate near 0 or far from it, i.e. the
+    positive-bag normaliser is wrong when Π Φ(−μ) ≈ 1 or ≈ 0."""
+    xs = torch.tensor([-1e-300, -1e-12, -1e-6, -0.5, -0.7, -1.0, -30.0, -800.0], dtype=torch.float64)
+    ref = [float(mp.log(-mp.expm1(mp.mpf(float(x))))) for x in xs]
+    np.testing.assert_allclose(log1mexp(xs).numpy(), ref, rtol=1e-14)
+    ss = torch.tensor([-1e-12, -1e-6, -9.9e-6, -1.1e-5, -0.3, -5.0, -700.0], dtype=torch.float64)
+    ref = [float(mp.log(mp.expm1(mp.mpf(float(s))) / mp.mpf(float(s)))) for s in ss]
+    np.testing.assert_allclose(log_expm1_ratio(ss).numpy(), ref, rtol=1e-13, atol=1e-18)
+
+
+@pytest.mark.parametrize("a", [-30.0, -2.0, 0.0, 1.5, 5.0, 7.9, 8.5, 30.0])
+def test_sampler_matches_truncnorm(a):
+    """If this fails, the truncated-normal sampler used by the Gibbs sampler is not exact (KS test
+    against scipy's truncnorm CDF, p > 1e-4) or escapes its support / returns inf in the tail."""
+    gen = torch.Generator().manual_seed(int(abs(a) * 10) + 1)
+    z = sample_above(torch.full((20000,), a, dtype=torch.float64), generator=gen).numpy()
+    assert np.isfinite(z).all() and (z >= a).all()
+    p = stats.kstest(z, stats.truncnorm(a, np.inf).cdf).pvalue
+    assert p > 1e-4, p
+
+
+def test_sampler_far_tail_and_two_sided_wrapper():
+    """If this fails, far-tail draws (a = 1e3) are not finite or not ≈ a + 1/a, or
+    sample_truncated puts draws on the wrong side of 0 / with the wrong mean for std ≠ 1."""
+    gen = torch.Generator().manual_seed(0)
+    z = sample_above(torch.full((5000,), 1e3, dtype=torch.float64), generator=gen)
+    assert torch.isfinite(z).all() and (z >= 1e3).all()
+    assert abs(float(z.mean()) - (1e3 + 1e-3)) < 1e-4
+    mean = torch.tensor([3.0, -3.0, 40.0, -40.0], dtype=torch.float64).repeat(20000)
+    lower = torch.tensor([True, False, False, True]).repeat(20000)
+    std = torch.full_like(mean, 2.0)
+    m = sample_truncated(mean, std, lower, generator=gen).reshape(20000, 4)
+    assert (m[:, 0] > 0).all() and (m[:, 1] < 0).all() and (m[:, 2] < 0).all() and (m[:, 3] > 0).all()
+    # E[m | m > 0] for N(3, 4): 3 + 2·h(−1.5)
+    ref = 3 + 2 * float(mean_above_zero(torch.tensor(1.5, dtype=torch.float64)) - 1.5)
+    assert abs(float(m[:, 0].mean()) - ref) < 5 * 2 / math.sqrt(20000)
+    # far side: N(40, 4) truncated below 0 -> about −2·(1/20)
+    assert abs(float(m[:, 2].mean()) - 2 * float(mean_below_zero(torch.tensor(20.0, dtype=torch.float64)))) < 5e-3

@@ -1,0 +1,161 @@
+"""VGPMILClassifier: scikit-learn compatibility, input validation, dtype, minibatch path."""
+import numpy as np
+import pytest
+import torch
+from sklearn.base import clone
+from sklearn.model_selection import GridSearchCV, cross_val_score
+
+from milgp.estimators import VGPMILClassifier, check_bags, check_binary_bag_labels
+from milgp.linalg import CholeskyError
+
+FAST = dict(num_inducing=6, max_iter=8, warmup_iter=3, hyper_steps=2)
+
+
+def toy_bags(B=24, seed=0, d=2):
+    """Positive bags hold at least one instance from a shifted cluster."""
+    rng = np.random.default_rng(seed)
+    bags, y = [], []
+    for b in range(B):
+        n = int(rng.integers(2, 6))
+        x = rng.normal(size=(n, d))
+        label = b % 2
+        if label:
+            x[rng.integers(n)] += 3.0
+        bags.append(x)
+        y.append(label)
+    return bags, np.asarray(y)
+
+
+def test_fit_predict_shapes_and_quality():
+    """A separable toy problem must be learned (bag AUC-like ordering) and every prediction
+    method must return the documented shapes."""
+    bags, y = toy_bags()
+    clf = VGPMILClassifier(num_inducing=8, max_iter=15).fit(bags, y)
+    proba = clf.predict_proba(bags)
+    assert proba.shape == (24, 2) and np.allclose(proba.sum(1), 1)
+    assert (clf.predict(bags) == y).mean() >= 0.85
+    p, s = clf.predict_bag_proba(bags)
+    assert p.shape == s.shape == (24,) and (s >= 0).all()
+    inst = clf.predict_instance_proba(bags)
+    assert [len(a) for a in inst] == [len(b) for b in bags]
+    inst_p, inst_s = clf.predict_instance_proba(bags, return_std=True)
+    assert [a.shape for a in inst_s] == [(len(b),) for b in bags]
+    assert all(((a >= 0) & (a <= 1)).all() for a in inst_p)
+    assert np.isfinite(clf.elbo_)
+
+
+@pytest.mark.parametrize("bag_rule", ["max", "joint"])
+def test_other_bag_rules(bag_rule):
+    """The max and joint-sampling bag rules return probabilities in [0, 1]."""
+    bags, y = toy_bags(B=12)
+    clf = VGPMILClassifier(bag_rule=bag_rule, **FAST).fit(bags, y)
+    p = clf.predict_proba(bags)[:, 1]
+    assert p.shape == (12,) and ((p >= 0) & (p <= 1)).all()
+
+
+def test_sklearn_clone_gridsearch_cross_val_score():
+    """clone, GridSearchCV over num_inducing and cross_val_score must work (get_params/
+    set_params round trip, no state in __init__, classes_ set)."""
+    bags, y = toy_bags(B=16)
+    clf = VGPMILClassifier(**FAST)
+    c2 = clone(clf)
+    assert c2.get_params() == clf.get_params()
+    grid = GridSearchCV(VGPMILClassifier(**FAST), {"num_inducing": [3, 6]}, cv=2)
+    grid.fit(bags, y)
+    assert grid.best_params_["num_inducing"] in (3, 6)
+    scores = cross_val_score(VGPMILClassifier(**FAST), bags, y, cv=2)
+    assert scores.shape == (2,) and np.isfinite(scores).all()
+
+
+BAD_INPUTS = [
+    (lambda b, y: ([*b[:3], np.zeros((0, 2))], np.r_[y[:3], 1]), r"bags\[3\] is empty"),
+    (lambda b, y: (b, np.r_[y[:-1], 2]), r"bag 23 has label 2"),
+    (lambda b, y: ([b[0], np.array([[np.nan, 1.0]]), *b[2:]], y), r"bags\[1\] has NaN or inf"),
+    (lambda b, y: ([b[0], b[1], np.array([[np.inf, 1.0], [0, 0]]), *b[3:]], y), r"bags\[2\] has NaN or inf .*instance 0"),
+    (lambda b, y: (b, y[:-1]), r"24 bags but 23 labels"),
+    (lambda b, y: (b, np.zeros(24)), r"only bags of class 0"),
+    (lambda b, y: ([b[0], np.ones(2), *b[2:]], y), r"bags\[1\] is 1-D"),
+    (lambda b, y: ([b[0], np.ones((2, 3)), *b[2:]], y), r"bags\[1\] has 3 features, but bags\[0\] has 2"),
+    (lambda b, y: ([], []), r"bags is empty"),
+    (lambda b, y: (np.ones((5, 2)), np.ones(5)), r"sequence of \(n_b, d\) arrays"),
+    (lambda b, y: (b, y.reshape(-1, 1)), r"1-D array of bag labels"),
+]
+
+
+@pytest.mark.parametrize("make,match", BAD_INPUTS)
+def test_bad_input_raises_value_error_naming_the_field(make, match):
+    """Bad training input must raise ValueError whose message names the bag / field."""
+    bags, y = toy_bags()
+    bad_bags, bad_y = make(bags, y)
+    with pytest.raises(ValueError, match=match):
+        VGPMILClassifier(**FAST).fit(bad_bags, bad_y)
+
+
+def test_predict_validates_width_and_fitted_state():
+    """Predicting with the wrong number of features must name both widths; predicting before
+    fit must raise sklearn's NotFittedError."""
+    from sklearn.exceptions import NotFittedError
+
+    bags, y = toy_bags(B=10)
+    with pytest.raises(NotFittedError):
+        VGPMILClassifier().predict(bags)
+    clf = VGPMILClassifier(**FAST).fit(bags, y)
+    with pytest.raises(ValueError, match="3 features, the model was fitted on 2"):
+        clf.predict([np.ones((2, 3))])
+
+
+def test_bad_options_raise():
+    """Unknown bag_rule / dtype / psi must raise ValueError naming the option."""
+    bags, y = toy_bags(B=10)
+    with pytest.raises(ValueError, match="bag_rule"):
+        VGPMILClassifier(bag_rule="mean", **FAST).fit(bags, y)
+    with pytest.raises(ValueError, match="dtype"):
+        VGPMILClassifier(dtype="float16", **FAST).fit(bags, y)
+    with pytest.raises(ValueError, match="psi"):
+        VGPMILClassifier(psi="t", **FAST).fit(bags, y)
+
+
+def test_check_helpers_directly():
+    """check_bags converts to float64 arrays; check_binary_bag_labels accepts bools/ints."""
+    out = check_bags([[[1, 2]], np.ones((2, 2))])
+    assert [a.dtype for a in out] == [np.float64, np.float64]
+    assert check_binary_bag_labels(np.array([True, False]), 2).tolist() == [1.0, 0.0]
+    assert check_binary_bag_labels([1, 1], 2, require_both=False).tolist() == [1.0, 1.0]
+
+
+def test_nan_kernel_raises_cholesky_error_at_predict():
+    """A corrupted (NaN) kernel must raise CholeskyError with a message naming K_zz."""
+    bags, y = toy_bags(B=10)
+    clf = VGPMILClassifier(**FAST).fit(bags, y)
+    clf.model_.covar_module.raw_outputscale.data.fill_(float("nan"))
+    with pytest.raises(CholeskyError, match="K_zz"):
+        clf.predict_proba(bags)
+
+
+def test_float32_works():
+    """dtype='float32' must fit and predict with float32 tensors and finite outputs."""
+    bags, y = toy_bags()
+    clf = VGPMILClassifier(dtype="float32", num_inducing=8, max_iter=15).fit(bags, y)
+    assert clf.model_.inducing_points.dtype == torch.float32
+    p = clf.predict_proba(bags)[:, 1]
+    assert np.isfinite(p).all() and (clf.predict(bags) == y).mean() >= 0.8
+
+
+def test_minibatch_path_gets_a_reasonable_elbo():
+    """bags_per_batch (stochastic natural steps) must reach an ELBO close to full batch and
+    classify the toy problem."""
+    bags, y = toy_bags(B=32, seed=3)
+    kw = dict(num_inducing=8, learn_hyperparameters=False, max_iter=60)
+    full = VGPMILClassifier(**kw).fit(bags, y)
+    mb = VGPMILClassifier(bags_per_batch=8, **kw).fit(bags, y)
+    assert mb.elbo_ <= full.elbo_ + 1e-6 * abs(full.elbo_)
+    assert mb.elbo_ > full.elbo_ - 0.05 * abs(full.elbo_)
+    assert (mb.predict(bags) == y).mean() >= 0.85
+
+
+def test_no_hyperparameter_learning_runs_cavi_to_convergence():
+    """With learn_hyperparameters=False the fit must run CAVI until convergence (not stop after
+    the warm-up sweeps) and keep the initial kernel."""
+    bags, y = toy_bags(B=16, seed=1)
+    clf = VGPMILClassifier(num_inducing=6, learn_hyperparameters=False, warmup_iter=2, max_iter=300, tol=1e-8).fit(bags, y)
+    assert clf.fit_result_.converged and clf.fit_result_.iterations > 2
