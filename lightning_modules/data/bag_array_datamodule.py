@@ -1,0 +1,105 @@
+"""Data module over bags held in memory (NumPy arrays of features or images)."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
+from lightning_modules.data.splits import SPLIT_NAMES, patient_split
+from milgp.data.bags import collate_bags
+
+__all__ = ["BagArrayDataModule"]
+
+
+class BagArrayDataModule(pl.LightningDataModule):
+    """Bags in memory, split by patient into train/val/test (or by given split names).
+
+    Args:
+        bags: per-bag ``(n_b, ...)`` arrays.
+        bag_labels: ``(B,)``.
+        instance_labels: per-bag ``(n_b,)`` labels or ``None``.
+        bag_ids, patient_ids: identifiers (default: ``bag_<i>``, one patient per bag).
+        splits: per-bag split names; default a patient-grouped stratified split with ``fractions``.
+        fractions, split_seed: the split when ``splits`` is not given.
+        batch_size: bags per training batch (``None``: all training bags in one batch — full-batch
+            natural updates for the GP).
+        eval_batch_size: bags per validation/test/predict batch (``None``: all).
+        shuffle: shuffle training bags each epoch.
+        predict_split: ``"train"``, ``"val"``, ``"test"`` or ``"all"``.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        bags: Sequence[Any],
+        bag_labels: Sequence[float],
+        instance_labels: Sequence[Any] | None = None,
+        bag_ids: Sequence[str] | None = None,
+        patient_ids: Sequence[str] | None = None,
+        splits: Sequence[str] | None = None,
+        fractions: tuple[float, float, float] = (0.6, 0.2, 0.2),
+        split_seed: int = 0,
+        batch_size: int | None = None,
+        eval_batch_size: int | None = None,
+        shuffle: bool = False,
+        predict_split: str = "all",
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        B = len(bags)
+        self.bags = list(bags)
+        self.labels = [float(y) for y in bag_labels]
+        self.instance_labels = None if instance_labels is None else list(instance_labels)
+        self.bag_ids = [str(b) for b in bag_ids] if bag_ids is not None else [f"bag_{i}" for i in range(B)]
+        self.patient_ids = [str(p) for p in patient_ids] if patient_ids is not None else [""] * B
+        if splits is None or all(s == "" for s in splits):
+            by_id = patient_split(self.bag_ids, self.patient_ids, self.labels, fractions, split_seed)
+            self.split_names = [by_id[b] for b in self.bag_ids]
+        else:
+            self.split_names = [str(s) for s in splits]
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.shuffle, self.predict_split, self.num_workers = shuffle, predict_split, num_workers
+
+    def split_of(self, bag_id: str) -> str:
+        return self.split_names[self.bag_ids.index(bag_id)]
+
+    def dataset(self, split: str) -> InMemoryBagDataset:
+        """The bags of ``split`` (``"all"``: every bag, in the order train, val, test)."""
+        if split == "all":
+            keep = [i for name in SPLIT_NAMES for i, s in enumerate(self.split_names) if s == name]
+            keep += [i for i, s in enumerate(self.split_names) if s not in SPLIT_NAMES]
+        else:
+            keep = [i for i, s in enumerate(self.split_names) if s == split]
+        if not keep:
+            raise ValueError(f"split {split!r} has no bags (splits present: {sorted(set(self.split_names))})")
+        return InMemoryBagDataset(
+            [self.bags[i] for i in keep], [self.labels[i] for i in keep],
+            None if self.instance_labels is None else [self.instance_labels[i] for i in keep],
+            [self.bag_ids[i] for i in keep],
+        )
+
+    def _loader(self, split: str, batch_size: int | None, shuffle: bool) -> torch.utils.data.DataLoader:
+        ds = self.dataset(split)
+        return torch.utils.data.DataLoader(
+            ds, batch_size=len(ds) if batch_size is None else batch_size, shuffle=shuffle,
+            collate_fn=collate_bags, num_workers=self.num_workers,
+        )
+
+    @property
+    def num_train_bags(self) -> int:
+        return sum(s == "train" for s in self.split_names)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader("train", self.batch_size, self.shuffle)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader("val", self.eval_batch_size, False)
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader("test", self.eval_batch_size, False)
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.predict_split, self.eval_batch_size, False)

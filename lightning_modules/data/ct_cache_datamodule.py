@@ -1,0 +1,128 @@
+"""Data module over a preprocessed CT cache (:mod:`milgp.data.cache`, built by ``milgp-cache``)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+
+from lightning_modules.data.splits import SPLIT_NAMES, patient_split
+from milgp.data.augment import BagAugment
+from milgp.data.bags import collate_bags
+from milgp.data.cache import CTCache
+from milgp.data.ct_dataset import CTBagDataset
+
+__all__ = ["CTCacheDataModule"]
+
+
+class CTCacheDataModule(pl.LightningDataModule):
+    """CT bags ``(S, 3, H, W)`` from a cache, split by patient.
+
+    Splits come from ``splits_file`` (default ``<cache_dir>/splits.json`` when present, as written
+    by ``milgp-cache --splits``) or are made here with the data path's patient-grouped, stratified
+    :func:`milgp.data.ct_index.split_by_patient` (``fractions``, ``split_seed``). An external test
+    set (CQ500) is served whole with ``test_split: all``.
+
+    Args:
+        cache_dir: the cache folder.
+        splits_file: JSON ``{"train": [bag ids], "val": [...], "test": [...]}``.
+        fractions, split_seed: split made here when there is no splits file.
+        batch_size: bags per training batch; eval_batch_size: bags per evaluation batch.
+        max_slices: keep at most this many evenly spaced slices per bag (memory bound).
+        augment: a :class:`milgp.data.augment.BagAugment` for training bags (``None``: off).
+        train_split, val_split, test_split, predict_split: split names (``"all"``: every bag).
+        num_workers: DataLoader workers. seed: augmentation seed.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        splits_file: str | None = None,
+        fractions: tuple[float, float, float] = (0.7, 0.15, 0.15),
+        split_seed: int = 0,
+        batch_size: int = 4,
+        eval_batch_size: int = 8,
+        max_slices: int | None = None,
+        augment: BagAugment | None = None,
+        train_split: str = "train",
+        val_split: str = "val",
+        test_split: str = "test",
+        predict_split: str = "all",
+        num_workers: int = 0,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.cache_dir = str(cache_dir)
+        self.splits_file = splits_file
+        self.fractions, self.split_seed = tuple(fractions), split_seed
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.max_slices, self.augment = max_slices, augment
+        self.train_split, self.val_split, self.test_split, self.predict_split = train_split, val_split, test_split, predict_split
+        self.num_workers, self.seed = num_workers, seed
+        self._splits: dict[str, list[str]] | None = None
+        self._train: CTBagDataset | None = None
+
+    @property
+    def splits(self) -> dict[str, list[str]]:
+        """``{split name: bag ids}`` (computed once)."""
+        if self._splits is None:
+            cache = CTCache(self.cache_dir)
+            path = self.splits_file or os.path.join(self.cache_dir, "splits.json")
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as fh:
+                    self._splits = {k: [str(b) for b in v] for k, v in json.load(fh).items()}
+            elif self.splits_file:
+                raise FileNotFoundError(f"splits file {self.splits_file} does not exist")
+            else:
+                entries = cache.entries
+                by_id = patient_split(
+                    [e.bag_id for e in entries], [e.patient_id for e in entries], [e.bag_label for e in entries],
+                    self.fractions, self.split_seed,
+                )
+                self._splits = {name: [e.bag_id for e in entries if by_id[e.bag_id] == name] for name in SPLIT_NAMES}
+            self._splits["all"] = [b for name in SPLIT_NAMES for b in self._splits.get(name, [])] or cache.bag_ids
+        return self._splits
+
+    def split_of(self, bag_id: str) -> str:
+        for name in SPLIT_NAMES:
+            if bag_id in set(self.splits.get(name, [])):
+                return name
+        return ""
+
+    def patient_of(self, bag_id: str) -> str:
+        return CTCache(self.cache_dir).entry(bag_id).patient_id
+
+    def dataset(self, split: str, train: bool = False) -> CTBagDataset:
+        ids = self.splits.get(split)
+        if not ids:
+            raise ValueError(f"{self.cache_dir}: split {split!r} has no bags (splits: { {k: len(v) for k, v in self.splits.items()} })")
+        return CTBagDataset(self.cache_dir, bag_ids=ids, max_slices=self.max_slices,
+                            augment=self.augment if train else None, seed=self.seed)
+
+    @property
+    def num_train_bags(self) -> int:
+        return len(self.splits.get(self.train_split, []))
+
+    def _loader(self, ds: CTBagDataset, batch_size: int, shuffle: bool) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(
+            ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_bags, num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        if self._train is None:
+            self._train = self.dataset(self.train_split, train=True)
+        if self.trainer is not None:
+            self._train.set_epoch(self.trainer.current_epoch)
+        return self._loader(self._train, self.batch_size, True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.dataset(self.val_split), self.eval_batch_size, False)
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.dataset(self.test_split), self.eval_batch_size, False)
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.dataset(self.predict_split), self.eval_batch_size, False)

@@ -1,0 +1,33 @@
+"""Small torch.distributed helpers that are no-ops in a single process."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_objects", "all_reduce_sum", "is_distributed", "world_size"]
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """In-place sum over ranks (returns ``t``); identity without a process group."""
+    if is_distributed() and world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """``[obj of rank 0, obj of rank 1, ...]`` on every rank; ``[obj]`` without a process group."""
+    if not (is_distributed() and world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out

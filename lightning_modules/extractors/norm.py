@@ -1,0 +1,36 @@
+"""Normalisation layers for per-slice CNNs where one batch may be one patient (DESIGN §6).
+
+``"group"`` (GroupNorm, default): statistics per slice, so a bag's features never depend on the
+other slices in the batch, on the batch size, or on padding. ``"frozen_batch"``: BatchNorm with
+fixed statistics and affine parameters (torchvision's ``FrozenBatchNorm2d``; load them from a
+checkpoint). ``"batch"``: ordinary BatchNorm (only for large, mixed batches; a bag's prediction
+then depends on its batch mates in training mode). ``"none"``: identity.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+from torchvision.ops import FrozenBatchNorm2d
+
+__all__ = ["NORMS", "make_norm_layer"]
+
+NORMS = ("group", "frozen_batch", "batch", "none")
+
+
+def make_norm_layer(norm: str, groups: int = 8) -> Callable[[int], nn.Module]:
+    """A factory ``channels -> nn.Module`` for ``norm`` in :data:`NORMS`."""
+    if norm == "group":
+        def group(channels: int) -> nn.Module:
+            g = min(groups, channels)
+            while channels % g:
+                g -= 1
+            return nn.GroupNorm(g, channels)
+        return group
+    if norm == "frozen_batch":
+        return FrozenBatchNorm2d
+    if norm == "batch":
+        return nn.BatchNorm2d
+    if norm == "none":
+        return lambda channels: nn.Identity()
+    raise ValueError(f"unknown norm {norm!r}: use one of {NORMS}")

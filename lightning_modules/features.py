@@ -1,0 +1,163 @@
+"""The feature-file format: per-slice features written by a frozen extractor, read by the GP.
+
+One row per instance (slice), rows of a bag contiguous and in scan order. Two encodings with the
+same columns, chosen by the file suffix:
+
+``.npz`` (default; ``numpy.load(path, allow_pickle=False)``)::
+
+    format           "milgp-features"          version      1
+    features         float32 (N, D)            bag_index    int64 (N,)   0..B-1, rows grouped by bag
+    slice_index      int64 (N,)  position in the bag (scan order)
+    instance_labels  float32 (N,)  slice label 0/1, NaN when unknown
+    bag_ids          str (B,)    bag_labels   float64 (B,)
+    patient_ids      str (B,)  ("" unknown)   splits       str (B,)  ("train"/"val"/"test", "" unknown)
+
+``.csv``: header ``bag_id,patient_id,split,bag_label,slice_index,instance_label,f0,…,f{D-1}``; one
+row per instance, ``instance_label`` empty when unknown.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from milgp.data.atomic import atomic_open, atomic_write_text
+
+__all__ = ["FeatureTable", "load_features", "save_features"]
+
+FORMAT = "milgp-features"
+VERSION = 1
+
+
+@dataclass
+class FeatureTable:
+    """Feature file contents (see the module docstring for the columns)."""
+
+    features: np.ndarray
+    bag_index: np.ndarray
+    slice_index: np.ndarray
+    instance_labels: np.ndarray
+    bag_ids: list[str]
+    bag_labels: np.ndarray
+    patient_ids: list[str]
+    splits: list[str]
+
+    @property
+    def num_bags(self) -> int:
+        return len(self.bag_ids)
+
+    @property
+    def feature_dim(self) -> int:
+        return int(self.features.shape[1])
+
+    def bag_rows(self) -> list[np.ndarray]:
+        """Row indices of each bag, in scan order."""
+        order = np.lexsort((self.slice_index, self.bag_index))
+        sizes = np.bincount(self.bag_index, minlength=self.num_bags)
+        return np.split(order, np.cumsum(sizes)[:-1])
+
+    @classmethod
+    def from_bags(
+        cls,
+        bags: Sequence[np.ndarray],
+        bag_ids: Sequence[str],
+        bag_labels: Sequence[float],
+        instance_labels: Sequence[np.ndarray | None] | None = None,
+        patient_ids: Sequence[str] | None = None,
+        splits: Sequence[str] | None = None,
+    ) -> "FeatureTable":
+        """Build a table from per-bag ``(n_b, D)`` feature arrays."""
+        sizes = [len(b) for b in bags]
+        inst = []
+        for i, n in enumerate(sizes):
+            lab = None if instance_labels is None else instance_labels[i]
+            inst.append(np.full(n, np.nan, np.float32) if lab is None else np.asarray(lab, np.float32).reshape(-1))
+        B = len(bags)
+        return cls(
+            features=np.concatenate([np.asarray(b, np.float32) for b in bags]).reshape(sum(sizes), -1),
+            bag_index=np.repeat(np.arange(B), sizes).astype(np.int64),
+            slice_index=np.concatenate([np.arange(n) for n in sizes]).astype(np.int64),
+            instance_labels=np.concatenate(inst),
+            bag_ids=[str(b) for b in bag_ids],
+            bag_labels=np.asarray(bag_labels, np.float64),
+            patient_ids=[str(p) for p in (patient_ids or [""] * B)],
+            splits=[str(s) for s in (splits or [""] * B)],
+        )
+
+
+def save_features(path: str | os.PathLike[str], table: FeatureTable) -> str:
+    """Write ``table`` atomically as ``.npz`` or ``.csv`` (by suffix); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".npz":
+        with atomic_open(path, "wb", encoding=None) as fh:
+            np.savez(
+                fh, format=np.array(FORMAT), version=np.array(VERSION), features=table.features.astype(np.float32),
+                bag_index=table.bag_index.astype(np.int64), slice_index=table.slice_index.astype(np.int64),
+                instance_labels=table.instance_labels.astype(np.float32), bag_ids=np.array(table.bag_ids, dtype=str),
+                bag_labels=table.bag_labels.astype(np.float64), patient_ids=np.array(table.patient_ids, dtype=str),
+                splits=np.array(table.splits, dtype=str),
+            )
+    elif path.suffix == ".csv":
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["bag_id", "patient_id", "split", "bag_label", "slice_index", "instance_label"] + [f"f{j}" for j in range(table.feature_dim)])
+        for rows in table.bag_rows():
+            for r in rows:
+                b = int(table.bag_index[r])
+                lab = table.instance_labels[r]
+                w.writerow([table.bag_ids[b], table.patient_ids[b], table.splits[b], repr(float(table.bag_labels[b])),
+                            int(table.slice_index[r]), "" if np.isnan(lab) else int(lab)] + [repr(float(v)) for v in table.features[r]])
+        atomic_write_text(path, buf.getvalue())
+    else:
+        raise ValueError(f"{path}: feature files must end in .npz or .csv")
+    return str(path)
+
+
+def load_features(path: str | os.PathLike[str]) -> FeatureTable:
+    """Read a feature file written by :func:`save_features` (or by hand in the same columns)."""
+    path = Path(path)
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as z:
+            if str(z["format"]) != FORMAT:
+                raise ValueError(f"{path}: not a milgp feature file (format {z['format']!r})")
+            if int(z["version"]) != VERSION:
+                raise ValueError(f"{path}: feature file version {int(z['version'])}, this milgp reads {VERSION}")
+            return FeatureTable(
+                features=z["features"], bag_index=z["bag_index"], slice_index=z["slice_index"],
+                instance_labels=z["instance_labels"], bag_ids=[str(s) for s in z["bag_ids"]],
+                bag_labels=z["bag_labels"], patient_ids=[str(s) for s in z["patient_ids"]],
+                splits=[str(s) for s in z["splits"]],
+            )
+    if path.suffix != ".csv":
+        raise ValueError(f"{path}: feature files must end in .npz or .csv")
+    per_bag: dict[str, dict] = {}
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.reader(fh)
+        header = next(reader)
+        fcols = [i for i, h in enumerate(header) if h.startswith("f") and h[1:].isdigit()]
+        col = {h: i for i, h in enumerate(header)}
+        for needed in ("bag_id", "bag_label"):
+            if needed not in col:
+                raise ValueError(f"{path}: feature CSV lacks the column {needed!r}")
+        for line, row in enumerate(reader, start=2):
+            bag = per_bag.setdefault(row[col["bag_id"]], {
+                "label": float(row[col["bag_label"]]), "patient": row[col["patient_id"]] if "patient_id" in col else "",
+                "split": row[col["split"]] if "split" in col else "", "rows": []})
+            lab = row[col["instance_label"]] if "instance_label" in col else ""
+            k = int(row[col["slice_index"]]) if "slice_index" in col else len(bag["rows"])
+            bag["rows"].append((k, np.nan if lab == "" else float(lab), [float(row[i]) for i in fcols]))
+    ids = list(per_bag)
+    bags, inst = [], []
+    for b in ids:
+        rows = sorted(per_bag[b]["rows"], key=lambda r: r[0])
+        bags.append(np.array([r[2] for r in rows], np.float32).reshape(len(rows), len(fcols)))
+        inst.append(np.array([r[1] for r in rows], np.float32))
+    return FeatureTable.from_bags(
+        bags, ids, [per_bag[b]["label"] for b in ids], inst, [per_bag[b]["patient"] for b in ids], [per_bag[b]["split"] for b in ids]
+    )

@@ -1,0 +1,330 @@
+"""GP-MIL: a sparse-GP bag classifier on CNN features, trained two-stage or end-to-end (DESIGN §6).
+
+Every training step is one iteration of seed 000's Algorithm 1 on the batch's bags:
+
+1. features ``h = CNN(x)`` (or the batch's precomputed features), standardised to float64 ``z``;
+2. **natural step** on q(v) with ``z`` detached: the likelihood's closed-form quadratic terms give
+   additive statistics ``NaturalStatistics(h, G)``; under DDP they are **all-reduced (summed)
+   across ranks** before the step, together with the batch's bag count, so every rank computes the
+   same q(v) (the exact full-data update when the global batch holds all training bags: ρ = 1;
+   otherwise a stochastic natural step scaled by ``training bags / global batch bags`` with a
+   Robbins–Monro step size ``ρ_t = (t + τ)^(−κ)``);
+3. the persistent locals (e.g. VGPMIL's ``π``) of the batch's instances are updated in closed form
+   under the new q(f) and stored per bag id (checkpointed);
+4. **Adam** (after ``warmup_epochs``) on the kernel hyperparameters — and, end-to-end, on the CNN
+   weights — through the ELBO's data terms with q(v) and the locals held fixed (detached).
+
+Modes:
+
+* ``"two_stage"``: inputs are extracted features (:class:`FeatureDataModule`), or images through a
+  frozen ``extractor``. With the whole training set as one batch (the feature data module's
+  default) each epoch is one full-batch CAVI sweep plus ``hyper_steps`` Adam steps — the same
+  iteration as :func:`milgp.variational.fit_closed_form` (tested to agree).
+* ``"end_to_end"``: images through a trainable ``extractor`` (optionally initialised from an
+  AttCNN checkpoint); CNN and GP are trained together as above. The CNN may run in mixed precision
+  (``trainer.precision: 16-mixed`` on CUDA); the GP head always runs in float64 outside autocast.
+
+Standardisation statistics, inducing points (k-means++) and the initial lengthscale are set at the
+start of the first fit from the training features (through the initial extractor end-to-end) and
+saved in the checkpoint with q(v), the kernel, the locals and the step counter, so a resumed run
+continues exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from lightning_modules.bag_module_base import BagModuleBase
+from lightning_modules.distributed import all_gather_objects, all_reduce_sum, world_size
+from lightning_modules.gp_head import GPHead
+from milgp.data.bags import BagBatch, bag_sizes
+from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
+
+__all__ = ["GPMILModule", "load_extractor_weights"]
+
+_MODES = ("two_stage", "end_to_end")
+
+
+def load_extractor_weights(extractor: nn.Module, path: str) -> None:
+    """Load an extractor's weights from a Lightning checkpoint of an :class:`AttentionMILModule`
+    or :class:`GPMILModule` (keys ``extractor.*``) or from a plain ``state_dict``, with
+    ``weights_only=True``."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    state = ckpt.get("state_dict", ckpt)
+    sub = {k[len("extractor."):]: v for k, v in state.items() if k.startswith("extractor.")}
+    extractor.load_state_dict(sub if sub else state)
+
+
+class GPMILModule(BagModuleBase):
+    """Sparse-GP MIL head (+ optional CNN) trained with closed-form natural steps (module docstring).
+
+    Args:
+        mode: ``"two_stage"`` or ``"end_to_end"``.
+        feature_dim: D when there is no extractor (the feature file's width).
+        extractor: per-slice CNN (required end-to-end; two-stage it is frozen).
+        extractor_checkpoint: initialise the extractor from this checkpoint (e.g. the AttCNN's).
+        likelihood: any :class:`AugmentedBagLikelihood` (``class_path``/``init_args`` in YAML);
+            default VGPMIL (:class:`milgp.likelihoods.MILBernoulliLikelihood`, ψ = PG, H = 100).
+        num_inducing, ard, learn_inducing_locations, constant_mean, standardize, lengthscale,
+            outputscale, bag_rule: the GP head (:class:`lightning_modules.gp_head.GPHead`).
+        lr_gp: Adam learning rate of the kernel hyperparameters.
+        lr_extractor, weight_decay: Adam for the CNN (end-to-end).
+        hyper_steps: Adam steps per natural step (default 5 two-stage, 1 end-to-end).
+        warmup_epochs: epochs of natural steps only (no Adam) at the start.
+        rm_tau, rm_kappa: Robbins–Monro schedule for minibatch natural steps.
+        init_max_bags: use at most this many training bags to set standardisation and inducing
+            points (``None``: all).
+        standardize_momentum: end-to-end, the standardisation statistics follow the CNN's
+            features as an exponential moving average with this momentum per step (0: fixed).
+        seed: seed of k-means++ and predictive sampling.
+    """
+
+    def __init__(
+        self,
+        mode: str = "two_stage",
+        feature_dim: int | None = None,
+        extractor: nn.Module | None = None,
+        extractor_checkpoint: str | None = None,
+        likelihood: AugmentedBagLikelihood | None = None,
+        num_inducing: int = 64,
+        ard: bool = False,
+        learn_inducing_locations: bool = False,
+        constant_mean: bool = False,
+        standardize: bool = True,
+        lengthscale: float | None = None,
+        outputscale: float = 1.0,
+        bag_rule: str = "noisy_or",
+        lr_gp: float = 0.01,
+        lr_extractor: float = 1e-4,
+        weight_decay: float = 0.0,
+        hyper_steps: int | None = None,
+        warmup_epochs: int = 1,
+        rm_tau: float = 1.0,
+        rm_kappa: float = 0.6,
+        init_max_bags: int | None = None,
+        standardize_momentum: float = 0.1,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters(ignore=self._ignored_hparams(["extractor", "likelihood"]))
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if mode == "end_to_end" and extractor is None:
+            raise ValueError("mode='end_to_end' needs an extractor (the CNN trained with the GP)")
+        if extractor is None and feature_dim is None:
+            raise ValueError("give feature_dim (the feature file's width) when there is no extractor")
+        self.automatic_optimization = False
+        self.mode = mode
+        self.extractor = extractor
+        if extractor is not None and extractor_checkpoint:
+            load_extractor_weights(extractor, extractor_checkpoint)
+        dim = int(getattr(extractor, "feature_dim")) if extractor is not None else int(feature_dim)  # type: ignore[arg-type]
+        if feature_dim is not None and extractor is not None and int(feature_dim) != dim:
+            raise ValueError(f"feature_dim={feature_dim} but the extractor makes {dim} features")
+        if mode == "two_stage" and extractor is not None:
+            extractor.requires_grad_(False)
+        self.gp = GPHead(
+            dim, num_inducing, likelihood, ard=ard, learn_inducing_locations=learn_inducing_locations,
+            constant_mean=constant_mean, standardize=standardize, lengthscale=lengthscale,
+            outputscale=outputscale, bag_rule=bag_rule, seed=seed,
+        )
+        self.register_buffer("natural_steps", torch.tensor(0, dtype=torch.long))
+        self.lr_gp, self.lr_extractor, self.weight_decay = lr_gp, lr_extractor, weight_decay
+        self.hyper_steps = (5 if mode == "two_stage" else 1) if hyper_steps is None else int(hyper_steps)
+        self.warmup_epochs = warmup_epochs
+        self.schedule = RobbinsMonro(rm_tau, rm_kappa)
+        self.init_max_bags = init_max_bags
+        self.standardize_momentum = standardize_momentum
+        self.num_train_bags: int | None = None
+        self._locals: dict[str, Tensor] = {}
+
+    # -- features --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _float64(self) -> Iterator[None]:
+        """Run the GP head outside any autocast region (it is float64)."""
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            yield
+
+    def features(self, x: Tensor, grad: bool = False) -> Tensor:
+        """Instance features ``(N, D)``: the extractor's output, or ``x`` itself without one."""
+        if self.extractor is None:
+            return x
+        with torch.set_grad_enabled(grad):
+            return self.extractor(x)
+
+    def standardized(self, x: Tensor, grad: bool = False) -> Tensor:
+        h = self.features(x, grad)
+        with self._float64():
+            return self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.mode == "two_stage" and self.extractor is not None:
+            self.extractor.eval()
+
+    def configure_optimizers(self) -> Any:
+        groups = [{"params": self.gp.hyperparameters(), "lr": self.lr_gp}]
+        if self.mode == "end_to_end" and self.extractor is not None:
+            groups.append({"params": [p for p in self.extractor.parameters() if p.requires_grad],
+                           "lr": self.lr_extractor, "weight_decay": self.weight_decay})
+        return torch.optim.Adam(groups)
+
+    def _train_loader(self) -> Any:
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is not None:
+            return dm.train_dataloader()
+        return self.trainer.train_dataloader
+
+    def on_train_start(self) -> None:
+        loader = self._train_loader()
+        dataset = getattr(loader, "dataset", None)
+        self.num_train_bags = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+        if self.num_train_bags is None:
+            raise ValueError("GPMILModule needs a training dataset with a length (the number of training bags)")
+        if not bool(self.gp.initialized):
+            self._initialize(loader)
+
+    @torch.no_grad()
+    def _initialize(self, loader: Any) -> None:
+        """Standardisation, inducing points and lengthscale from the training bags' features.
+
+        The bags seen by all ranks are gathered and sorted by id, so every rank gets identical
+        values whatever its loader (whole training set or a distributed shard) and its order.
+        """
+        was_training = self.extractor.training if self.extractor is not None else False
+        if self.extractor is not None:
+            self.extractor.eval()
+        per_bag: dict[str, tuple[Tensor, float]] = {}
+        for batch in loader:
+            batch = batch.to(self.device)
+            h = self.features(batch.x).to(torch.float64).cpu()
+            ids = batch.bag_ids or [str(len(per_bag) + i) for i in range(batch.num_bags)]
+            sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
+            order = torch.argsort(batch.bag_index.cpu(), stable=True)
+            for b, part in enumerate(torch.split(h[order], sizes)):
+                per_bag[ids[b]] = (part, float(batch.bag_labels[b]))
+            if self.init_max_bags is not None and len(per_bag) >= self.init_max_bags:
+                break
+        if self.extractor is not None and self.mode == "end_to_end":
+            self.extractor.train(was_training)
+        merged: dict[str, tuple[Tensor, float]] = {}
+        for part in all_gather_objects(per_bag):  # a loader with a distributed sampler gives each rank a shard
+            merged.update(part)
+        per_bag = merged
+        keys = sorted(per_bag)
+        feats = torch.cat([per_bag[k][0] for k in keys])
+        if feats.shape[1] != self.gp.feature_dim:
+            raise ValueError(f"the training features have {feats.shape[1]} columns, the GP head expects {self.gp.feature_dim}")
+        labels = torch.cat([torch.full((len(per_bag[k][0]),), per_bag[k][1], dtype=torch.float64) for k in keys])
+        self.gp.initialize(feats, labels)
+
+    # -- locals ----------------------------------------------------------------------------------
+    def _get_locals(self, batch: BagBatch) -> Tensor | None:
+        if not batch.bag_ids or not all(b in self._locals for b in batch.bag_ids):
+            return None
+        sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
+        parts = [self._locals[b] for b in batch.bag_ids]
+        if [len(p) for p in parts] != sizes:
+            return None
+        out = torch.empty(batch.num_instances, dtype=torch.float64, device=self.device)
+        order = torch.argsort(batch.bag_index, stable=True)
+        out[order] = torch.cat(parts).to(self.device)
+        return out
+
+    def _put_locals(self, batch: BagBatch, locals_: Any) -> None:
+        if not batch.bag_ids or not isinstance(locals_, Tensor) or locals_.shape != (batch.num_instances,):
+            return
+        order = torch.argsort(batch.bag_index, stable=True)
+        sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
+        for bag_id, part in zip(batch.bag_ids, torch.split(locals_.detach()[order], sizes)):
+            self._locals[bag_id] = part.clone()
+
+    # -- training --------------------------------------------------------------------------------
+    @staticmethod
+    def _reduce(stats: NaturalStatistics) -> NaturalStatistics:
+        """DDP: sum the sufficient statistics over ranks (identity in one process)."""
+        if world_size() == 1:
+            return stats
+        M = stats.h.shape[0]
+        flat = torch.cat([stats.h.reshape(-1), stats.G.reshape(-1)])
+        all_reduce_sum(flat)
+        return NaturalStatistics(h=flat[:M], G=flat[M:].reshape(M, M))
+
+    def training_step(self, batch: BagBatch, batch_idx: int) -> Tensor:
+        opt = self.optimizers()
+        learn = self.current_epoch >= self.warmup_epochs and self.hyper_steps > 0
+        train_cnn = learn and self.mode == "end_to_end"
+        if self.extractor is not None and self.mode == "two_stage":
+            self.extractor.eval()
+        h = self.features(batch.x, grad=train_cnn)
+        with self._float64():
+            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
+            global_bags, global_instances = float(counts[0]), float(counts[1])
+            assert self.num_train_bags is not None
+            full = global_bags >= self.num_train_bags
+            rho = 1.0 if full else self.schedule(int(self.natural_steps))
+            scale = 1.0 if full else self.num_train_bags / global_bags
+            labels = batch.bag_labels.to(torch.float64)
+            _, locals_ = self.gp.natural_update(
+                z, batch.bag_index, labels, batch.num_bags, self._get_locals(batch), rho=rho, scale=scale, reduce=self._reduce
+            )
+            self.natural_steps += 1
+            self._put_locals(batch, locals_)
+            loss_value = torch.tensor(float("nan"))
+            if learn:
+                R = world_size()
+                for k in range(self.hyper_steps):
+                    if k > 0 and train_cnn:
+                        z = self.standardized(batch.x, grad=True)
+                    objective = self.gp.hyper_objective(z, batch.bag_index, labels, batch.num_bags, locals_)
+                    loss = -R * objective / global_instances
+                    opt.zero_grad(set_to_none=True)
+                    self.manual_backward(loss)
+                    opt.step()
+                    loss_value = loss.detach() / R
+                self.gp.clear_caches()
+            if self.mode == "end_to_end":
+                self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
+        self.log("train/rho", rho, batch_size=batch.num_bags)
+        if learn:
+            self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
+        return loss_value
+
+    def on_train_epoch_end(self) -> None:
+        if not self._locals:
+            return
+        # the training ELBO on this epoch's last batch is cheap only two-stage; log the kernel instead
+        self.log("train/lengthscale", float(self.gp.gp.covar_module.base_kernel.lengthscale.detach().mean()))
+        self.log("train/outputscale", float(self.gp.gp.covar_module.outputscale.detach()))
+
+    # -- prediction ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict_records(self, batch: BagBatch) -> list[dict]:
+        h = self.features(batch.x)
+        with self._float64():
+            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            pred = self.gp.predict(z, batch.bag_index, batch.num_bags)
+        extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
+        if self.extractor is not None:
+            extra["features"] = h.float()
+        return self.make_records(
+            batch, pred["bag_prob"], pred["bag_std"], pred["instance_prob"], pred["instance_std"], extra=extra
+        )
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        merged: dict[str, Tensor] = {}
+        for part in all_gather_objects({k: v.cpu() for k, v in self._locals.items()}):
+            merged.update(part)
+        checkpoint["gp_locals"] = merged
+        checkpoint["gp_num_train_bags"] = self.num_train_bags
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._locals = {k: v.to(torch.float64) for k, v in checkpoint.get("gp_locals", {}).items()}
+        self.num_train_bags = checkpoint.get("gp_num_train_bags")
