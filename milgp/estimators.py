@@ -97,6 +97,10 @@ class VGPMILClassifier(ClassifierMixin, BaseEstimator):
         standardize: z-score features with training statistics.
         bags_per_batch: minibatch size in bags for stochastic natural steps (None: full batch).
         dtype: ``"float64"`` (default) or ``"float32"``. device: e.g. ``"cpu"``, ``"cuda"``.
+
+    Fitted attributes: ``model_``, ``likelihood_``, ``fit_result_`` (both ELBO traces),
+    ``elbo_``: the final un-augmented ELBO (``fit_result_.objective[-1]``, a lower bound of
+    ``log p(T)`` for the logistic MIL model whatever ψ is; use it to compare fits).
     """
 
     def __init__(
@@ -200,13 +204,15 @@ class VGPMILClassifier(ClassifierMixin, BaseEstimator):
                 learn_hyperparameters=True,
                 lr=self.lr,
                 hyper_steps=self.hyper_steps,
+                initial_locals=warm.locals,
                 **common,
             )
             main.elbo = warm.elbo + main.elbo
+            main.objective = warm.objective + main.objective
             main.iterations += warm.iterations
             main.seconds += warm.seconds
             self.fit_result_ = main
-        self.elbo_ = self.fit_result_.elbo[-1]
+        self.elbo_ = self.fit_result_.objective[-1]
         return self
 
     def _latent(self, bags: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:

@@ -95,8 +95,8 @@ class RobbinsMonro:
     def __init__(self, tau: float = 1.0, kappa: float = 0.6):
         if not 0.5 < kappa <= 1.0:
             raise ValueError(f"Robbins–Monro needs kappa in (0.5, 1], got {kappa}")
-        if tau < 0:
-            raise ValueError(f"Robbins–Monro needs tau >= 0, got {tau}")
+        if not tau > 0:
+            raise ValueError(f"Robbins–Monro needs tau > 0 (the first step is tau**-kappa), got {tau}")
         self.tau = tau
         self.kappa = kappa
 

@@ -280,5 +280,7 @@ def test_robbins_monro_schedule():
     assert rm(9) == pytest.approx(10 ** -0.6)
     with pytest.raises(ValueError, match="kappa"):
         RobbinsMonro(kappa=0.5)
+    with pytest.raises(ValueError, match="tau > 0"):
+        RobbinsMonro(tau=0.0)  # (0 + 0)**-kappa would divide by zero at the first step
     with pytest.raises(ValueError, match="tau"):
         RobbinsMonro(tau=-1)
