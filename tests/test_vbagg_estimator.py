@@ -105,3 +105,19 @@ def test_baselines_bag_pixel_and_constant():
     const = ConstantRateRegressor().fit(bags, y, weights)
     np.testing.assert_allclose(const.predict_in_bags(bags)[3], y[3] / weights[3].sum())
     np.testing.assert_allclose(const.predict(x[:5]), y.sum() / sum(w.sum() for w in weights))
+
+
+def test_constant_mean_is_optional_and_helps_far_from_zero():
+    """``constant_mean=False`` must give a zero-mean GP (seed 001's model) that still fits; with
+    the learned constant mean the log-rate offset of 1 is absorbed by the mean, so the objective
+    must be at least as good. If the flag were ignored both fits would be identical."""
+    import gpytorch
+
+    bags, y, weights, x, lam = _poisson_problem(seed=2)
+    kw = dict(num_inducing=10, max_iter=25, warmup_iter=5, random_state=0)
+    zero = VBAggRegressor("poisson", "exp", constant_mean=False, **kw).fit(bags, y, weights)
+    const = VBAggRegressor("poisson", "exp", **kw).fit(bags, y, weights)
+    assert isinstance(zero.model_.mean_module, gpytorch.means.ZeroMean)
+    assert isinstance(const.model_.mean_module, gpytorch.means.ConstantMean)
+    assert np.isfinite(zero.predict(x)).all()
+    assert const.elbo_ >= zero.elbo_ - 1e-6 * abs(zero.elbo_)
