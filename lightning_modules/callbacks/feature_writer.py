@@ -20,9 +20,9 @@ class FeatureWriter(BasePredictionWriter):
 
     The model's ``predict_step`` must return per-bag records with a ``"features"`` entry
     (:class:`AttentionMILModule`, or :class:`GPMILModule` with an extractor). Bag splits and
-    patient ids come from the data module (``split_of``/``patient_of`` or ``patient_ids``) when it
-    has them, so the GP can be trained on ``train`` and evaluated on ``val``/``test`` of the same
-    file. Under DDP the ranks' bags are gathered and rank 0 writes.
+    patient ids come from the data module's ``split_of``/``patient_of`` (dict lookups in the
+    project's data modules) when it has them, so the GP can be trained on ``train`` and evaluated
+    on ``val``/``test`` of the same file. Under DDP the ranks' bags are gathered and rank 0 writes.
 
     Args:
         output_path: ``.npz`` (default format) or ``.csv``.
@@ -50,18 +50,16 @@ class FeatureWriter(BasePredictionWriter):
             return
         dm = trainer.datamodule
         split_of = getattr(dm, "split_of", lambda b: "")
-        patient_of = getattr(dm, "patient_of", None)
-        if patient_of is None and hasattr(dm, "patient_ids") and hasattr(dm, "bag_ids"):
-            lookup = dict(zip(dm.bag_ids, dm.patient_ids))
-            patient_of = lambda b: lookup.get(b, "")  # noqa: E731
-        ids = sorted(records, key=lambda b: (_SPLIT_ORDER.get(split_of(b), 3), b))
+        patient_of = getattr(dm, "patient_of", lambda b: "")
+        split = {b: split_of(b) for b in records}  # one (dict) lookup per bag
+        ids = sorted(records, key=lambda b: (_SPLIT_ORDER.get(split[b], 3), b))
         table = FeatureTable.from_bags(
             [np.asarray(records[b]["features"], np.float32) for b in ids],
             ids,
             [records[b]["bag_label"] for b in ids],
             [records[b]["slice_labels"] for b in ids],
-            [patient_of(b) if patient_of else "" for b in ids],
-            [split_of(b) for b in ids],
+            [patient_of(b) for b in ids],
+            [split[b] for b in ids],
         )
         path = save_features(self.output_path, table)
         print(f"wrote features of {table.num_bags} bags ({len(table.features)} slices, D={table.feature_dim}) to {path}")

@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_only
 
+from milgp.data.atomic import atomic_write_json, atomic_write_text
 from milgp.metrics import json_safe
 from milgp.plots import plot_calibration, plot_scan_predictions, plot_training_curves, read_csv_log
 
@@ -20,13 +21,15 @@ __all__ = ["ReportWriter"]
 class ReportWriter(Callback):
     """Outputs of a run, written by rank 0 into ``output_dir`` (default: the trainer's log dir):
 
-    Files are prefixed with ``name`` so several models can share one folder:
+    Files are prefixed with ``name`` so several models can share one folder; the JSON files are
+    written atomically (a crash leaves the previous file, never a truncated one):
 
     * after ``test``: ``<name>_metrics.json`` (``{"model": name, "metrics": {bag_auc, bag_accuracy, bag_f1,
       bag_ece, instance_auc, ...}}``), ``<name>_predictions.json`` (per bag: id, label, probability ± std,
       slice probabilities ± std, slice labels), ``<name>_calibration.png`` (bag level) and
       ``<name>_scan_<k>.png`` for up to ``num_scan_plots`` test scans (positives with slice labels first;
-      seed 000 Fig. 10);
+      seed 000 Fig. 10); for aggregate-output likelihoods (``pl_module.is_aggregate``) only the two
+      JSON files, whose ``bag_prob`` / ``slice_probs`` then hold predicted aggregates and rates;
     * after ``fit``: ``<name>_training_curves.png`` from the CSV logger's ``metrics.csv``, when there is one.
 
     Args:
@@ -63,13 +66,13 @@ class ReportWriter(Callback):
         records: list[dict[str, Any]] = getattr(pl_module, "test_records", [])
         metrics = getattr(pl_module, "test_metrics", {})
         out = self._dir(trainer)
-        with open(out / f"{self.name}_metrics.json", "w", encoding="utf-8") as fh:
-            json.dump(json_safe({"model": self.name, "metrics": metrics, "num_bags": len(records)}), fh, indent=2)
+        summary = {"model": self.name, "metrics": metrics, "num_bags": len(records)}
+        atomic_write_json(out / f"{self.name}_metrics.json", json_safe(summary))
         keep = ("bag_id", "bag_label", "bag_prob", "bag_std", "slice_probs", "slice_stds", "slice_labels", "slice_scores")
-        with open(out / f"{self.name}_predictions.json", "w", encoding="utf-8") as fh:
-            json.dump(json_safe([{k: r.get(k) for k in keep} for r in records]), fh)
-        if not records:
-            return
+        per_bag = json_safe([{k: r.get(k) for k in keep} for r in records])
+        atomic_write_text(out / f"{self.name}_predictions.json", json.dumps(per_bag))
+        if not records or getattr(pl_module, "is_aggregate", False):
+            return  # aggregate targets are counts/totals, not probabilities: no calibration or slice-probability plots
         p = np.array([r["bag_prob"] for r in records])
         y = np.array([r["bag_label"] for r in records])
         plot_calibration(out / f"{self.name}_calibration.png", p, y, self.n_bins, title=f"{self.name}: bag calibration (test)")

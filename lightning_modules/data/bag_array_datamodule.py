@@ -8,6 +8,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
+from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, patient_split
 from milgp.data.bags import collate_bags
 
@@ -27,7 +28,9 @@ class BagArrayDataModule(pl.LightningDataModule):
         batch_size: bags per training batch (``None``: all training bags in one batch — full-batch
             natural updates for the GP).
         eval_batch_size: bags per validation/test/predict batch (``None``: all).
-        shuffle: shuffle training bags each epoch.
+        shuffle: shuffle training bags each epoch (an order fixed by ``(seed, epoch)``, see
+            :class:`~lightning_modules.data.sampler.EpochSampler`, so resuming from a checkpoint is exact).
+        seed: shuffle seed.
         predict_split: ``"train"``, ``"val"``, ``"test"`` or ``"all"``.
         num_workers: DataLoader workers.
     """
@@ -47,6 +50,7 @@ class BagArrayDataModule(pl.LightningDataModule):
         shuffle: bool = False,
         predict_split: str = "all",
         num_workers: int = 0,
+        seed: int = 0,
     ):
         super().__init__()
         B = len(bags)
@@ -61,10 +65,17 @@ class BagArrayDataModule(pl.LightningDataModule):
         else:
             self.split_names = [str(s) for s in splits]
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
-        self.shuffle, self.predict_split, self.num_workers = shuffle, predict_split, num_workers
+        self.shuffle, self.predict_split, self.num_workers, self.seed = shuffle, predict_split, num_workers, seed
+        self._split_by_id = dict(zip(self.bag_ids, self.split_names))
+        self._patient_by_id = dict(zip(self.bag_ids, self.patient_ids))
 
     def split_of(self, bag_id: str) -> str:
-        return self.split_names[self.bag_ids.index(bag_id)]
+        """The split of a bag (``""`` for an unknown id); a dict lookup."""
+        return self._split_by_id.get(bag_id, "")
+
+    def patient_of(self, bag_id: str) -> str:
+        """The patient of a bag (``""`` when unknown); a dict lookup."""
+        return self._patient_by_id.get(bag_id, "")
 
     def dataset(self, split: str) -> InMemoryBagDataset:
         """The bags of ``split`` (``"all"``: every bag, in the order train, val, test)."""
@@ -81,10 +92,13 @@ class BagArrayDataModule(pl.LightningDataModule):
             [self.bag_ids[i] for i in keep],
         )
 
-    def _loader(self, split: str, batch_size: int | None, shuffle: bool) -> torch.utils.data.DataLoader:
+    def _loader(self, split: str, batch_size: int | None, train: bool = False) -> torch.utils.data.DataLoader:
+        """Loader of ``split``; the training one samples with an :class:`EpochSampler` (Lightning
+        shards evaluation loaders itself under DDP)."""
         ds = self.dataset(split)
+        sampler = EpochSampler.for_trainer(ds, self.trainer, self.shuffle, self.seed) if train else None
         return torch.utils.data.DataLoader(
-            ds, batch_size=len(ds) if batch_size is None else batch_size, shuffle=shuffle,
+            ds, batch_size=len(ds) if batch_size is None else batch_size, sampler=sampler,
             collate_fn=collate_bags, num_workers=self.num_workers,
         )
 
@@ -93,13 +107,13 @@ class BagArrayDataModule(pl.LightningDataModule):
         return sum(s == "train" for s in self.split_names)
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("train", self.batch_size, self.shuffle)
+        return self._loader("train", self.batch_size, train=True)
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("val", self.eval_batch_size, False)
+        return self._loader("val", self.eval_batch_size)
 
     def test_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("test", self.eval_batch_size, False)
+        return self._loader("test", self.eval_batch_size)
 
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.predict_split, self.eval_batch_size, False)
+        return self._loader(self.predict_split, self.eval_batch_size)

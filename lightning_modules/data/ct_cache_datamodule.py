@@ -1,6 +1,7 @@
 """Data module over a preprocessed CT cache (:mod:`milgp.data.cache`, built by ``milgp-cache``)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
+from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, patient_split
 from milgp.data.augment import BagAugment
 from milgp.data.bags import collate_bags
@@ -33,7 +35,8 @@ class CTCacheDataModule(pl.LightningDataModule):
         max_slices: keep at most this many evenly spaced slices per bag (memory bound).
         augment: a :class:`milgp.data.augment.BagAugment` for training bags (``None``: off).
         train_split, val_split, test_split, predict_split: split names (``"all"``: every bag).
-        num_workers: DataLoader workers. seed: augmentation seed.
+        num_workers: DataLoader workers. seed: seed of the training order and the augmentation
+            (both a function of ``(seed, epoch)``, see :class:`~lightning_modules.data.sampler.EpochSampler`).
     """
 
     def __init__(
@@ -85,14 +88,27 @@ class CTCacheDataModule(pl.LightningDataModule):
             self._splits["all"] = [b for name in SPLIT_NAMES for b in self._splits.get(name, [])] or cache.bag_ids
         return self._splits
 
+    @functools.cached_property
+    def _split_by_id(self) -> dict[str, str]:
+        """``{bag_id: split name}`` over the train/val/test splits (built once; the first of train,
+        val, test that lists a bag wins, hence the reversed order)."""
+        return {b: name for name in reversed(SPLIT_NAMES) for b in self.splits.get(name, [])}
+
+    @functools.cached_property
+    def _patient_by_id(self) -> dict[str, str]:
+        """``{bag_id: patient id}`` of the cached bags (the manifest read once)."""
+        return {e.bag_id: e.patient_id for e in CTCache(self.cache_dir).entries}
+
     def split_of(self, bag_id: str) -> str:
-        for name in SPLIT_NAMES:
-            if bag_id in set(self.splits.get(name, [])):
-                return name
-        return ""
+        """The split (``"train"``, ``"val"``, ``"test"``) of a bag, ``""`` when in none; a dict lookup."""
+        return self._split_by_id.get(bag_id, "")
 
     def patient_of(self, bag_id: str) -> str:
-        return CTCache(self.cache_dir).entry(bag_id).patient_id
+        """The patient of a cached bag (``KeyError`` for a bag not in the cache); a dict lookup."""
+        try:
+            return self._patient_by_id[bag_id]
+        except KeyError:
+            raise KeyError(f"bag {bag_id!r} is not in the cache {self.cache_dir}") from None
 
     def dataset(self, split: str, train: bool = False) -> CTBagDataset:
         ids = self.splits.get(split)
@@ -105,24 +121,25 @@ class CTCacheDataModule(pl.LightningDataModule):
     def num_train_bags(self) -> int:
         return len(self.splits.get(self.train_split, []))
 
-    def _loader(self, ds: CTBagDataset, batch_size: int, shuffle: bool) -> torch.utils.data.DataLoader:
+    def _loader(self, ds: CTBagDataset, batch_size: int, sampler: EpochSampler | None = None) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
-            ds, batch_size=batch_size, shuffle=shuffle, collate_fn=collate_bags, num_workers=self.num_workers,
+            ds, batch_size=batch_size, sampler=sampler, collate_fn=collate_bags, num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
+        """Shuffled training bags; the :class:`EpochSampler` passes each epoch on to the dataset, so
+        the augmentation draw changes every epoch (with or without reloading the dataloaders)."""
         if self._train is None:
             self._train = self.dataset(self.train_split, train=True)
-        if self.trainer is not None:
-            self._train.set_epoch(self.trainer.current_epoch)
-        return self._loader(self._train, self.batch_size, True)
+        sampler = EpochSampler.for_trainer(self._train, self.trainer, shuffle=True, seed=self.seed)
+        return self._loader(self._train, self.batch_size, sampler)
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.dataset(self.val_split), self.eval_batch_size, False)
+        return self._loader(self.dataset(self.val_split), self.eval_batch_size)
 
     def test_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.dataset(self.test_split), self.eval_batch_size, False)
+        return self._loader(self.dataset(self.test_split), self.eval_batch_size)
 
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.dataset(self.predict_split), self.eval_batch_size, False)
+        return self._loader(self.dataset(self.predict_split), self.eval_batch_size)

@@ -28,6 +28,7 @@ class FeatureDataModule(BagArrayDataModule):
         shuffle: bool = False,
         predict_split: str = "test",
         num_workers: int = 0,
+        seed: int = 0,
     ):
         table = load_features(path)
         rows = table.bag_rows()
@@ -39,7 +40,7 @@ class FeatureDataModule(BagArrayDataModule):
             patient_ids=table.patient_ids,
             splits=table.splits,
             fractions=fractions, split_seed=split_seed, batch_size=batch_size, eval_batch_size=eval_batch_size,
-            shuffle=shuffle, predict_split=predict_split, num_workers=num_workers,
+            shuffle=shuffle, predict_split=predict_split, num_workers=num_workers, seed=seed,
         )
         self.path = path
         self.feature_dim = table.feature_dim

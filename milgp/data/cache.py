@@ -5,7 +5,7 @@ preprocessed once (:func:`build_cache`) into::
 
     cache_dir/
       params.json            preprocessing parameters (windows, size, dtype, format version)
-      manifest.json          the cached bags: id, patient, labels, slice count, file
+      manifest.json          the cached bags of the last build's index: id, patient, labels, slice count, file
       skipped.json           files and bags left out, with reasons
       bags/<stem>.npy        (S, C, H, W) slices of one bag, in scan order
       bags/<stem>.json       per-bag "done" marker and metadata, written after the .npy
@@ -26,7 +26,6 @@ different parameters raises :class:`CacheParamsMismatch`. One writer per cache a
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -36,7 +35,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
@@ -56,6 +55,7 @@ __all__ = [
     "CacheReport",
     "bag_file_stem",
     "build_cache",
+    "check_cache_params",
     "process_bag",
 ]
 
@@ -147,21 +147,25 @@ class BagResult:
     reason: str = ""
 
 
-def _marker_matches(marker_path: Path, npy_path: Path, record: BagRecord) -> bool:
-    """Whether a finished bag's marker exists and was made from the same files and labels."""
+def _finished_marker(bags_dir: Path, record: BagRecord) -> dict | None:
+    """The marker metadata of a finished bag made from the same files and labels as ``record``
+    (``None`` when the bag is not finished or was made from other files or labels)."""
+    stem = bag_file_stem(record.bag_id)
+    marker_path, npy_path = bags_dir / f"{stem}.json", bags_dir / f"{stem}.npy"
     if not (marker_path.is_file() and npy_path.is_file()):
-        return False
+        return None
     try:
         meta = json.loads(marker_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
-        return False
-    return (
+        return None
+    same = (
         meta.get("bag_id") == record.bag_id
         and meta.get("index_slice_paths") == list(record.slice_paths)
         and meta.get("index_slice_labels") == (None if record.slice_labels is None else list(record.slice_labels))
         and meta.get("bag_label") == record.bag_label
         and meta.get("patient_id") == record.patient_id
     )
+    return meta if same else None
 
 
 def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: CacheParams) -> BagResult:
@@ -176,8 +180,8 @@ def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: Ca
     bags_dir = Path(cache_dir) / "bags"
     stem = bag_file_stem(record.bag_id)
     npy_path, marker_path = bags_dir / f"{stem}.npy", bags_dir / f"{stem}.json"
-    if _marker_matches(marker_path, npy_path, record):
-        meta = json.loads(marker_path.read_text(encoding="utf-8"))
+    meta = _finished_marker(bags_dir, record)
+    if meta is not None:
         return BagResult(record.bag_id, "reused", int(meta["num_slices"]), [tuple(s) for s in meta["skipped"]])
     marker_path.unlink(missing_ok=True)
     hus, kept, skipped = [], [], []
@@ -258,17 +262,29 @@ class CacheReport:
         return "\n".join(lines)
 
 
-def _check_or_write_params(cache_dir: Path, params: CacheParams) -> None:
-    params_path = cache_dir / "params.json"
-    if params_path.is_file():
-        stored = _read_params(cache_dir)
+def check_cache_params(cache_dir: str | os.PathLike[str], params: CacheParams) -> None:
+    """Refuse to build into ``cache_dir`` with ``params`` when it holds a cache made with others.
+
+    Writes nothing (a folder without ``params.json`` passes), so a caller can check before it
+    writes anything into the folder.
+
+    Raises:
+        CacheParamsMismatch: ``cache_dir/params.json`` records other parameters or format version.
+    """
+    root = Path(cache_dir)
+    if (root / "params.json").is_file():
+        stored = _read_params(root)
         if stored != params:
             raise CacheParamsMismatch(
-                f"{cache_dir} was built with {stored.to_json_dict()}, not the requested {params.to_json_dict()}; "
+                f"{root} was built with {stored.to_json_dict()}, not the requested {params.to_json_dict()}; "
                 "use another cache folder or the same parameters"
             )
-    else:
-        atomic_write_json(params_path, {"format": "milgp-ct-cache", **params.to_json_dict()})
+
+
+def _check_or_write_params(cache_dir: Path, params: CacheParams) -> None:
+    check_cache_params(cache_dir, params)
+    if not (cache_dir / "params.json").is_file():
+        atomic_write_json(cache_dir / "params.json", {"format": "milgp-ct-cache", **params.to_json_dict()})
 
 
 def _read_params(cache_dir: Path) -> CacheParams:
@@ -290,18 +306,16 @@ def _read_params(cache_dir: Path) -> CacheParams:
         raise ValueError(f"{params_path}: unreadable cache parameters ({err})") from err
 
 
-def _write_manifest(cache_dir: Path, order: Sequence[str]) -> list[dict]:
-    """Rewrite ``manifest.json`` from the bag markers: bags of ``order`` first, then others by id."""
-    entries = {}
-    for marker in sorted((cache_dir / "bags").glob("*.json")):
-        with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
-            meta = json.loads(marker.read_text(encoding="utf-8"))
-            if (marker.parent / meta["file"]).is_file():
-                entries[meta["bag_id"]] = {
-                    k: meta[k] for k in ("bag_id", "file", "patient_id", "bag_label", "num_slices", "shape", "slice_labels")
-                }
-    rank = {b: i for i, b in enumerate(order)}
-    bags = sorted(entries.values(), key=lambda e: (rank.get(e["bag_id"], len(rank)), e["bag_id"]))
+def _write_manifest(cache_dir: Path, index: BagIndex) -> list[dict]:
+    """Rewrite ``manifest.json``: the finished bags of ``index``, in index order.
+
+    Bags that earlier builds cached from other indexes (or from other files or labels) keep their
+    files in ``bags/`` but are not listed, so every reader of the manifest (:class:`CTCache`, the
+    datasets and data modules) sees exactly the bags of the last build's index.
+    """
+    keys = ("bag_id", "file", "patient_id", "bag_label", "num_slices", "shape", "slice_labels")
+    metas = (_finished_marker(cache_dir / "bags", record) for record in index.bags)
+    bags = [{k: meta[k] for k in keys} for meta in metas if meta is not None]
     atomic_write_json(cache_dir / "manifest.json", {"format": "milgp-ct-cache-manifest", "bags": bags})
     return bags
 
@@ -384,7 +398,7 @@ def build_cache(
                     raise
     finally:
         bar.close()
-        _write_manifest(root, index.bag_ids)
+        _write_manifest(root, index)
         atomic_write_json(
             root / "skipped.json",
             {

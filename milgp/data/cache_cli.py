@@ -13,12 +13,13 @@ Rerunning an interrupted command resumes it. Also runs as ``python -m milgp.data
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from milgp.data.atomic import atomic_write_json
-from milgp.data.cache import CacheParams, build_cache
+from milgp.data.cache import CacheParams, CacheReport, build_cache, check_cache_params
 from milgp.data.ct_index import BagIndex, split_by_patient
 from milgp.data.cq500 import index_cq500
 from milgp.data.dicom import HEAD_CT_WINDOWS
@@ -59,7 +60,7 @@ def _add_cache_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--workers", type=int, default=1, help="worker processes for header reading and caching (default 1)")
     p.add_argument("--splits", type=_fractions, default=None, metavar="TRAIN,VAL,TEST",
-                   help="also write OUT/splits.json: patient-grouped stratified split with these fractions")
+                   help="also write OUT/splits.json: patient-grouped stratified split of the cached bags with these fractions")
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -126,6 +127,30 @@ def _index(args: argparse.Namespace) -> BagIndex:
     return BagIndex.load(args.index)
 
 
+def _write_splits(index: BagIndex, report: CacheReport, out: Path, fractions: tuple[float, float, float], seed: int) -> None:
+    """Write ``out/splits.json`` over the bags this run cached (computed or reused) and say which
+    bags of ``index`` it leaves out (failed ones; ``skipped.json`` has the reasons)."""
+    cached = index.subset(report.done + report.reused)
+    splits = split_by_patient(cached, fractions, seed=seed)
+    atomic_write_json(out / "splits.json", {name: s.bag_ids for name, s in splits.items()})
+    sizes = ", ".join(f"{name} {len(s)}" for name, s in splits.items())
+    print(f"splits.json: {len(cached)} cached bags ({sizes})")
+    kept = set(cached.bag_ids)
+    dropped = [b for b in index.bag_ids if b not in kept]
+    if dropped:
+        shown = ", ".join(dropped[:10]) + (f" and {len(dropped) - 10} more" if len(dropped) > 10 else "")
+        print(f"  left out of splits.json: {len(dropped)} bags that were not cached ({shown}); see {out / 'skipped.json'}")
+
+
+def _warn_stale_splits(path: Path, cached: set[str]) -> None:
+    """Warn on stderr when an existing ``splits.json`` (from an earlier run) names bags this cache lacks."""
+    splits = json.loads(path.read_text(encoding="utf-8"))
+    missing = sorted({b for ids in splits.values() for b in ids} - cached)
+    if missing:
+        print(f"milgp-cache: warning: {path} (from an earlier run) lists {len(missing)} bags not in this cache "
+              f"(e.g. {missing[0]!r}); rerun with --splits to rewrite it", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``milgp-cache``; returns the exit status (0 ok, 1 error or nothing cached, 130 interrupted)."""
     args = build_parser().parse_args(argv)
@@ -133,22 +158,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "synthetic":
             return _synthetic(args)
         index = _index(args)
+        params = CacheParams(windows=tuple(args.windows), size=None if args.size == 0 else args.size, dtype=args.dtype)
+        check_cache_params(args.out, params)  # before writing anything: a refused run leaves the cache as it was
         args.out.mkdir(parents=True, exist_ok=True)
         if args.command != "index":
             index.save(args.out / "index.json")
-        params = CacheParams(windows=tuple(args.windows), size=None if args.size == 0 else args.size, dtype=args.dtype)
         report = build_cache(index, args.out, params, workers=args.workers, progress=not args.no_progress)
-        if args.splits is not None:
-            splits = split_by_patient(index, args.splits, seed=args.seed)
-            atomic_write_json(args.out / "splits.json", {name: s.bag_ids for name, s in splits.items()})
+        cached = len(report.done) + len(report.reused)
+        if args.splits is not None and cached > 0:
+            _write_splits(index, report, args.out, args.splits, args.seed)
+        elif (args.out / "splits.json").is_file():
+            _warn_stale_splits(args.out / "splits.json", set(report.done + report.reused))
+        print(report.summary())
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume (finished bags are kept)", file=sys.stderr)
         return 130
     except (ValueError, KeyError, OSError) as err:
         print(f"milgp-cache: error: {err}", file=sys.stderr)
         return 1
-    print(report.summary())
-    cached = len(report.done) + len(report.reused)
     return 0 if cached > 0 else 1
 
 

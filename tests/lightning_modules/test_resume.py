@@ -19,9 +19,9 @@ def _make(kind: str):
     return GPMILModule(mode="end_to_end", extractor=cnn, num_inducing=6, warmup_epochs=1, lr_extractor=1e-2)
 
 
-def _fit(kind: str, root: Path, epochs: int, ckpt: str | None = None):
+def _fit(kind: str, root: Path, epochs: int, ckpt: str | None = None, shuffle: bool = False):
     data = image_bags(num_bags=8, size=16, seed=5, max_slices=4)
-    dm = BagArrayDataModule(**data, splits=["train"] * 6 + ["val"] * 2, batch_size=2)
+    dm = BagArrayDataModule(**data, splits=["train"] * 6 + ["val"] * 2, batch_size=2, shuffle=shuffle, seed=3)
     model = _make(kind)
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=epochs, default_root_dir=str(root), logger=False, enable_progress_bar=False,
@@ -32,23 +32,26 @@ def _fit(kind: str, root: Path, epochs: int, ckpt: str | None = None):
     return model
 
 
+@pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
 @pytest.mark.parametrize("kind", ["gp_end_to_end", "attcnn"])
-def test_resume_continues_exactly(kind: str, tmp_path: Path) -> None:
-    """3 epochs straight == 2 epochs, then resume from the checkpoint for the 3rd.
+def test_resume_continues_exactly(kind: str, shuffle: bool, tmp_path: Path) -> None:
+    """3 epochs straight == 2 epochs, then resume from the checkpoint for the 3rd, with and without shuffling.
 
     The GP checkpoint must carry q(v) (natural parameters), inducing points, kernel, the
     standardisation statistics, the natural-step counter (Robbins–Monro ρ_t), the per-bag locals
     and Adam's state; if any were missing the resumed third epoch would take a different step.
+    With ``shuffle=True`` the third epoch's order must be the same in both runs: it is a function of
+    ``(seed, epoch)``; drawn from the global RNG, the resumed run would visit the bags in another order.
     The checkpoint also loads with ``torch.load(weights_only=True)``."""
-    straight = _fit(kind, tmp_path / "a", 3)
-    _fit(kind, tmp_path / "b", 2)
+    straight = _fit(kind, tmp_path / "a", 3, shuffle=shuffle)
+    _fit(kind, tmp_path / "b", 2, shuffle=shuffle)
     ckpt = tmp_path / "b" / "ckpt" / "last.ckpt"
     loaded = torch.load(ckpt, weights_only=True)
     assert loaded["epoch"] == 1
     if kind == "gp_end_to_end":
         assert len(loaded["gp_locals"]) == 6 and int(loaded["state_dict"]["natural_steps"]) == 6
         assert bool(loaded["state_dict"]["gp.initialized"])
-    resumed = _fit(kind, tmp_path / "b", 3, ckpt=str(ckpt))
+    resumed = _fit(kind, tmp_path / "b", 3, ckpt=str(ckpt), shuffle=shuffle)
     s1, s2 = straight.state_dict(), resumed.state_dict()
     assert s1.keys() == s2.keys()
     for k in s1:

@@ -1,0 +1,47 @@
+"""The training sampler of the data modules: order and augmentation seeded by ``(seed, epoch)``."""
+from __future__ import annotations
+
+from typing import Sized
+
+import pytorch_lightning as pl
+import torch
+
+__all__ = ["EpochSampler"]
+
+
+class EpochSampler(torch.utils.data.DistributedSampler):
+    """Training order of a dataset as a function of ``(seed, epoch)`` only, sharded under DDP.
+
+    Lightning calls :meth:`set_epoch` before every training epoch, whether or not the dataloaders
+    are rebuilt; it also hands the epoch to the dataset's own ``set_epoch`` when there is one
+    (:class:`milgp.data.ct_dataset.CTBagDataset` seeds its augmentation with it), so every epoch
+    gets a fresh, reproducible augmentation draw. A shuffled order is ``randperm`` from a generator
+    seeded with ``seed + epoch``, never the global RNG, so a run resumed from a checkpoint visits
+    the bags in the same order as the uninterrupted run.
+
+    Being a :class:`~torch.utils.data.DistributedSampler`, Lightning uses it as is under DDP (it
+    neither replaces nor wraps it): rank ``r`` of ``R`` serves every ``R``-th position of the shared
+    order, padded by repetition to equal length per rank, as Lightning's own sampler does.
+
+    Args:
+        dataset: the (sized) dataset.
+        shuffle: permute the order every epoch; otherwise dataset order.
+        seed: shuffle seed.
+        num_replicas, rank: the DDP shard (default: one process serving everything).
+    """
+
+    def __init__(self, dataset: Sized, shuffle: bool = False, seed: int = 0, num_replicas: int = 1, rank: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
+
+    @classmethod
+    def for_trainer(cls, dataset: Sized, trainer: pl.Trainer | None, shuffle: bool, seed: int) -> "EpochSampler":
+        """A sampler sharded as ``trainer``'s strategy asks (one shard without a parallel strategy)."""
+        shard = None if trainer is None else trainer.distributed_sampler_kwargs
+        return cls(dataset, shuffle=shuffle, seed=seed, **(shard or {}))
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch`` and pass ``epoch`` on to the dataset's ``set_epoch``, if any."""
+        super().set_epoch(epoch)
+        dataset_set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(dataset_set_epoch):
+            dataset_set_epoch(epoch)

@@ -1,0 +1,137 @@
+"""Data modules: per-epoch order and augmentation from (seed, epoch), cached lookups, atomic reports."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+import lightning_modules.callbacks.report_writer as report_writer
+import lightning_modules.data.ct_cache_datamodule as ct_cache_datamodule
+from lightning_modules import BagArrayDataModule, CTCacheDataModule, ReportWriter
+from lightning_modules.data.sampler import EpochSampler
+from lm_helpers import feature_bags
+from milgp.data.augment import BagAugment
+from milgp.data.bags import BagBatch
+from milgp.data.cache import CTCache
+
+
+def test_epoch_sampler_order_depends_on_seed_and_epoch_only(tiny_cache: str) -> None:
+    """The shuffled order must be reproducible from (seed, epoch), change with the epoch, leave the global RNG
+    alone, shard into disjoint rank slices of one shared order (a DistributedSampler, which Lightning does not
+    replace under DDP), and set_epoch must reach the dataset (the augmentation draw)."""
+    dm = CTCacheDataModule(tiny_cache, augment=BagAugment(), seed=5)
+    ds = dm.dataset("all", train=True)
+    sampler = EpochSampler(ds, shuffle=True, seed=5)
+    rng_before = torch.get_rng_state()
+    sampler.set_epoch(2)
+    order = list(sampler)
+    assert torch.equal(torch.get_rng_state(), rng_before) and ds.epoch == 2
+    assert sorted(order) == list(range(len(ds))) and order != sorted(order)
+    again = EpochSampler(ds, shuffle=True, seed=5)
+    again.set_epoch(2)
+    assert list(again) == order
+    sampler.set_epoch(3)
+    assert list(sampler) != order
+    shards = [EpochSampler(ds, shuffle=True, seed=5, num_replicas=2, rank=r) for r in (0, 1)]
+    for s in shards:
+        s.set_epoch(2)
+    assert isinstance(shards[0], torch.utils.data.DistributedSampler)
+    assert list(shards[0]) == order[0::2] and list(shards[1]) == order[1::2]
+    assert list(EpochSampler(ds)) == list(range(len(ds)))
+
+
+class _Recorder(pl.LightningModule):
+    """Records every training batch's slices per (epoch, bag id)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+        self.seen: dict[tuple[int, str], torch.Tensor] = {}
+
+    def training_step(self, batch: BagBatch, batch_idx: int) -> torch.Tensor:
+        for b, bag_id in enumerate(batch.bag_ids):
+            self.seen[(self.current_epoch, bag_id)] = batch.x[batch.bag_index == b].clone()
+        return self.w * batch.x.mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_augmentation_changes_every_epoch_without_reloading(tiny_cache: str) -> None:
+    """With the default trainer (dataloaders built once) every training bag must get epoch e's augmentation
+    draw in epoch e: different between epochs and equal to the dataset's item at set_epoch(e). If the epoch
+    only reached the dataset when a dataloader was built, every epoch would train on the same augmented bags."""
+    dm = CTCacheDataModule(tiny_cache, augment=BagAugment(), seed=1, batch_size=2)
+    model = _Recorder()
+    pl.Trainer(accelerator="cpu", max_epochs=2, limit_val_batches=0, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(model, dm)
+    reference = dm.dataset(dm.train_split, train=True)
+    assert len(model.seen) == 2 * len(reference)
+    for epoch in (0, 1):
+        reference.set_epoch(epoch)
+        for i, bag_id in enumerate(reference.bag_ids):
+            torch.testing.assert_close(model.seen[(epoch, bag_id)], reference[i][0], rtol=0, atol=0)
+    assert all(not torch.equal(model.seen[(0, b)], model.seen[(1, b)]) for b in reference.bag_ids)
+
+
+def test_split_and_patient_lookups_read_the_cache_once(tiny_cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """split_of/patient_of (called per bag by FeatureWriter) must be dict lookups over maps built once, with
+    the right answers; re-reading the manifest per call made feature extraction quadratic in the bags."""
+    opened: list[str] = []
+    monkeypatch.setattr(ct_cache_datamodule, "CTCache", lambda d: opened.append(d) or CTCache(d))
+    dm = CTCacheDataModule(tiny_cache)
+    ids = dm.splits["all"]
+    patients = [dm.patient_of(b) for b in ids * 3]
+    splits = [dm.split_of(b) for b in ids * 3]
+    assert len(opened) <= 2
+    truth = CTCache(tiny_cache)
+    assert patients == [truth.entry(b).patient_id for b in ids * 3]
+    assert splits == [name for name in ("train", "val", "test") for _ in dm.splits[name]] * 3
+    assert dm.split_of("nope") == ""
+    with pytest.raises(KeyError, match="'nope' is not in the cache"):
+        dm.patient_of("nope")
+    data = feature_bags(num_bags=6)
+    arrays = BagArrayDataModule(**data, bag_ids=list("abcdef"), patient_ids=list("ppqqrs"), splits=["train"] * 4 + ["test"] * 2)
+    assert [arrays.split_of(b) for b in "abcdef"] == ["train"] * 4 + ["test"] * 2 and arrays.split_of("z") == ""
+    assert [arrays.patient_of(b) for b in "abcdef"] == list("ppqqrs")
+
+
+def test_report_writer_never_leaves_a_truncated_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash while writing the test report must leave the previous metrics file intact and no temporary file;
+    a plain open(..., "w") would have truncated it to a partial JSON."""
+    writer = ReportWriter(output_dir=str(tmp_path), name="m")
+    previous = {"model": "m", "metrics": {"bag_auc": 0.9}, "num_bags": 3}
+    (tmp_path / "m_metrics.json").write_text(json.dumps(previous))
+
+    class Module:
+        test_records: list = []
+        test_metrics = {"bag_auc": 0.8, "broken": object()}
+
+    monkeypatch.setattr(report_writer, "json_safe", lambda obj: obj)  # let the unserialisable value through
+    with pytest.raises(TypeError):
+        writer.on_test_end(None, Module())
+    assert json.loads((tmp_path / "m_metrics.json").read_text()) == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m_metrics.json"]
+
+
+def test_report_writer_handles_aggregate_targets(tmp_path: Path) -> None:
+    """With an aggregate-output likelihood the records hold counts (bag_label 7.0) and rates: the
+    report must still write metrics and predictions, and must not draw probability plots (the
+    calibration plot would reject labels outside {0, 1})."""
+    writer = ReportWriter(output_dir=str(tmp_path), name="agg")
+
+    class Module:
+        is_aggregate = True
+        test_metrics = {"bag_mse": 1.5, "bag_nll": 2.0}
+        test_records = [
+            {"bag_id": "a", "bag_label": 7.0, "bag_prob": 6.2, "bag_std": 1.1, "slice_probs": [1.0, 2.5], "slice_stds": [0.2, 0.3]},
+            {"bag_id": "b", "bag_label": 3.0, "bag_prob": 3.4, "bag_std": 0.9, "slice_probs": [3.4], "slice_stds": [0.4]},
+        ]
+
+    writer.on_test_end(None, Module())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["agg_metrics.json", "agg_predictions.json"]
+    assert json.loads((tmp_path / "agg_metrics.json").read_text())["metrics"]["bag_mse"] == 1.5
+    assert [r["bag_label"] for r in json.loads((tmp_path / "agg_predictions.json").read_text())] == [7.0, 3.0]
