@@ -1,7 +1,8 @@
 """The GP-MIL head as a plain ``nn.Module`` (float64): standardisation, sparse GP, bag likelihood.
 
 Wraps :class:`milgp.models.SparseGP` and any :class:`milgp.likelihoods.AugmentedBagLikelihood`
-with what a trainer needs around them:
+(MIL classification) or :class:`milgp.likelihoods.aggregate.AggregateLikelihood` (real-valued bag
+aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs around them:
 
 * feature standardisation buffers (``feature_mean``, ``feature_scale``), inducing points and the
   initial lengthscale set once from training features (:meth:`GPHead.initialize`: z-scores,
@@ -11,24 +12,61 @@ with what a trainer needs around them:
 * the hyperparameter objective with q(v) and the locals fixed (:meth:`GPHead.hyper_objective`);
 * predictions with uncertainty for instances and bags (:meth:`GPHead.predict`).
 
+Aggregate likelihoods have no locals and no closed-form quadratic terms (except the conjugate
+Normal); their natural step reuses :mod:`milgp.variational.aggregate_fit` — the statistics
+``(h, G)`` of :func:`aggregate_natural_statistics` (closed form for Normal, autograd on ``(m, S)``
+otherwise) are additive over bags, so the same ``reduce`` hook all-reduces them under DDP — and the
+step itself is ``aggregate_fit``'s: exact with ρ = 1 for Normal on the full batch, ELBO
+backtracking with adaptive ρ for the non-conjugate models on the full batch, and a given ρ halved
+until the precision is positive definite for minibatches (:meth:`GPHead.aggregate_natural_update`).
+Hyperparameters: :meth:`GPHead.aggregate_objective`; predictions: :meth:`GPHead.predict_aggregate`.
+
 Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from milgp.data.bags import segment_sum
+from milgp.data.bags import BagBatch, segment_sum
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
+from milgp.likelihoods.aggregate import AggregateLikelihood, bag_blocks
+from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
+from milgp.likelihoods.aggregate_normal import NormalAggregateLikelihood
+from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
+from milgp.linalg import robust_cholesky
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+
+# The pieces of one fit_aggregate iteration, reused as they are (not re-derived here).
+from milgp.variational.aggregate_fit import _Cache, _group_terms, _is_conjugate, _try_step
+from milgp.variational.aggregate_fit import aggregate_elbo, aggregate_natural_statistics, make_bag_groups, predict_bag_moments
 from milgp.variational.natural_update import NaturalStatistics, natural_statistics, natural_step
 
-__all__ = ["GPHead"]
+__all__ = ["AggregateStep", "GPHead"]
+
+
+@dataclass
+class AggregateStep:
+    """What :meth:`GPHead.aggregate_natural_update` did.
+
+    Attributes:
+        rho: the step size taken (0 when the backtracking rejected every step).
+        next_rho: the step size to start from next time (adaptive full-batch steps).
+        data: the (global) data term ``Σ_a bag_terms`` at q(v) before the step.
+        elbo: ``scale · data − KL(q(v) ‖ N(0, I))`` before the step (the ELBO estimate).
+    """
+
+    rho: float
+    next_rho: float
+    data: float
+    elbo: float
 
 _BAG_RULES = ("noisy_or", "max", "joint")
 
@@ -47,36 +85,48 @@ class GPHead(nn.Module):
     Args:
         feature_dim: D.
         num_inducing: M.
-        likelihood: any :class:`AugmentedBagLikelihood`; default VGPMIL
-            (:class:`MILBernoulliLikelihood` with ``psi="pg"``, H = 100).
+        likelihood: any :class:`AugmentedBagLikelihood` or :class:`AggregateLikelihood`; default
+            VGPMIL (:class:`MILBernoulliLikelihood` with ``psi="pg"``, H = 100).
         ard: one lengthscale per feature.
         learn_inducing_locations: make Z trainable.
-        constant_mean: constant instead of zero GP mean.
+        constant_mean: constant instead of zero GP mean (``None``: constant for aggregate
+            likelihoods — initialised, as :class:`milgp.estimators.VBAggRegressor` does, at the
+            link's inverse of the rate ``Σy / Σw`` of the training bags — zero otherwise).
         standardize: z-score features with training statistics.
         lengthscale: initial RBF lengthscale (``None``: median pairwise distance of the
             standardised training features).
         outputscale: initial kernel variance.
         bag_rule: bag prediction ``"noisy_or"`` (seed 000 Eq. 34), ``"max"`` or ``"joint"``.
         seed: k-means++ and sampling seed.
+        chunk_instances, block_budget, cache_entries: aggregate likelihoods, memory bounds of one
+            chunk of bags (see :func:`milgp.variational.aggregate_fit.fit_aggregate`).
+        nll_samples: aggregate likelihoods without a closed-form predictive (Poisson,
+            Exponential), Monte Carlo samples of the joint ``q(f_b)`` for the bag predictive NLL.
     """
 
     def __init__(
         self,
         feature_dim: int,
         num_inducing: int = 64,
-        likelihood: AugmentedBagLikelihood | None = None,
+        likelihood: AugmentedBagLikelihood | AggregateLikelihood | None = None,
         ard: bool = False,
         learn_inducing_locations: bool = False,
-        constant_mean: bool = False,
+        constant_mean: bool | None = None,
         standardize: bool = True,
         lengthscale: float | None = None,
         outputscale: float = 1.0,
         bag_rule: str = "noisy_or",
         seed: int = 0,
+        chunk_instances: int = 32768,
+        block_budget: int = 2_000_000,
+        cache_entries: int = 50_000_000,
+        nll_samples: int = 256,
     ):
         super().__init__()
         if bag_rule not in _BAG_RULES:
             raise ValueError(f"bag_rule must be one of {_BAG_RULES}, got {bag_rule!r}")
+        is_aggregate = isinstance(likelihood, AggregateLikelihood)
+        constant_mean = is_aggregate if constant_mean is None else bool(constant_mean)
         gen = torch.Generator().manual_seed(seed)
         Z0 = torch.randn(num_inducing, feature_dim, generator=gen, dtype=torch.float64)
         self.gp = SparseGP(
@@ -96,13 +146,40 @@ class GPHead(nn.Module):
         self.init_lengthscale = lengthscale
         self.bag_rule = bag_rule
         self.seed = seed
+        self.chunk_instances = int(chunk_instances)
+        self.block_budget = int(block_budget)
+        self.cache_entries = int(cache_entries)
+        self.nll_samples = int(nll_samples)
+
+    @property
+    def is_aggregate(self) -> bool:
+        """Whether the likelihood is an aggregate-output (VBAgg) one: real-valued bag targets."""
+        return isinstance(self.likelihood, AggregateLikelihood)
+
+    @property
+    def aggregate_conjugate(self) -> bool:
+        """Aggregate likelihood with exact closed-form natural statistics (Normal): ρ = 1 is exact."""
+        return self.is_aggregate and _is_conjugate(self.likelihood)
 
     # -- set-up ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def initialize(self, features: Tensor, instance_bag_labels: Tensor) -> None:
+    def initialize(
+        self,
+        features: Tensor,
+        instance_bag_labels: Tensor,
+        bag_targets: Tensor | None = None,
+        instance_weights: Tensor | None = None,
+    ) -> None:
         """Standardisation statistics, inducing points (k-means++, half on instances of positive
-        bags) and the initial lengthscale from training features ``(N, D)``; q(v) reset to the prior."""
+        bags) and the initial lengthscale from training features ``(N, D)``; q(v) reset to the prior.
+
+        Aggregate likelihoods (as :class:`milgp.estimators.VBAggRegressor`): k-means++ over all
+        instances, and with a constant mean its value set to ``Ψ⁻¹(Σ_a y_a / Σ_i w_i)`` from the
+        training bags' targets ``bag_targets`` ``(B,)`` and weights ``instance_weights`` ``(N,)``
+        (default ones)."""
         x = features.detach().to(torch.float64).cpu()
+        if self.is_aggregate:
+            instance_bag_labels = torch.zeros(x.shape[0], dtype=torch.float64)
         if self.standardize_features:
             mean, scale = x.mean(0), x.std(0, unbiased=False)
             scale = torch.where(scale > 1e-12, scale, torch.ones_like(scale))
@@ -118,7 +195,14 @@ class GPHead(nn.Module):
         device = self.feature_mean.device
         self.gp.variational_strategy.inducing_points.data.copy_(torch.as_tensor(Z, dtype=torch.float64, device=device))
         ls = self.init_lengthscale if self.init_lengthscale is not None else median_lengthscale(z, seed=self.seed)
-        self.gp.covar_module.base_kernel.lengthscale = ls
+        # a tensor, not a Python float: GPyTorch's setter would round a float through float32
+        self.gp.covar_module.base_kernel.lengthscale = torch.as_tensor(float(ls), dtype=torch.float64, device=device)
+        if self.is_aggregate and bag_targets is not None and hasattr(self.gp.mean_module, "constant"):
+            total_w = float(instance_weights.sum()) if instance_weights is not None else float(x.shape[0])
+            rate = float(torch.as_tensor(bag_targets, dtype=torch.float64).sum()) / total_w
+            link = self.likelihood.link.name
+            c = math.log(max(rate, 1e-8)) if link == "exp" else math.sqrt(max(rate, 1e-8)) if link == "square" else rate
+            self.gp.mean_module.constant.data.fill_(c)
         self.reset_posterior()
         self.initialized.fill_(True)
 
@@ -242,6 +326,8 @@ class GPHead(nn.Module):
             (``instance_probability``, ``bag_probability_noisy_or``/``_max``/``_joint``), else
             Monte Carlo through ``likelihood(f)`` (a Bernoulli) with the noisy-OR bag rule.
         """
+        if self.is_aggregate:
+            raise TypeError("the GP head has an aggregate likelihood: use predict_aggregate (real-valued bag aggregates)")
         z = z.to(torch.float64)
         q = self.posterior()
         mean, var = self.moments(z, q)
@@ -270,4 +356,170 @@ class GPHead(nn.Module):
             pb = -torch.expm1(segment_sum(log_neg.mT, bag_index, num_bags).mT)
             bp, bs = pb.mean(0), pb.std(0)
         out["bag_prob"], out["bag_std"] = bp, bs
+        return out
+
+    # -- aggregate likelihoods (VBAgg) ---------------------------------------------------------------
+    def _check_aggregate(self) -> AggregateLikelihood:
+        if not self.is_aggregate:
+            raise TypeError(f"{type(self.likelihood).__name__} is not an aggregate likelihood")
+        return self.likelihood  # type: ignore[return-value]
+
+    @staticmethod
+    def _ones_if_none(weights: Tensor | None, z: Tensor) -> Tensor:
+        return torch.ones_like(z[:, 0]) if weights is None else weights.to(z)
+
+    def aggregate_groups(self, bag_index: Tensor, num_bags: int, blocks: bool | None = None) -> list:
+        """Chunks of whole bags (:func:`make_bag_groups`) within the head's memory bounds."""
+        lik = self._check_aggregate()
+        need = lik.needs_covariance if blocks is None else blocks
+        return make_bag_groups(bag_index, num_bags, self.chunk_instances, self.block_budget if need else None)
+
+    def aggregate_natural_update(
+        self,
+        z: Tensor,
+        bag_index: Tensor,
+        bag_targets: Tensor,
+        weights: Tensor | None,
+        num_bags: int,
+        rho: float = 1.0,
+        scale: float = 1.0,
+        adaptive: bool = False,
+        rho_max: float = 1.0,
+        reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
+        reduce_value: Callable[[float], float] | None = None,
+    ) -> AggregateStep:
+        """One natural step of q(v) for an aggregate likelihood on standardised features ``z``
+        (detached), bag targets ``(B,)`` and weights/populations ``(N,)`` (``None``: ones).
+
+        The statistics are :func:`aggregate_natural_statistics` (exact closed form for the Normal
+        model, autograd on ``(m, S)`` otherwise), mapped to the global ones by ``reduce`` (DDP
+        all-reduce; ``reduce_value`` sums a float the same way); ``scale`` = training bags / bags in
+        the (global) batch. The step is one iteration of :func:`fit_aggregate`:
+
+        * ``adaptive=False``: step ``rho`` (ρ = 1 with the full batch is the Normal model's exact
+          optimum), halved until the new precision is positive definite;
+        * ``adaptive=True`` (full batch, non-conjugate): backtracking from ``rho`` — accepted when
+          the ELBO does not decrease, then ρ ← min(``rho_max``, 1.5ρ) for the next step.
+        """
+        lik = self._check_aggregate()
+        z = z.detach().to(torch.float64)
+        batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
+        groups = self.aggregate_groups(bag_index, num_bags)
+        cache = _Cache(self.gp, lik, batch, groups, self.cache_entries)
+        q = self.posterior()
+        stats, data = aggregate_natural_statistics(self.gp, lik, batch, groups, q, cache=cache)
+        if reduce is not None:
+            stats = reduce(stats)
+        if reduce_value is not None:
+            data = reduce_value(data)
+        kl = float(q.kl_divergence())
+        elbo_old = data - kl
+        new, used, r = q, 0.0, float(rho)
+        with torch.no_grad():
+            if adaptive:
+                while True:
+                    q_new = _try_step(q, stats, r, scale)
+                    if q_new is not None:
+                        value = aggregate_elbo(self.gp, lik, batch, groups, q_new, cache)
+                        if reduce_value is not None:  # the data term is a sum over ranks, KL is not
+                            kl_new = float(q_new.kl_divergence())
+                            value = reduce_value(value + kl_new) - kl_new
+                        if math.isfinite(value) and value >= elbo_old - 1e-9 * abs(elbo_old):
+                            new, used = q_new, r
+                            r = min(rho_max, r * 1.5)
+                            break
+                    r *= 0.5
+                    if r < 1e-6:
+                        break
+            else:
+                while True:
+                    q_new = _try_step(q, stats, r, scale)
+                    if q_new is not None or r < 1e-6:
+                        break
+                    r *= 0.5
+                if q_new is not None:
+                    new, used = q_new, r
+                r = float(rho)
+        self.gp.set_whitened_posterior(new)  # also clears GPyTorch's caches
+        return AggregateStep(rho=used, next_rho=r, data=data, elbo=scale * data - kl)
+
+    def aggregate_objective(self, z: Tensor, bag_index: Tensor, bag_targets: Tensor, weights: Tensor | None, num_bags: int) -> Tensor:
+        """``Σ_a`` of the aggregate likelihood's bag terms with q(v) fixed (the ELBO's data part;
+        the whitened KL does not depend on the hyperparameters). Differentiable in ``z`` (the CNN),
+        the kernel/mean hyperparameters and the likelihood's parameters (e.g. the Normal noise)."""
+        lik = self._check_aggregate()
+        z = z.to(torch.float64)
+        batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
+        q = self.posterior()
+        L = self.gp.inducing_cholesky()
+        groups = self.aggregate_groups(bag_index, num_bags)
+        return torch.stack([_group_terms(self.gp, lik, batch, g, q.m, q.S, L, True).sum() for g in groups]).sum()
+
+    @torch.no_grad()
+    def aggregate_elbo(self, z: Tensor, bag_index: Tensor, bag_targets: Tensor, weights: Tensor | None, num_bags: int) -> float:
+        """The VBAgg objective on these bags (:func:`aggregate_elbo`)."""
+        lik = self._check_aggregate()
+        z = z.detach().to(torch.float64)
+        batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
+        return aggregate_elbo(self.gp, lik, batch, self.aggregate_groups(bag_index, num_bags))
+
+    @torch.no_grad()
+    def predict_aggregate(
+        self, z: Tensor, bag_index: Tensor, num_bags: int, weights: Tensor | None = None, bag_targets: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """Instance and bag predictions of an aggregate model.
+
+        Returns:
+            ``{"mean", "var"}`` of ``q(f)`` and ``{"rate_mean", "rate_std"}`` of the individual rate
+            ``Ψ(f)`` ``(N,)``; bag moments ``{"bag_rate_mean", "bag_rate_var"}`` of
+            ``η_a = Σ w_i Ψ(f_i)`` and ``{"y_mean", "y_var"}`` of the observed aggregate ``(B,)``
+            (full within-bag covariance, :func:`predict_bag_moments`); with ``bag_targets`` also
+            ``"bag_nll"`` ``(B,)``, the predictive ``−log p(y_a | data)`` — exact for the Normal
+            model, Monte Carlo over the joint ``q(f_b)`` (``nll_samples``) for Poisson and
+            Exponential, a moment-matched Gaussian for other aggregate likelihoods.
+        """
+        lik = self._check_aggregate()
+        z = z.to(torch.float64)
+        w = self._ones_if_none(weights, z)
+        mean, var = self.moments(z)
+        out = {"mean": mean, "var": var, "rate_mean": lik.rate_mean(mean, var),
+               "rate_std": lik.link.variance(mean, var).clamp_min(0).sqrt()}
+        bag = predict_bag_moments(self.gp, lik, z, bag_index, num_bags, w, self.chunk_instances, self.block_budget)
+        out.update(bag_rate_mean=bag["rate_mean"], bag_rate_var=bag["rate_var"], y_mean=bag["y_mean"], y_var=bag["y_var"])
+        if bag_targets is not None:
+            y = bag_targets.to(z)
+            if isinstance(lik, (PoissonAggregateLikelihood, ExponentialAggregateLikelihood)):
+                out["bag_nll"] = -self._mc_log_predictive(z, bag_index, num_bags, w, y)
+            else:  # exact for Normal: y_a | data ~ N(E[η_a], Var[η_a] + τ Σ w²)
+                var_y = bag["y_var"].clamp_min(1e-300)
+                out["bag_nll"] = 0.5 * (math.log(2 * math.pi) + torch.log(var_y) + (y - bag["y_mean"]) ** 2 / var_y)
+        return out
+
+    def _mc_log_predictive(self, z: Tensor, bag_index: Tensor, num_bags: int, w: Tensor, y: Tensor) -> Tensor:
+        """``log E_{q(f_b)} p(y_a | η_a)`` per bag by Monte Carlo over the joint ``q(f_b)``."""
+        lik = self.likelihood
+        q = self.posterior()
+        L = self.gp.inducing_cholesky()
+        gen = torch.Generator(device=z.device).manual_seed(self.seed)
+        out = z.new_empty(num_bags)
+        S_total = max(1, self.nll_samples)
+        for g in self.aggregate_groups(bag_index, num_bags, blocks=True):
+            xg = z[g.inst]
+            blocks = bag_blocks(self.gp, xg, self.gp.projection(xg, L), g.local, g.num_bags, q.m, q.S, w[g.inst], kernel_grad=False)
+            chol = robust_cholesky(blocks.cov, what="within-bag covariance of q(f_b)")
+            yg = y[g.bags]
+            B_g, n = blocks.mean.shape
+            per = max(1, 4_000_000 // max(1, B_g * n * n))
+            parts = []
+            for s0 in range(0, S_total, per):
+                s = min(per, S_total - s0)
+                eps = torch.randn((s, B_g, n, 1), generator=gen, dtype=z.dtype, device=z.device)
+                f = blocks.mean + (chol @ eps).squeeze(-1)
+                eta = (blocks.weights * lik.link(f)).sum(-1).clamp_min(1e-300)  # (s, B_g)
+                if isinstance(lik, PoissonAggregateLikelihood):
+                    parts.append(yg * torch.log(eta) - eta - torch.lgamma(yg + 1))
+                else:  # Exponential with mean η
+                    parts.append(-yg / eta - torch.log(eta))
+            lp = torch.cat(parts)
+            out[g.bags] = torch.logsumexp(lp, 0) - math.log(lp.shape[0])
         return out

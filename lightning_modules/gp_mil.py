@@ -24,6 +24,23 @@ Modes:
   AttCNN checkpoint); CNN and GP are trained together as above. The CNN may run in mixed precision
   (``trainer.precision: 16-mixed`` on CUDA); the GP head always runs in float64 outside autocast.
 
+**Aggregate likelihoods** (VBAgg, seed 001: :class:`~milgp.likelihoods.PoissonAggregateLikelihood`,
+:class:`~milgp.likelihoods.NormalAggregateLikelihood`, :class:`~milgp.likelihoods.ExponentialAggregateLikelihood`):
+the bag labels are real-valued aggregates ``y_a`` (counts, totals), instances may carry
+weights/populations ``w_i`` (``batch.instance_weights``, or a feature column named by
+``population_column``; default ones), and instance labels, where known, are the individual targets
+(rates). Step 2 is then one iteration of :func:`milgp.variational.aggregate_fit.fit_aggregate`
+(:meth:`GPHead.aggregate_natural_update`): the exact optimum (ρ = 1) for Normal on the full batch;
+ELBO backtracking with an adaptive ρ (from ``rho0``, ×1.5 after an accepted step, at most
+``rho_max``) for Poisson/Exponential on the full batch; ``ρ_t = min(1, rho_max · RM(t))`` with the
+statistics scaled by ``training bags / global batch bags`` for minibatches. Its statistics are sums
+over bags, all-reduced across DDP ranks like the MIL ones (and so is the ELBO the backtracking
+compares). There are no locals (step 3). Step 4 is Adam on ``−Σ_a bag_terms / global instances``.
+Validation/test log regression metrics (:func:`aggregate_records_metrics`): ``bag_nll`` (predictive
+``−log p(y_a | data)``), ``bag_mse``, ``bag_mae``, ``bag_r2``, ``bag_poisson_deviance`` (Poisson) and,
+when instance targets are known, ``instance_mse``/``instance_mae`` of the posterior mean rate
+``E[Ψ(f)]``. Records carry ``bag_prob`` = predicted ``E[y_a]`` and ``slice_probs`` = ``E[Ψ(f_i)]``.
+
 Standardisation statistics, inducing points (k-means++) and the initial lengthscale are set at the
 start of the first fit from the training features (through the initial extractor end-to-end) and
 saved in the checkpoint with q(v), the kernel, the locals and the step counter, so a resumed run
@@ -32,8 +49,11 @@ continues exactly.
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -41,10 +61,12 @@ from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.distributed import all_gather_objects, all_reduce_sum, world_size
 from lightning_modules.gp_head import GPHead
 from milgp.data.bags import BagBatch, bag_sizes
+from milgp.likelihoods.aggregate import AggregateLikelihood
+from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
-__all__ = ["GPMILModule", "load_extractor_weights"]
+__all__ = ["GPMILModule", "aggregate_records_metrics", "load_extractor_weights"]
 
 _MODES = ("two_stage", "end_to_end")
 
@@ -59,6 +81,39 @@ def load_extractor_weights(extractor: nn.Module, path: str) -> None:
     extractor.load_state_dict(sub if sub else state)
 
 
+def aggregate_records_metrics(records: list[dict], poisson: bool = False) -> dict[str, float]:
+    """Regression metrics of aggregate-output records (see :class:`GPMILModule`).
+
+    Bag level: ``bag_nll`` (mean of the records' predictive ``bag_nll``), ``bag_mse``, ``bag_mae``,
+    ``bag_r2`` of ``E[y_a]`` (``bag_prob``) against ``y_a`` (``bag_label``), and with ``poisson``
+    the mean Poisson deviance ``2[y log(y/μ) − (y − μ)]`` at ``μ = E[y_a]``. Instance level, over the
+    records with known instance targets (``slice_labels``): ``instance_mse``, ``instance_mae`` of
+    the posterior mean rate (``slice_probs``)."""
+    if not records:
+        return {}
+    mu = np.array([r["bag_prob"] for r in records], dtype=float)
+    y = np.array([r["bag_label"] for r in records], dtype=float)
+    err = mu - y
+    out = {"bag_mse": float(np.mean(err**2)), "bag_mae": float(np.mean(np.abs(err)))}
+    ss = float(np.sum((y - y.mean()) ** 2))
+    out["bag_r2"] = 1.0 - float(np.sum(err**2)) / ss if ss > 0 else float("nan")
+    nll = np.array([r.get("bag_nll", np.nan) for r in records], dtype=float)
+    out["bag_nll"] = float(np.mean(nll))
+    if poisson:
+        m = np.maximum(mu, 1e-12)
+        term = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / m), 0.0)
+        out["bag_poisson_deviance"] = float(np.mean(2.0 * (term - (y - m))))
+    labelled = [r for r in records if r.get("slice_labels") is not None]
+    if labelled:
+        t = np.concatenate([np.asarray(r["slice_labels"], dtype=float) for r in labelled])
+        p = np.concatenate([np.asarray(r["slice_probs"], dtype=float) for r in labelled])
+        out["instance_mse"] = float(np.mean((p - t) ** 2))
+        out["instance_mae"] = float(np.mean(np.abs(p - t)))
+        out["instance_count"] = float(len(t))
+    out["bag_count"] = float(len(records))
+    return out
+
+
 class GPMILModule(BagModuleBase):
     """Sparse-GP MIL head (+ optional CNN) trained with closed-form natural steps (module docstring).
 
@@ -67,10 +122,12 @@ class GPMILModule(BagModuleBase):
         feature_dim: D when there is no extractor (the feature file's width).
         extractor: per-slice CNN (required end-to-end; two-stage it is frozen).
         extractor_checkpoint: initialise the extractor from this checkpoint (e.g. the AttCNN's).
-        likelihood: any :class:`AugmentedBagLikelihood` (``class_path``/``init_args`` in YAML);
-            default VGPMIL (:class:`milgp.likelihoods.MILBernoulliLikelihood`, ψ = PG, H = 100).
+        likelihood: any :class:`AugmentedBagLikelihood` or aggregate likelihood
+            (:class:`milgp.likelihoods.aggregate.AggregateLikelihood`; ``class_path``/``init_args``
+            in YAML); default VGPMIL (:class:`milgp.likelihoods.MILBernoulliLikelihood`, ψ = PG, H = 100).
         num_inducing, ard, learn_inducing_locations, constant_mean, standardize, lengthscale,
-            outputscale, bag_rule: the GP head (:class:`lightning_modules.gp_head.GPHead`).
+            outputscale, bag_rule: the GP head (:class:`lightning_modules.gp_head.GPHead`;
+            ``constant_mean=None``: constant for aggregate likelihoods, zero otherwise).
         lr_gp: Adam learning rate of the kernel hyperparameters.
         lr_extractor, weight_decay: Adam for the CNN (end-to-end).
         hyper_steps: Adam steps per natural step (default 5 two-stage, 1 end-to-end).
@@ -81,6 +138,13 @@ class GPMILModule(BagModuleBase):
         standardize_momentum: end-to-end, the standardisation statistics follow the CNN's
             features as an exponential moving average with this momentum per step (0: fixed).
         seed: seed of k-means++ and predictive sampling.
+        population_column: aggregate likelihoods, two-stage on features only: the input column
+            holding each instance's weight/population (used when the batch has no
+            ``instance_weights``); it is removed from the GP's features, so ``feature_dim`` is the
+            input width and the GP sees ``feature_dim − 1`` features.
+        rho0, rho_max: aggregate likelihoods, first and largest natural step size (non-conjugate).
+        chunk_instances, block_budget: aggregate likelihoods, memory bounds of a chunk of bags.
+        nll_samples: aggregate likelihoods, Monte Carlo samples of the bag predictive NLL.
     """
 
     def __init__(
@@ -89,11 +153,11 @@ class GPMILModule(BagModuleBase):
         feature_dim: int | None = None,
         extractor: nn.Module | None = None,
         extractor_checkpoint: str | None = None,
-        likelihood: AugmentedBagLikelihood | None = None,
+        likelihood: AugmentedBagLikelihood | AggregateLikelihood | None = None,
         num_inducing: int = 64,
         ard: bool = False,
         learn_inducing_locations: bool = False,
-        constant_mean: bool = False,
+        constant_mean: bool | None = None,
         standardize: bool = True,
         lengthscale: float | None = None,
         outputscale: float = 1.0,
@@ -108,6 +172,12 @@ class GPMILModule(BagModuleBase):
         init_max_bags: int | None = None,
         standardize_momentum: float = 0.1,
         seed: int = 0,
+        population_column: int | None = None,
+        rho0: float = 0.5,
+        rho_max: float = 1.0,
+        chunk_instances: int = 32768,
+        block_budget: int = 2_000_000,
+        nll_samples: int = 256,
     ):
         super().__init__()
         self.save_hyperparameters(ignore=self._ignored_hparams(["extractor", "likelihood"]))
@@ -127,11 +197,27 @@ class GPMILModule(BagModuleBase):
             raise ValueError(f"feature_dim={feature_dim} but the extractor makes {dim} features")
         if mode == "two_stage" and extractor is not None:
             extractor.requires_grad_(False)
+        aggregate = isinstance(likelihood, AggregateLikelihood)
+        if population_column is not None:
+            if not aggregate:
+                raise ValueError("population_column is for aggregate likelihoods (instance weights/populations)")
+            if extractor is not None:
+                raise ValueError("population_column needs feature inputs (no extractor): images have no population column")
+            if not -dim <= int(population_column) < dim or dim < 2:
+                raise ValueError(f"population_column={population_column} is not a column of the {dim} input features")
+            dim -= 1
+        if not 0.0 < rho0 <= 1.0 or not 0.0 < rho_max <= 1.0:
+            raise ValueError(f"rho0 and rho_max must lie in (0, 1], got {rho0} and {rho_max}")
+        self.population_column = None if population_column is None else int(population_column)
         self.gp = GPHead(
             dim, num_inducing, likelihood, ard=ard, learn_inducing_locations=learn_inducing_locations,
             constant_mean=constant_mean, standardize=standardize, lengthscale=lengthscale,
-            outputscale=outputscale, bag_rule=bag_rule, seed=seed,
+            outputscale=outputscale, bag_rule=bag_rule, seed=seed, chunk_instances=chunk_instances,
+            block_budget=block_budget, nll_samples=nll_samples,
         )
+        self.rho_max = float(rho_max)
+        if aggregate:  # the adaptive step size of full-batch non-conjugate steps (checkpointed)
+            self.register_buffer("aggregate_rho", torch.tensor(min(float(rho0), float(rho_max)), dtype=torch.float64))
         self.register_buffer("natural_steps", torch.tensor(0, dtype=torch.long))
         self.lr_gp, self.lr_extractor, self.weight_decay = lr_gp, lr_extractor, weight_decay
         self.hyper_steps = (5 if mode == "two_stage" else 1) if hyper_steps is None else int(hyper_steps)
@@ -142,12 +228,30 @@ class GPMILModule(BagModuleBase):
         self.num_train_bags: int | None = None
         self._locals: dict[str, Tensor] = {}
 
+    @property
+    def is_aggregate(self) -> bool:
+        """Whether the bag targets are real-valued aggregates (an aggregate likelihood): records then
+        hold predicted aggregates in ``bag_prob`` and rates in ``slice_probs``, not probabilities."""
+        return self.gp.is_aggregate
+
     # -- features --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _float64(self) -> Iterator[None]:
         """Run the GP head outside any autocast region (it is float64)."""
         with torch.autocast(device_type=self.device.type, enabled=False):
             yield
+
+    def split_inputs(self, batch: BagBatch) -> tuple[Tensor, Tensor | None]:
+        """``(x, weights)``: the inputs without the population column, and the instance
+        weights/populations (``batch.instance_weights``, else the population column, else ``None``)."""
+        x, w = batch.x, batch.instance_weights
+        if self.population_column is not None:
+            col = self.population_column % x.shape[1]
+            keep = [j for j in range(x.shape[1]) if j != col]
+            if w is None:
+                w = x[:, col]
+            x = x[:, keep]
+        return x, w
 
     def features(self, x: Tensor, grad: bool = False) -> Tensor:
         """Instance features ``(N, D)``: the extractor's output, or ``x`` itself without one."""
@@ -198,20 +302,22 @@ class GPMILModule(BagModuleBase):
         was_training = self.extractor.training if self.extractor is not None else False
         if self.extractor is not None:
             self.extractor.eval()
-        per_bag: dict[str, tuple[Tensor, float]] = {}
+        per_bag: dict[str, tuple[Tensor, float, Tensor | None]] = {}
         for batch in loader:
             batch = batch.to(self.device)
-            h = self.features(batch.x).to(torch.float64).cpu()
+            x, w = self.split_inputs(batch)
+            h = self.features(x).to(torch.float64).cpu()
             ids = batch.bag_ids or [str(len(per_bag) + i) for i in range(batch.num_bags)]
             sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
             order = torch.argsort(batch.bag_index.cpu(), stable=True)
+            w_parts = [None] * len(sizes) if w is None else torch.split(w.to(torch.float64).cpu()[order], sizes)
             for b, part in enumerate(torch.split(h[order], sizes)):
-                per_bag[ids[b]] = (part, float(batch.bag_labels[b]))
+                per_bag[ids[b]] = (part, float(batch.bag_labels[b]), w_parts[b])
             if self.init_max_bags is not None and len(per_bag) >= self.init_max_bags:
                 break
         if self.extractor is not None and self.mode == "end_to_end":
             self.extractor.train(was_training)
-        merged: dict[str, tuple[Tensor, float]] = {}
+        merged: dict[str, tuple[Tensor, float, Tensor | None]] = {}
         for part in all_gather_objects(per_bag):  # a loader with a distributed sampler gives each rank a shard
             merged.update(part)
         per_bag = merged
@@ -220,7 +326,18 @@ class GPMILModule(BagModuleBase):
         if feats.shape[1] != self.gp.feature_dim:
             raise ValueError(f"the training features have {feats.shape[1]} columns, the GP head expects {self.gp.feature_dim}")
         labels = torch.cat([torch.full((len(per_bag[k][0]),), per_bag[k][1], dtype=torch.float64) for k in keys])
-        self.gp.initialize(feats, labels)
+        if not self.gp.is_aggregate:
+            self.gp.initialize(feats, labels)
+            return
+        targets = torch.tensor([per_bag[k][1] for k in keys], dtype=torch.float64)
+        weights = torch.cat([torch.ones(len(per_bag[k][0]), dtype=torch.float64) if per_bag[k][2] is None else per_bag[k][2] for k in keys])
+        bag_index = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor([len(per_bag[k][0]) for k in keys]))
+        try:
+            self.gp.likelihood.check_data(targets, weights, bag_index, len(keys))
+        except ValueError as err:  # name the bag by its id, not by its position in the sorted list
+            msg = re.sub(r"^bag (\d+)", lambda m: f"training bag {keys[int(m.group(1))]!r}", str(err))
+            raise ValueError(msg) from err
+        self.gp.initialize(feats, labels, bag_targets=targets, instance_weights=weights)
 
     # -- locals ----------------------------------------------------------------------------------
     def _get_locals(self, batch: BagBatch) -> Tensor | None:
@@ -254,7 +371,15 @@ class GPMILModule(BagModuleBase):
         all_reduce_sum(flat)
         return NaturalStatistics(h=flat[:M], G=flat[M:].reshape(M, M))
 
+    def _reduce_value(self, value: float) -> float:
+        """DDP: sum a float over ranks (identity in one process)."""
+        if world_size() == 1:
+            return value
+        return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device))[0])
+
     def training_step(self, batch: BagBatch, batch_idx: int) -> Tensor:
+        if self.gp.is_aggregate:
+            return self._aggregate_training_step(batch)
         opt = self.optimizers()
         learn = self.current_epoch >= self.warmup_epochs and self.hyper_steps > 0
         train_cnn = learn and self.mode == "end_to_end"
@@ -295,8 +420,59 @@ class GPMILModule(BagModuleBase):
             self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
         return loss_value
 
+    def _aggregate_training_step(self, batch: BagBatch) -> Tensor:
+        """The training step with an aggregate likelihood (module docstring)."""
+        opt = self.optimizers()
+        learn = self.current_epoch >= self.warmup_epochs and self.hyper_steps > 0
+        train_cnn = learn and self.mode == "end_to_end"
+        if self.extractor is not None and self.mode == "two_stage":
+            self.extractor.eval()
+        x, w = self.split_inputs(batch)
+        h = self.features(x, grad=train_cnn)
+        with self._float64():
+            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            w = None if w is None else w.to(torch.float64)
+            y = batch.bag_labels.to(device=z.device, dtype=torch.float64)
+            counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
+            global_bags, global_instances = float(counts[0]), float(counts[1])
+            assert self.num_train_bags is not None
+            full = global_bags >= self.num_train_bags
+            conjugate = self.gp.aggregate_conjugate
+            if full:
+                rho, scale, adaptive = (1.0 if conjugate else float(self.aggregate_rho)), 1.0, not conjugate
+            else:
+                rho = min(1.0, self.rho_max * self.schedule(int(self.natural_steps)))
+                scale, adaptive = self.num_train_bags / global_bags, False
+            step = self.gp.aggregate_natural_update(
+                z, batch.bag_index, y, w, batch.num_bags, rho=rho, scale=scale, adaptive=adaptive, rho_max=self.rho_max,
+                reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
+            )
+            if adaptive:
+                self.aggregate_rho.fill_(step.next_rho)
+            self.natural_steps += 1
+            loss_value = torch.tensor(float("nan"))
+            if learn:
+                R = world_size()
+                for k in range(self.hyper_steps):
+                    if k > 0 and train_cnn:
+                        z = self.standardized(x, grad=True)
+                    objective = self.gp.aggregate_objective(z, batch.bag_index, y, w, batch.num_bags)
+                    loss = -R * objective / global_instances
+                    opt.zero_grad(set_to_none=True)
+                    self.manual_backward(loss)
+                    opt.step()
+                    loss_value = loss.detach() / R
+                self.gp.clear_caches()
+            if self.mode == "end_to_end":
+                self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
+        self.log("train/rho", step.rho, batch_size=batch.num_bags)
+        self.log("train/elbo", step.elbo, batch_size=batch.num_bags)
+        if learn:
+            self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
+        return loss_value
+
     def on_train_epoch_end(self) -> None:
-        if not self._locals:
+        if not self._locals and not self.gp.is_aggregate:
             return
         # the training ELBO on this epoch's last batch is cheap only two-stage; log the kernel instead
         self.log("train/lengthscale", float(self.gp.gp.covar_module.base_kernel.lengthscale.detach().mean()))
@@ -305,6 +481,8 @@ class GPMILModule(BagModuleBase):
     # -- prediction ------------------------------------------------------------------------------
     @torch.no_grad()
     def predict_records(self, batch: BagBatch) -> list[dict]:
+        if self.gp.is_aggregate:
+            return self._aggregate_records(batch)
         h = self.features(batch.x)
         with self._float64():
             z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
@@ -315,6 +493,49 @@ class GPMILModule(BagModuleBase):
         return self.make_records(
             batch, pred["bag_prob"], pred["bag_std"], pred["instance_prob"], pred["instance_std"], extra=extra
         )
+
+    @torch.no_grad()
+    def _aggregate_records(self, batch: BagBatch) -> list[dict]:
+        x, w = self.split_inputs(batch)
+        h = self.features(x)
+        with self._float64():
+            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            w = None if w is None else w.to(torch.float64)
+            pred = self.gp.predict_aggregate(z, batch.bag_index, batch.num_bags, w, batch.bag_labels.to(z))
+        extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
+        if self.extractor is not None:
+            extra["features"] = h.float()
+        records = self.make_records(
+            batch, pred["y_mean"], pred["y_var"].clamp_min(0).sqrt(), pred["rate_mean"], pred["rate_std"], extra=extra
+        )
+        for b, r in enumerate(records):
+            r["y_mean"], r["y_var"] = float(pred["y_mean"][b]), float(pred["y_var"][b])
+            r["bag_rate_mean"], r["bag_rate_var"] = float(pred["bag_rate_mean"][b]), float(pred["bag_rate_var"][b])
+            r["bag_nll"] = float(pred["bag_nll"][b])
+        return records
+
+    def _aggregate_metrics(self, records: list[dict]) -> dict[str, float]:
+        return aggregate_records_metrics(records, poisson=isinstance(self.gp.likelihood, PoissonAggregateLikelihood))
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.gp.is_aggregate:
+            return super().on_validation_epoch_end()
+        records = self.gather_records(self._val_records)
+        self._val_records = []
+        self.val_metrics = self._aggregate_metrics(records)
+        for k, v in self.val_metrics.items():
+            if not k.endswith("count"):
+                self.log(f"val/{k}", float(v), prog_bar=k == "bag_nll", sync_dist=False)
+
+    def on_test_epoch_end(self) -> None:
+        if not self.gp.is_aggregate:
+            return super().on_test_epoch_end()
+        self.test_records = self.gather_records(self._test_records)
+        self._test_records = []
+        self.test_metrics = self._aggregate_metrics(self.test_records)
+        for k, v in self.test_metrics.items():
+            if not k.endswith("count"):
+                self.log(f"test/{k}", float(v), sync_dist=False)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -328,3 +549,4 @@ class GPMILModule(BagModuleBase):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._locals = {k: v.to(torch.float64) for k, v in checkpoint.get("gp_locals", {}).items()}
         self.num_train_bags = checkpoint.get("gp_num_train_bags")
+
