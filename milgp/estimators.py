@@ -18,7 +18,15 @@ from milgp.likelihoods.psi import GSMDensity
 from milgp.models.sparse_gp import SparseGP
 from milgp.variational.fit import FitResult, fit_closed_form
 
-__all__ = ["ProbitMILClassifier", "VBAggRegressor", "VGPMILClassifier", "check_bag_weights", "check_bags", "check_binary_bag_labels"]
+__all__ = [
+    "ProbitMILClassifier",
+    "VBAggRegressor",
+    "VGPMILClassifier",
+    "check_bag_weights",
+    "check_bags",
+    "check_binary_bag_labels",
+    "grouped_bag_probability",
+]
 
 
 def check_bags(bags: Sequence[Any], name: str = "bags") -> list[np.ndarray]:
@@ -71,6 +79,43 @@ def _dtype(name: str) -> torch.dtype:
     if name not in ("float64", "float32"):
         raise ValueError(f"dtype must be 'float64' or 'float32', got {name!r}")
     return torch.float64 if name == "float64" else torch.float32
+
+
+PREDICT_CHUNK_INSTANCES = 32768
+"""Joint bag predictions: at most this many instances per group of bags (unless one bag is larger)."""
+PREDICT_BLOCK_BUDGET = 2**22
+"""Joint bag predictions: a group of ``B_g`` bags padded to its largest bag ``n_g`` has
+``B_g·n_g² ≤`` this many covariance entries (4.2 M, 32 MiB in float64) unless one bag alone is larger."""
+
+
+def grouped_bag_probability(
+    model: SparseGP,
+    x: torch.Tensor,
+    bag_index: torch.Tensor,
+    num_bags: int,
+    rule: Any,
+    chunk_instances: int | None = None,
+    block_budget: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply a padded joint bag rule ``rule(mean_pad, cov_pad, mask) -> (p, err)`` group by group.
+
+    Bags are packed smallest first into groups of whole bags with
+    :func:`milgp.variational.aggregate_fit.make_bag_groups` (the aggregate-output path's grouping), so
+    :meth:`SparseGP.bag_covariances` pads each group only to *its own* largest bag: peak memory is
+    ``O(block_budget + chunk_instances · M)`` entries (or one bag's ``n_b² + n_b·M`` when that is
+    larger) instead of ``B · n_max²`` — one bag of 300 among 599 bags of 5 no longer pads all 600
+    bags to 300. Returns ``(p, err)``, each ``(B,)``, in the original bag order.
+    """
+    from milgp.variational.aggregate_fit import make_bag_groups
+
+    chunk_instances = PREDICT_CHUNK_INSTANCES if chunk_instances is None else chunk_instances
+    block_budget = PREDICT_BLOCK_BUDGET if block_budget is None else block_budget
+    p = x.new_zeros(num_bags)
+    err = x.new_zeros(num_bags)
+    for g in make_bag_groups(bag_index, num_bags, chunk_instances, block_budget):
+        mean_pad, cov_pad, mask = model.bag_covariances(x[g.inst], g.local, g.num_bags)
+        p[g.bags], err[g.bags] = rule(mean_pad, cov_pad, mask)
+    return p, err
 
 
 class VGPMILClassifier(ClassifierMixin, BaseEstimator):
@@ -238,9 +283,11 @@ class VGPMILClassifier(ClassifierMixin, BaseEstimator):
             elif self.bag_rule == "max":
                 p, s = lik.bag_probability_max(mean, var, bag_index, B)
             else:
-                mean_pad, cov_pad, mask = self.model_.bag_covariances(x, bag_index, B)
+                # groups of bags of similar size (bounded padding); one generator across groups
                 gen = torch.Generator(device=x.device).manual_seed(self.random_state)
-                p, s = lik.bag_probability_joint(mean_pad, cov_pad, mask, generator=gen)
+                p, s = grouped_bag_probability(
+                    self.model_, x, bag_index, B, lambda m, c, k: lik.bag_probability_joint(m, c, k, generator=gen)
+                )
         return p.cpu().numpy(), s.cpu().numpy()
 
     def predict(self, bags: Sequence[Any]) -> np.ndarray:
@@ -525,8 +572,11 @@ class ProbitMILClassifier(VGPMILClassifier):
     ``warmup_iter`` CAVI sweeps, then sweeps alternating with Adam steps on that bound.
 
     ``inference="gibbs"`` then runs the collapsed Gibbs sampler (seed 003 §3.5) at the same
-    hyperparameters, started from the VI posterior, and predicts by averaging over its draws
-    (:attr:`gibbs_` holds the draws, :attr:`gibbs_summary_` split-R̂ and ESS).
+    hyperparameters, started from over-dispersed draws around the VI posterior, and predicts by
+    averaging over its draws (:attr:`gibbs_` holds the draws, :attr:`gibbs_summary_` split-R̂ and
+    ESS). Gibbs bag predictions use the FITC conditional (instances of a bag independent given the
+    inducing values) while VI's ``"joint"`` rule uses the full within-bag covariance, so the two
+    differ at bag level by construction when ``M ≪ N``.
 
     Args:
         inference: ``"vi"`` or ``"gibbs"``.
@@ -536,6 +586,9 @@ class ProbitMILClassifier(VGPMILClassifier):
             (instances independent) or ``"max"``.
         num_qmc_points, qmc_replicates: orthant integration (standard error from the replicates).
         num_samples, burn_in, thin, num_chains: Gibbs settings (kept draws per chain).
+        init_dispersion: the Gibbs chains start from independent draws of the VI ``q(v) = N(m, S)``
+            with covariance inflated to ``init_dispersion · S`` (default 4: over-dispersed, so that
+            split-R̂ can flag chains that have not converged; see docs/probit.md).
         Other arguments as :class:`VGPMILClassifier`.
     """
 
@@ -560,6 +613,7 @@ class ProbitMILClassifier(VGPMILClassifier):
         burn_in: int = 500,
         thin: int = 1,
         num_chains: int = 4,
+        init_dispersion: float = 4.0,
         dtype: str = "float64",
         device: str = "cpu",
         random_state: int = 0,
@@ -584,6 +638,7 @@ class ProbitMILClassifier(VGPMILClassifier):
         self.burn_in = burn_in
         self.thin = thin
         self.num_chains = num_chains
+        self.init_dispersion = init_dispersion
         self.dtype = dtype
         self.device = device
         self.random_state = random_state
@@ -615,6 +670,7 @@ class ProbitMILClassifier(VGPMILClassifier):
                 thin=self.thin,
                 num_chains=self.num_chains,
                 init=self.model_.whitened_posterior(),
+                init_dispersion=self.init_dispersion,
                 seed=self.random_state,
                 progress=self.verbose,
             )
@@ -623,7 +679,8 @@ class ProbitMILClassifier(VGPMILClassifier):
 
     def predict_bag_proba(self, bags: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """Positive-bag probability ``(B,)`` and its error ``(B,)``: the randomised-QMC standard error
-        of the orthant probability (VI, ``"joint"``), the Monte-Carlo standard error over draws
+        of the orthant probability (VI, ``"joint"``; bags grouped by size, see
+        :func:`grouped_bag_probability`), the Monte-Carlo standard error over draws ``sd/sqrt(ESS)``
         (Gibbs, ``"joint"``), or the std of the rule's value (``"noisy_or"`` → 0, ``"max"``)."""
         if getattr(self, "gibbs_", None) is None and self.bag_rule != "joint":
             return super().predict_bag_proba(bags)
@@ -642,10 +699,14 @@ class ProbitMILClassifier(VGPMILClassifier):
                         p = pi.new_full((B,), -1.0).scatter_reduce(0, bag_index, pi, "amax", include_self=True)
                     s = torch.zeros_like(p)
             else:
-                mean_pad, cov_pad, mask = self.model_.bag_covariances(x, bag_index, B)
-                p, s = self.likelihood_.bag_probability_orthant(
-                    mean_pad, cov_pad, mask, num_points=self.num_qmc_points, replicates=self.qmc_replicates, seed=self.random_state
-                )
+                # bags grouped by size (each group padded only to its own largest bag); the orthant
+                # estimate of a bag does not depend on its group (same Sobol points per bag size)
+                def orthant(mean_pad: torch.Tensor, cov_pad: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    return self.likelihood_.bag_probability_orthant(
+                        mean_pad, cov_pad, mask, num_points=self.num_qmc_points, replicates=self.qmc_replicates, seed=self.random_state
+                    )
+
+                p, s = grouped_bag_probability(self.model_, x, bag_index, B, orthant)
         return p.cpu().numpy(), s.cpu().numpy()
 
     def predict_instance_proba(self, bags: Sequence[Any], return_std: bool = False) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:

@@ -21,8 +21,9 @@ most constraining first), Genz & Bretz's simple variance-reducing prior ordering
 
 The product is accumulated in log space (``log_ndtr``) and ``Φ⁻¹(w e)`` is evaluated on the
 smaller side (``−Φ⁻¹(1 − w e)`` with ``1 − w e = (1 − w) + w Φ(−b)``) so that nothing underflows or
-loses precision for bags of 100+ instances or near-certain bags. Bags are padded to ``n_max``;
-padded coordinates (identity covariance, masked out) contribute a factor 1.
+loses precision for bags of 100+ instances or near-certain bags. Padded input (``(B, n_max)`` with a
+mask) is accepted, but the padding is cut off: bags are integrated in batches of equal real size,
+so a bag's estimate does not depend on the other bags of the call nor on how far it was padded.
 """
 from __future__ import annotations
 
@@ -46,6 +47,12 @@ def orthant_probability(
 ) -> tuple[Tensor, Tensor]:
     """``P(X < 0)`` for ``X ~ N(mean_b, cov_b)``, per bag, and its randomised-QMC standard error.
 
+    Bags are handled in batches of equal *real* size ``n_b`` (the padding is cut off first): each
+    batch loops over its own ``n_b`` coordinates with ``n_b − 1``-dimensional Sobol points, so a
+    bag's estimate depends only on its own coordinates, ``num_points``, ``replicates`` and ``seed`` —
+    not on how far it was padded or which bags share the call (a bag of 5 next to one of 300 costs
+    5 steps, not 300).
+
     Args:
         mean: ``(B, n)`` padded means.
         cov: ``(B, n, n)`` padded covariances (padded rows/columns: identity).
@@ -54,25 +61,47 @@ def orthant_probability(
         replicates: independent scramblings (≥ 2 for a standard error).
         seed: seed of the first scrambling (replicate ``r`` uses ``seed + r``).
         reorder: sort coordinates by increasing marginal probability first.
-        max_elements: bags are processed in chunks so that ``replicates · num_points · chunk · n``
+        max_elements: bags are processed in chunks so that ``replicates · num_points · chunk · n_b``
             stays below this.
 
     Returns:
-        ``(p, stderr)``, each ``(B,)``. For ``n = 1`` the answer is exact (``stderr = 0``).
+        ``(p, stderr)``, each ``(B,)``. For ``n_b = 1`` the answer is exact (``stderr = 0``); a bag
+        with no real coordinate gets ``p = 1``.
     """
     if mean.ndim != 2 or cov.shape != mean.shape + mean.shape[-1:]:
         raise ValueError(f"expected mean (B, n) and cov (B, n, n), got {tuple(mean.shape)} and {tuple(cov.shape)}")
+    if replicates < 1 or num_points < 1:
+        raise ValueError("replicates and num_points must be positive")
     B, n = mean.shape
     if mask is None:
         mask = torch.ones_like(mean, dtype=torch.bool)
-    if replicates < 1 or num_points < 1:
-        raise ValueError("replicates and num_points must be positive")
-    sd = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(1e-300).sqrt()
+    mask = mask.to(torch.bool)
+    p = mean.new_ones(B)
+    se = mean.new_zeros(B)
+    sizes = mask.sum(1)
+    for k in torch.unique(sizes).tolist():
+        if k == 0:
+            continue
+        idx = torch.nonzero(sizes == k, as_tuple=True)[0]
+        b = idx.shape[0]
+        # real coordinates first, in their original order; then drop the padding
+        keep = torch.argsort((~mask[idx]).to(torch.int8), dim=1, stable=True)[:, :k]
+        m_k = torch.gather(mean[idx], 1, keep)
+        c_k = cov[idx]
+        c_k = torch.gather(torch.gather(c_k, 1, keep.unsqueeze(-1).expand(b, k, n)), 2, keep.unsqueeze(1).expand(b, k, k))
+        p[idx], se[idx] = _orthant_dense(m_k, c_k, num_points, replicates, seed, reorder, max_elements)
+    return p, se
+
+
+def _orthant_dense(
+    mean: Tensor, cov: Tensor, num_points: int, replicates: int, seed: int, reorder: bool, max_elements: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`orthant_probability` for unpadded bags of one size ``n``: ``mean (B, n)``, ``cov (B, n, n)``."""
+    B, n = mean.shape
+    sd = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
     if reorder and n > 1:
-        key = torch.where(mask, torch.special.log_ndtr(-mean / sd), torch.full_like(mean, math.inf))
-        order = torch.argsort(key, dim=1)
+        order = torch.argsort(torch.special.log_ndtr(-mean / sd), dim=1, stable=True)
         mean = torch.gather(mean, 1, order)
-        mask = torch.gather(mask, 1, order)
         cov = torch.gather(torch.gather(cov, 1, order.unsqueeze(-1).expand(B, n, n)), 2, order.unsqueeze(1).expand(B, n, n))
     L, info = torch.linalg.cholesky_ex(cov)
     if bool((info != 0).any()):
@@ -86,9 +115,9 @@ def orthant_probability(
             ]
         ).to(device=mean.device, dtype=mean.dtype)  # (R, S, n-1)
     else:
-        w = mean.new_zeros(replicates, num_points, 0)
         num_points = 1
-        w = w[:, :1]
+        w = mean.new_zeros(replicates, 1, 0)
+    mask = torch.ones_like(mean, dtype=torch.bool)
     chunk = max(1, max_elements // max(1, replicates * num_points * n))
     ps, ses = [], []
     for start in range(0, B, chunk):

@@ -15,13 +15,20 @@ The ``m`` of a positive bag are updated one position at a time (all bags and all
 each update seeing the bag-mates' latest values), so every state satisfies the constraint; the
 negative-bag ``m`` are conditionally independent and drawn in one go. Truncated normals are drawn
 exactly (:func:`milgp.likelihoods.truncated_normal.sample_truncated`). Chains are vectorised
-(``(C, M)`` and ``(C, N)`` tensors), start from ``q(v)`` when given (else the prior), and report
-split-R̂ and ESS (:mod:`milgp.sampling.diagnostics`) of the latent means ``μ₀_n + A_nᵀ v`` of up to
-``diagnostic_instances`` training instances.
+(``(C, M)`` and ``(C, N)`` tensors) and start from independent draws of ``N(m, c·S)`` for a given
+``q(v) = N(m, S)`` — over-dispersed by ``c = init_dispersion`` (default 4) so that split-R̂ can
+reveal chains that still remember their start — or of the prior when no ``q(v)`` is given. They
+report split-R̂ and ESS (:mod:`milgp.sampling.diagnostics`) of the latent means ``μ₀_n + A_nᵀ v``
+of up to ``diagnostic_instances`` training instances.
 
 Predictions average over the kept draws of ``v`` and are Rao–Blackwellised over ``f*`` and ``m*``:
 ``P(h* = 1 | v) = Φ(μ*(v)/sqrt(1 + K̃**))`` and, FITC making the ``f*`` of a bag independent given
-``v``, ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` (no orthant integral needed).
+``v``, ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` (no orthant integral needed). Note that
+this is the FITC conditional: VI's ``bag_rule="joint"`` prediction instead uses the full
+within-bag covariance of ``q(f*_b)`` (including ``K_bb − A_bᵀA_b``), so bag-level VI-vs-Gibbs
+comparisons differ by construction when ``M ≪ N`` (``K̃`` not ≈ 0). Bag-probability standard
+errors use the effective sample size of the per-draw values. Predictions work in bounded blocks of
+``max_elements`` (draw, instance) entries (see :class:`ProbitGibbsResult`).
 """
 from __future__ import annotations
 
@@ -39,8 +46,17 @@ from milgp.likelihoods.truncated_normal import sample_truncated
 from milgp.linalg import robust_cholesky
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 from milgp.sampling.diagnostics import effective_sample_size, split_rhat
+from milgp.variational.aggregate_fit import make_bag_groups
 
-__all__ = ["ProbitGibbsResult", "sample_probit_posterior"]
+__all__ = ["DEFAULT_INIT_DISPERSION", "DEFAULT_MAX_ELEMENTS", "ProbitGibbsResult", "sample_probit_posterior"]
+
+DEFAULT_MAX_ELEMENTS = 2**22
+"""Default bound on the (draw, instance[, node]) entries of one prediction block (4.2 M: 32 MiB
+in float64 per temporary)."""
+
+DEFAULT_INIT_DISPERSION = 4.0
+"""Default inflation of the starting covariance: chains start from ``N(m, 4·S)`` for a given
+``q(v) = N(m, S)`` (twice its standard deviation)."""
 
 
 @dataclass
@@ -54,6 +70,8 @@ class ProbitGibbsResult:
         ess: ``(K,)`` effective sample sizes of the same.
         monitored: ``(K,)`` indices of the monitored training instances.
         seconds: wall time.
+        v_start: ``(C, M)`` the chains' starting points (over-dispersed draws, see
+            :func:`sample_probit_posterior`).
     """
 
     v: Tensor
@@ -63,6 +81,7 @@ class ProbitGibbsResult:
     monitored: Tensor
     seconds: float = 0.0
     settings: dict = field(default_factory=dict)
+    v_start: Tensor | None = None
 
     @property
     def draws(self) -> Tensor:
@@ -82,33 +101,122 @@ class ProbitGibbsResult:
         }
 
     # -- predictions ----------------------------------------------------------------------------
-    def _latent_draws(self, model: SparseGP, x: Tensor) -> tuple[Tensor, Tensor]:
+    # Peak memory: every prediction works on blocks of at most ``max_elements`` (draw, instance)
+    # pairs — ``(s, n_c)`` latent means, ``(s, n_c, num_points)`` quadrature nodes — plus the
+    # ``(M, n_c)`` projection of the current instance chunk and the ``(C·S, M)`` draws themselves,
+    # instead of ``(C·S, N)`` / ``(C·S, N, 32)`` tensors over all test instances at once
+    # (2,000 instances × 4,000 draws × 32 nodes was ≈ 2 GB per temporary, ≈ 7 GB in all).
+    def _projection(self, model: SparseGP, x: Tensor, L: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(prior_mean, A, K̃)`` of ``x`` ``(n_c, D)``: ``(n_c,)``, ``(M, n_c)``, ``(n_c,)``."""
+        proj = model.projection(x, L)
+        resid = (proj.prior_var - (proj.A * proj.A).sum(0)).clamp_min(0.0)  # K̃_nn
+        return proj.prior_mean, proj.A, resid
+
+    def latent_mean(self, model: SparseGP, x: Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
+        """Posterior mean of ``f*`` ``(N,)``; instances in chunks of ``max_elements // (C·S)``."""
+        draws = self.draws
+        S = draws.shape[0]
+        chunk = max(1, max_elements // S)
+        out = []
         with torch.no_grad():
-            proj = model.projection(x)
-            mu = proj.prior_mean + self.draws @ proj.A  # (S, N)
-            resid = (proj.prior_var - (proj.A * proj.A).sum(0)).clamp_min(0.0)  # K̃_nn
-        return mu, resid
+            L = model.inducing_cholesky()
+            for start in range(0, x.shape[0], chunk):
+                mu0, A, _ = self._projection(model, x[start : start + chunk], L)
+                out.append((mu0 + draws @ A).mean(0))
+        return torch.cat(out) if out else x.new_zeros(0)
 
-    def latent_mean(self, model: SparseGP, x: Tensor) -> Tensor:
-        """Posterior mean of ``f*`` ``(N,)``."""
-        mu, _ = self._latent_draws(model, x)
-        return mu.mean(0)
+    def instance_probability(
+        self, model: SparseGP, x: Tensor, num_points: int = 32, max_elements: int = DEFAULT_MAX_ELEMENTS
+    ) -> tuple[Tensor, Tensor]:
+        """``E[Φ(f*)]`` and ``std[Φ(f*)]`` under the posterior, ``(N,)`` each.
 
-    def instance_probability(self, model: SparseGP, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``E[Φ(f*)]`` and ``std[Φ(f*)]`` under the posterior, ``(N,)`` each."""
-        mu, resid = self._latent_draws(model, x)
-        p_s, sd_s = probit_instance_probability(mu, resid.expand_as(mu))
-        p = p_s.mean(0)
-        second = (sd_s * sd_s + p_s * p_s).mean(0)
-        return p, (second - p * p).clamp_min(0.0).sqrt()
+        Per draw ``v``: ``Φ(μ*(v)/sqrt(1 + K̃))`` and its std over ``f* | v`` (Sheppard, ``num_points``
+        Gauss–Legendre nodes), then the law of total variance over the draws. Memory: instances are
+        processed in chunks of ``n_c = max_elements // (C·S·num_points)`` (at least 1), so the
+        ``(C·S, n_c, num_points)`` quadrature tensor has at most ``max_elements`` entries; only when
+        ``C·S·num_points > max_elements`` are the draws also split (chunks of
+        ``max_elements // num_points``, sums accumulated), so peak memory is
+        ``O(max_elements + M·n_c + C·S·M)`` elements whatever ``N``. Chunking does not change the
+        result beyond floating-point rounding (tested).
+        """
+        draws = self.draws
+        S = draws.shape[0]
+        per_draw = S * num_points
+        if per_draw <= max_elements:
+            chunk, draw_chunk = max(1, max_elements // per_draw), S
+        else:
+            chunk, draw_chunk = 1, max(1, max_elements // num_points)
+        ps, sds = [], []
+        with torch.no_grad():
+            L = model.inducing_cholesky()
+            for start in range(0, x.shape[0], chunk):
+                mu0, A, resid = self._projection(model, x[start : start + chunk], L)
+                if draw_chunk == S:
+                    mu = mu0 + draws @ A  # (S, n_c)
+                    p_s, sd_s = probit_instance_probability(mu, resid.expand_as(mu), num_points)
+                    p = p_s.mean(0)
+                    second = (sd_s * sd_s + p_s * p_s).mean(0)
+                else:
+                    sum_p = mu0.new_zeros(mu0.shape)
+                    sum_2 = mu0.new_zeros(mu0.shape)
+                    for d0 in range(0, S, draw_chunk):
+                        mu = mu0 + draws[d0 : d0 + draw_chunk] @ A
+                        p_s, sd_s = probit_instance_probability(mu, resid.expand_as(mu), num_points)
+                        sum_p += p_s.sum(0)
+                        sum_2 += (sd_s * sd_s + p_s * p_s).sum(0)
+                    p, second = sum_p / S, sum_2 / S
+                ps.append(p)
+                sds.append((second - p * p).clamp_min(0.0).sqrt())
+        if not ps:
+            return x.new_zeros(0), x.new_zeros(0)
+        return torch.cat(ps), torch.cat(sds)
 
-    def bag_probability(self, model: SparseGP, x: Tensor, bag_index: Tensor, num_bags: int) -> tuple[Tensor, Tensor]:
-        """``P(Y* = 1)`` per bag and its Monte-Carlo standard error (draws treated as independent)."""
-        mu, resid = self._latent_draws(model, x)
-        log_neg = torch.special.log_ndtr(-mu / torch.sqrt(1.0 + resid))  # (S, N)
-        per_draw = torch.exp(segment_sum(log_neg.mT, bag_index, num_bags)).mT  # (S, B)
-        p = 1.0 - per_draw.mean(0)
-        return p.clamp(0.0, 1.0), per_draw.std(0) / math.sqrt(per_draw.shape[0])
+    def bag_probability_draws(
+        self, model: SparseGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
+    ) -> Tensor:
+        """Per-draw ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` laid out ``(C, S, B)``.
+
+        Bags are processed in groups of whole bags (:func:`milgp.variational.aggregate_fit.make_bag_groups`,
+        at most ``max_elements // (C·S)`` instances per group unless one bag alone is larger) and
+        the ``(s, n)`` latent means of a group in draw chunks of ``max_elements // n``, so apart
+        from the ``(C, S, B)`` output the peak is ``O(max_elements + M·n_g)`` elements, ``n_g`` the
+        largest group (≤ ``max(max_elements // (C·S), largest bag)``).
+        """
+        draws = self.draws
+        S = draws.shape[0]
+        C = self.v.shape[0]
+        out = x.new_zeros(S, num_bags)
+        with torch.no_grad():
+            L = model.inducing_cholesky()
+            for g in make_bag_groups(bag_index, num_bags, chunk_instances=max(1, max_elements // S)):
+                mu0, A, resid = self._projection(model, x[g.inst], L)
+                scale = torch.sqrt(1.0 + resid)
+                n_g = g.inst.shape[0]
+                draw_chunk = S if S * n_g <= max_elements else max(1, max_elements // n_g)
+                for d0 in range(0, S, draw_chunk):
+                    mu = mu0 + draws[d0 : d0 + draw_chunk] @ A  # (s, n_g)
+                    log_neg = torch.special.log_ndtr(-mu / scale)
+                    out[d0 : d0 + draw_chunk, g.bags] = torch.exp(segment_sum(log_neg.mT, g.local, g.num_bags)).mT
+        return out.reshape(C, S // C, num_bags)
+
+    def bag_probability(
+        self, model: SparseGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
+    ) -> tuple[Tensor, Tensor]:
+        """``P(Y* = 1)`` per bag and its Monte-Carlo standard error, ``(B,)`` each.
+
+        The estimate is ``1 − mean_draws P(Y* = 0 | v)`` (Rao–Blackwellised over ``f*``, ``m*``).
+        The draws of a Markov chain are autocorrelated, so the standard error is
+        ``sd_draws / sqrt(ESS)`` with the multi-chain effective sample size of the per-draw bag
+        probabilities (:func:`milgp.sampling.diagnostics.effective_sample_size`), not
+        ``sd / sqrt(C·S)`` (which would understate it by ``sqrt(C·S/ESS)``). Memory as
+        :meth:`bag_probability_draws`.
+        """
+        per_draw = self.bag_probability_draws(model, x, bag_index, num_bags, max_elements)  # (C, S, B)
+        flat = per_draw.reshape(-1, num_bags)
+        p = 1.0 - flat.mean(0)
+        ess = effective_sample_size(per_draw)
+        se = flat.std(0) / torch.sqrt(ess)
+        return p.clamp(0.0, 1.0), se
 
 
 def sample_probit_posterior(
@@ -120,6 +228,7 @@ def sample_probit_posterior(
     thin: int = 1,
     num_chains: int = 4,
     init: WhitenedPosterior | None = None,
+    init_dispersion: float = DEFAULT_INIT_DISPERSION,
     diagnostic_instances: int = 500,
     seed: int = 0,
     progress: bool = False,
@@ -129,11 +238,21 @@ def sample_probit_posterior(
     Args:
         batch: training bags (``x`` on the model's device/dtype, ``bag_labels`` in {0, 1}).
         num_samples: kept draws per chain (after ``burn_in`` iterations, every ``thin``-th).
-        init: start ``v`` from draws of this ``q(v)`` (e.g. the VI posterior); ``None``: the prior.
+        init: start each chain's ``v`` from an independent draw of this ``q(v) = N(m, S)`` (e.g. the
+            VI posterior) with its covariance inflated to ``init_dispersion · S``; ``None``: draws
+            of the prior ``N(0, I)``.
+        init_dispersion: covariance inflation ``≥ 1`` of the starting distribution (default 4, i.e.
+            twice q's standard deviation). Starting points over-dispersed relative to the target
+            make split-R̂ able to detect chains that have not forgotten their start; with
+            ``init_dispersion = 1`` every chain would start inside VI's (typically too narrow)
+            posterior and R̂ ≈ 1 could hide non-convergence. The starts are drawn from the
+            sampler's ``seed``, so runs are reproducible.
         diagnostic_instances: how many training instances' latent means feed R̂/ESS.
     """
     if num_samples < 4 or burn_in < 0 or thin < 1 or num_chains < 1:
         raise ValueError("need num_samples >= 4, burn_in >= 0, thin >= 1, num_chains >= 1")
+    if not (math.isfinite(init_dispersion) and init_dispersion >= 1.0):
+        raise ValueError(f"init_dispersion must be a finite number >= 1, got {init_dispersion!r}")
     start = time.perf_counter()
     gen = torch.Generator(device=batch.x.device).manual_seed(seed)
     x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
@@ -163,9 +282,10 @@ def sample_probit_posterior(
         C = num_chains
         if init is not None:
             L_S = robust_cholesky(init.S, what="initial q(v) covariance")
-            v = init.m + randn(C, M) @ L_S.mT
+            v = init.m + math.sqrt(init_dispersion) * (randn(C, M) @ L_S.mT)  # N(m, init_dispersion·S)
         else:
             v = randn(C, M)
+        v_start = v.clone()
         mean_m = mu0 + v @ A  # (C, N)
         m = sample_truncated(mean_m, sd.expand_as(mean_m), pos_inst.expand_as(mean_m), generator=gen)
 
@@ -210,5 +330,14 @@ def sample_probit_posterior(
         ess=ess,
         monitored=monitored,
         seconds=time.perf_counter() - start,
-        settings=dict(num_samples=num_samples, burn_in=burn_in, thin=thin, num_chains=num_chains, seed=seed),
+        v_start=v_start,
+        settings=dict(
+            num_samples=num_samples,
+            burn_in=burn_in,
+            thin=thin,
+            num_chains=num_chains,
+            seed=seed,
+            init="prior" if init is None else "q(v)",
+            init_dispersion=init_dispersion,
+        ),
     )

@@ -77,6 +77,40 @@ def test_log_hazard_and_log_neg_log_ndtr_match_mpmath():
         assert abs(b - float(rb)) <= 1e-13 * max(1.0, abs(float(rb)))
 
 
+def test_float32_is_finite_and_agrees_with_float64():
+    """If this fails, a float32 model (``dtype="float32"``) gets NaN/inf or loses more than float32
+    precision in the truncated-normal pieces for some μ ∈ [−30, 30]. In particular
+    log(−log Φ(x)) used ``exp(log q).clamp_min(1e-300)``, which underflows to 0 in float32 for
+    x ≳ 14 and made ``−log1p(−q)/q`` = 0/0 (NaN for every positive bag with an instance ν ≤ −14).
+    The reference is float64 at the *same* (float32-rounded) inputs, so only the arithmetic differs.
+    """
+    mu32 = torch.cat([torch.linspace(-30, 30, 2401), torch.tensor([-40.0, 14.0, 20.0, 30.0, 40.0, 2.0, 3.0])])
+    mu64 = mu32.double()
+    cases = [
+        (mean_below_zero, 4e-6),
+        (mean_above_zero, 4e-6),
+        (var_below_zero, 3e-5),  # 1 − h(h − μ) loses a few bits just below the continued-fraction switch
+        (var_above_zero, 3e-5),
+        (log_hazard, 2e-6),
+        (log_neg_log_ndtr, 2e-6),
+    ]
+    for fn, tol in cases:
+        got = fn(mu32)
+        assert got.dtype == torch.float32
+        assert torch.isfinite(got).all(), (fn.__name__, mu32[~torch.isfinite(got)])
+        ref = fn(mu64)
+        err = (got.double() - ref).abs() / ref.abs().clamp_min(1.0 if fn in (log_hazard, log_neg_log_ndtr) else 0.0)
+        assert float(err.max()) <= tol, (fn.__name__, float(err.max()), float(mu64[err.argmax()]))
+    # the variances stay strictly inside (0, 1]
+    v = var_below_zero(mu32)
+    assert ((v > 0) & (v <= 1)).all()
+    # the audit's reproducer: q = Φ(−x) underflows float32 for x ≳ 14; the answer is then log q
+    x = torch.tensor([20.0, 30.0, 40.0])
+    np.testing.assert_allclose(
+        log_neg_log_ndtr(x).double().numpy(), torch.special.log_ndtr(-x.double()).numpy(), rtol=1e-6
+    )
+
+
 def test_log1mexp_and_expm1_ratio():
     """If this fails, log(1 − eˣ) or log(expm1(s)/s) is inaccurate near 0 or far from it, i.e. the
     positive-bag normaliser is wrong when Π Φ(−μ) ≈ 1 or ≈ 0."""

@@ -107,3 +107,103 @@ def test_bad_arguments():
         sample_probit_posterior(model, batch, num_samples=2)
     with pytest.raises(ValueError):
         sample_probit_posterior(model, batch, thin=0)
+
+
+def test_chunked_predictions_equal_unchunked_and_respect_the_memory_bound(fitted, monkeypatch):
+    """If this fails, the memory-bounded Gibbs predictions (chunks over instances and draws) differ
+    from the one-shot computation beyond rounding, or a block exceeds ``max_elements`` entries —
+    i.e. predicting 2,000 instances with 4,000 draws would again build (C·S, N, 32) tensors (≈ 7 GB)."""
+    import milgp.sampling.probit_gibbs as pg
+
+    batch, model, _, gibbs = fitted
+    x, bi, B = batch.x, batch.bag_index, batch.num_bags
+    big = 10**12  # one block: the unchunked computation
+    ref_mean = gibbs.latent_mean(model, x, max_elements=big)
+    ref_p, ref_s = gibbs.instance_probability(model, x, max_elements=big)
+    ref_bag, ref_se = gibbs.bag_probability(model, x, bi, B, max_elements=big)
+    S = gibbs.draws.shape[0]
+
+    seen = []
+    orig_ipp, orig_seg = pg.probit_instance_probability, pg.segment_sum
+
+    def ipp(mean, var, num_points=32):
+        seen.append(mean.numel() * num_points)
+        return orig_ipp(mean, var, num_points)
+
+    def seg(values, index, num_bags):
+        seen.append(values.numel())
+        return orig_seg(values, index, num_bags)
+
+    monkeypatch.setattr(pg, "probit_instance_probability", ipp)
+    monkeypatch.setattr(pg, "segment_sum", seg)
+    # instance chunks only (7 instances of S·32 nodes), then instance and draw chunks
+    for budget, xs in ((S * 32 * 7, x), (4096, x[:40])):
+        seen.clear()
+        n = xs.shape[0]
+        torch.testing.assert_close(gibbs.latent_mean(model, xs, max_elements=budget), ref_mean[:n], rtol=1e-12, atol=1e-13)
+        p, s = gibbs.instance_probability(model, xs, max_elements=budget)
+        torch.testing.assert_close(p, ref_p[:n], rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(s, ref_s[:n], rtol=1e-10, atol=1e-12)
+        assert max(seen) <= budget, (max(seen), budget)
+    for budget in (S * 12, 1000):  # groups of ~2 bags; one bag per group with draw chunks
+        seen.clear()
+        p_bag, se = gibbs.bag_probability(model, x, bi, B, max_elements=budget)
+        torch.testing.assert_close(p_bag, ref_bag, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(se, ref_se, rtol=1e-10, atol=1e-13)
+        assert max(seen) <= budget, (max(seen), budget)
+
+
+def test_bag_standard_error_accounts_for_autocorrelation():
+    """If this fails, the Gibbs bag-probability standard error treats correlated draws as independent
+    (sd/sqrt(C·S) instead of sd/sqrt(ESS)). Synthetic AR(1) draws (ρ = 0.9, so ESS ≈ C·S/19):
+    across 150 independent replicate runs the spread of the estimate must match the mean reported
+    SE (ratio in [0.75, 1.33]); the i.i.d. formula would be ≈ 0.23 of it."""
+    from milgp.sampling.diagnostics import effective_sample_size
+    from milgp.sampling.probit_gibbs import ProbitGibbsResult
+
+    torch.manual_seed(0)
+    model = SparseGP(torch.tensor([[-1.0], [0.0], [1.0]], dtype=torch.float64), lengthscale=1.0, outputscale=1.0)
+    x = torch.tensor([[-0.8], [0.1], [0.5], [0.9]], dtype=torch.float64)
+    bi = torch.tensor([0, 0, 1, 1])
+    g = torch.Generator().manual_seed(3)
+    R, C, S, M, rho = 150, 2, 400, 3, 0.9
+    v = torch.empty(R, C, S, M, dtype=torch.float64)
+    v[:, :, 0] = torch.randn(R, C, M, dtype=torch.float64, generator=g)
+    for t in range(1, S):
+        v[:, :, t] = rho * v[:, :, t - 1] + math.sqrt(1 - rho**2) * torch.randn(R, C, M, dtype=torch.float64, generator=g)
+    ps, ses = [], []
+    for r in range(R):
+        res = ProbitGibbsResult(v=v[r], m_last=torch.zeros(C, 4), rhat=torch.ones(1), ess=torch.ones(1), monitored=torch.zeros(1))
+        p, se = res.bag_probability(model, x, bi, 2)
+        ps.append(p)
+        ses.append(se)
+        if r == 0:  # the formula itself
+            per = res.bag_probability_draws(model, x, bi, 2)
+            expected = per.reshape(-1, 2).std(0) / effective_sample_size(per).sqrt()
+            torch.testing.assert_close(se, expected)
+            assert (se > 3 * per.reshape(-1, 2).std(0) / math.sqrt(C * S)).all()
+    ratio = torch.stack(ps).std(0) / torch.stack(ses).mean(0)
+    assert ((ratio > 0.75) & (ratio < 1.33)).all(), ratio
+
+
+def test_chains_start_over_dispersed_and_reproducibly(fitted):
+    """If this fails, the chains start inside VI's q(v) (so split-R̂ cannot expose non-convergence),
+    the inflation factor is not the documented covariance multiplier, or a seed does not reproduce
+    a run."""
+    batch, model, _, _ = fitted
+    q = model.whitened_posterior()
+    C = 3000
+    res = sample_probit_posterior(model, batch, num_samples=4, burn_in=0, num_chains=C, init=q, seed=5)
+    assert res.settings["init_dispersion"] == 4.0
+    d = res.v_start - q.m
+    cov = d.mT @ d / C
+    # per-direction variance along q's eigenvectors: 4 × q's (sampling error ≈ sqrt(2/C) ≈ 2.6 %)
+    evals, evecs = torch.linalg.eigh(q.S)
+    ratio = torch.diagonal(evecs.mT @ cov @ evecs) / evals
+    assert float((ratio - 4.0).abs().max()) < 0.5, ratio
+    again = sample_probit_posterior(model, batch, num_samples=4, burn_in=0, num_chains=C, init=q, seed=5)
+    assert torch.equal(res.v, again.v) and torch.equal(res.v_start, again.v_start)
+    one = sample_probit_posterior(model, batch, num_samples=4, burn_in=0, num_chains=C, init=q, seed=5, init_dispersion=1.0)
+    torch.testing.assert_close(one.v_start - q.m, (res.v_start - q.m) / 2.0)
+    with pytest.raises(ValueError, match="init_dispersion"):
+        sample_probit_posterior(model, batch, num_samples=4, init=q, init_dispersion=0.5)
