@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import subprocess
 import time
 from pathlib import Path
@@ -210,3 +211,8 @@ def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None)
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set size (``ru_maxrss``) in GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1024**3  # ru_maxrss is KiB on Linux

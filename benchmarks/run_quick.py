@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-QUICK = ["convergence", "scaling", "reference_numpy", "prediction", "profile_fit"]
+QUICK = ["convergence", "scaling", "reference_numpy", "prediction", "profile_fit", "aggregate_scaling"]
 
 
 def main(argv=None) -> int:

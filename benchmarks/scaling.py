@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -26,13 +25,8 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
+from benchmarks.common import add_thread_arg, markdown_table, peak_rss_gib, set_threads, write_json
 
-GIB = 1024**3
-
-
-def _rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # ru_maxrss is KiB on Linux
 
 
 def child(N: int, M: int, sweeps: int, learn_iters: int, threads: int) -> dict:
@@ -46,7 +40,7 @@ def child(N: int, M: int, sweeps: int, learn_iters: int, threads: int) -> dict:
     del x, bi, bl
     model, lik, _ = make_model(batch, M)
     setup_s = time.perf_counter() - t0
-    rss_data = _rss_gib()
+    rss_data = peak_rss_gib()
     times, cpu = [], []
     last = [time.perf_counter(), time.process_time()]
 
@@ -63,7 +57,7 @@ def child(N: int, M: int, sweeps: int, learn_iters: int, threads: int) -> dict:
     out = {
         "N": N, "M": M, "s_per_sweep": per_sweep,
         "cpu_s_per_sweep": float(np.mean(cpu[1:])) if len(cpu) > 1 else cpu[0], "first_sweep_s": first, "A_setup_s": first - per_sweep,
-        "data_and_init_s": setup_s, "peak_rss_gib": _rss_gib(), "rss_after_data_gib": rss_data,
+        "data_and_init_s": setup_s, "peak_rss_gib": peak_rss_gib(), "rss_after_data_gib": rss_data,
         "elbo": res.elbo[-1], "threads": torch.get_num_threads(),
     }
     if learn_iters:
@@ -73,7 +67,7 @@ def child(N: int, M: int, sweeps: int, learn_iters: int, threads: int) -> dict:
         res2 = fit_closed_form(model2, lik2, batch, max_iter=learn_iters, tol=1e-5, learn_hyperparameters=True, hyper_steps=5, hyper_max_instances=20000)
         out.update({
             "full_fit_s": time.perf_counter() - t2, "full_fit_iterations": warm.iterations + res2.iterations,
-            "full_fit_elbo": res2.elbo[-1], "full_fit_peak_rss_gib": _rss_gib(),
+            "full_fit_elbo": res2.elbo[-1], "full_fit_peak_rss_gib": peak_rss_gib(),
         })
     return out
 

@@ -45,8 +45,17 @@ from milgp.linalg import robust_cholesky
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 
 # The pieces of one fit_aggregate iteration, reused as they are (not re-derived here).
-from milgp.variational.aggregate_fit import _Cache, _group_terms, _is_conjugate, _try_step
-from milgp.variational.aggregate_fit import aggregate_elbo, aggregate_natural_statistics, make_bag_groups, predict_bag_moments
+from milgp.variational.aggregate_fit import (
+    GroupCache,
+    aggregate_data_terms,
+    aggregate_elbo,
+    aggregate_natural_statistics,
+    group_terms,
+    is_conjugate,
+    make_bag_groups,
+    predict_bag_moments,
+    try_natural_step,
+)
 from milgp.variational.natural_update import NaturalStatistics, natural_statistics, natural_step
 
 __all__ = ["AggregateStep", "GPHead"]
@@ -159,7 +168,7 @@ class GPHead(nn.Module):
     @property
     def aggregate_conjugate(self) -> bool:
         """Aggregate likelihood with exact closed-form natural statistics (Normal): ρ = 1 is exact."""
-        return self.is_aggregate and _is_conjugate(self.likelihood)
+        return self.is_aggregate and is_conjugate(self.likelihood)
 
     # -- set-up ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -397,7 +406,8 @@ class GPHead(nn.Module):
         the (global) batch. The step is one iteration of :func:`fit_aggregate`:
 
         * ``adaptive=False``: step ``rho`` (ρ = 1 with the full batch is the Normal model's exact
-          optimum), halved until the new precision is positive definite;
+          optimum), halved until the new precision is positive definite and the batch's unbiased
+          ELBO estimate ``scale · data − KL`` does not fall;
         * ``adaptive=True`` (full batch, non-conjugate): backtracking from ``rho`` — accepted when
           the ELBO does not decrease, then ρ ← min(``rho_max``, 1.5ρ) for the next step.
         """
@@ -405,7 +415,7 @@ class GPHead(nn.Module):
         z = z.detach().to(torch.float64)
         batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
         groups = self.aggregate_groups(bag_index, num_bags)
-        cache = _Cache(self.gp, lik, batch, groups, self.cache_entries)
+        cache = GroupCache(self.gp, lik, batch, groups, self.cache_entries)
         q = self.posterior()
         stats, data = aggregate_natural_statistics(self.gp, lik, batch, groups, q, cache=cache)
         if reduce is not None:
@@ -418,7 +428,7 @@ class GPHead(nn.Module):
         with torch.no_grad():
             if adaptive:
                 while True:
-                    q_new = _try_step(q, stats, r, scale)
+                    q_new = try_natural_step(q, stats, r, scale)
                     if q_new is not None:
                         value = aggregate_elbo(self.gp, lik, batch, groups, q_new, cache)
                         if reduce_value is not None:  # the data term is a sum over ranks, KL is not
@@ -432,11 +442,26 @@ class GPHead(nn.Module):
                     if r < 1e-6:
                         break
             else:
+                # the batch's unbiased ELBO estimate must not fall (as in fit_aggregate's minibatch
+                # path); the Normal model's full-batch step is exact and needs no check
+                exact = self.aggregate_conjugate and scale == 1.0
+                estimate_old = scale * data - kl
+
+                def ascends(q_new) -> bool:
+                    data_new = aggregate_data_terms(self.gp, lik, batch, groups, q_new, cache)
+                    if reduce_value is not None:
+                        data_new = reduce_value(data_new)
+                    value = scale * data_new - float(q_new.kl_divergence())
+                    return math.isfinite(value) and value >= estimate_old - 1e-9 * abs(estimate_old)
+
                 while True:
-                    q_new = _try_step(q, stats, r, scale)
-                    if q_new is not None or r < 1e-6:
+                    q_new = try_natural_step(q, stats, r, scale)
+                    if q_new is not None and (exact or ascends(q_new)):
                         break
+                    q_new = None
                     r *= 0.5
+                    if r < 1e-6:
+                        break
                 if q_new is not None:
                     new, used = q_new, r
                 r = float(rho)
@@ -453,7 +478,7 @@ class GPHead(nn.Module):
         q = self.posterior()
         L = self.gp.inducing_cholesky()
         groups = self.aggregate_groups(bag_index, num_bags)
-        return torch.stack([_group_terms(self.gp, lik, batch, g, q.m, q.S, L, True).sum() for g in groups]).sum()
+        return torch.stack([group_terms(self.gp, lik, batch, g, q.m, q.S, L, True).sum() for g in groups]).sum()
 
     @torch.no_grad()
     def aggregate_elbo(self, z: Tensor, bag_index: Tensor, bag_targets: Tensor, weights: Tensor | None, num_bags: int) -> float:

@@ -49,11 +49,16 @@ from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 __all__ = [
     "AggregateFitResult",
     "BagGroup",
+    "GroupCache",
+    "aggregate_data_terms",
     "aggregate_elbo",
     "aggregate_natural_statistics",
     "fit_aggregate",
+    "group_terms",
+    "is_conjugate",
     "make_bag_groups",
     "predict_bag_moments",
+    "try_natural_step",
 ]
 
 
@@ -130,7 +135,7 @@ def _prepare(model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, 
     return _Cached(proj, block)
 
 
-def _group_terms(
+def group_terms(
     model: SparseGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
@@ -153,7 +158,7 @@ def _group_terms(
     return likelihood.bag_terms(y, w, mean, var, group.local, group.num_bags, blocks)
 
 
-class _Cache:
+class GroupCache:
     """Per-group :class:`_Cached` while the hyperparameters are fixed, if it fits in
     ``max_entries`` floats (else recomputed on the fly)."""
 
@@ -187,15 +192,26 @@ def aggregate_elbo(
     batch: BagBatch,
     groups: list[BagGroup],
     q: WhitenedPosterior | None = None,
-    cache: _Cache | None = None,
+    cache: GroupCache | None = None,
 ) -> float:
     """The VBAgg objective: ``Σ_a bag_terms − KL(q(v) ‖ N(0, I))`` (float)."""
     q = model.whitened_posterior() if q is None else q
+    return aggregate_data_terms(model, likelihood, batch, groups, q, cache) - float(q.kl_divergence())
+
+
+def aggregate_data_terms(
+    model: SparseGP,
+    likelihood: AggregateLikelihood,
+    batch: BagBatch,
+    groups: list[BagGroup],
+    q: WhitenedPosterior,
+    cache: GroupCache | None = None,
+) -> float:
+    """``Σ_a bag_terms`` over the bags of ``groups`` under ``q`` (float; no KL)."""
     with torch.no_grad():
         L = model.inducing_cholesky() if cache is None or not cache.enabled else None
         items = cache.get() if cache is not None else [None] * len(groups)
-        data = sum(float(_group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum()) for g, c in zip(groups, items))
-        return data - float(q.kl_divergence())
+        return sum(float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum()) for g, c in zip(groups, items))
 
 
 def aggregate_natural_statistics(
@@ -205,7 +221,7 @@ def aggregate_natural_statistics(
     groups: list[BagGroup],
     q: WhitenedPosterior,
     closed_form: bool = True,
-    cache: _Cache | None = None,
+    cache: GroupCache | None = None,
 ) -> tuple[NaturalStatistics, float]:
     """Natural-gradient statistics ``(h, G)`` of the data term at ``q`` and the data term's value.
 
@@ -215,7 +231,7 @@ def aggregate_natural_statistics(
     items = cache.get() if cache is not None else [None] * len(groups)
     with torch.no_grad():
         L = model.inducing_cholesky()
-    if closed_form and _is_conjugate(likelihood):
+    if closed_form and is_conjugate(likelihood):
         stats, value = None, 0.0
         w_all = _weights(batch)
         with torch.no_grad():
@@ -224,14 +240,14 @@ def aggregate_natural_statistics(
                 part = likelihood.closed_form_statistics(
                     batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local, g.num_bags
                 )
-                value += float(_group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum())
+                value += float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum())
                 stats = part if stats is None else stats + part
         return stats, value
     m = q.m.detach().clone().requires_grad_(True)
     S = q.S.detach().clone().requires_grad_(True)
     value = 0.0
     for g, c in zip(groups, items):
-        terms = _group_terms(model, likelihood, batch, g, m, S, L, False, c).sum()
+        terms = group_terms(model, likelihood, batch, g, m, S, L, False, c).sum()
         terms.backward()
         value += float(terms.detach())
     gm = m.grad if m.grad is not None else torch.zeros_like(m)
@@ -241,11 +257,13 @@ def aggregate_natural_statistics(
     return NaturalStatistics(h=h.detach(), G=(-2.0 * gS).detach()), value
 
 
-def _is_conjugate(likelihood: AggregateLikelihood) -> bool:
+def is_conjugate(likelihood: AggregateLikelihood) -> bool:
+    """Whether ``likelihood`` has closed-form natural statistics (the Normal model): its natural
+    step with ρ = 1 on all bags is the exact optimum of q(v)."""
     return type(likelihood).closed_form_statistics is not AggregateLikelihood.closed_form_statistics
 
 
-def _try_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float, scale: float) -> WhitenedPosterior | None:
+def try_natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float, scale: float) -> WhitenedPosterior | None:
     """``η ← (1−ρ)η + ρη̂`` or ``None`` when the new precision is not positive definite."""
     eta1_hat, P_hat = stats.targets(scale)
     P = (1.0 - rho) * q.precision + rho * P_hat
@@ -283,9 +301,18 @@ def _hyper_step(
     optimizer.zero_grad(set_to_none=True)
     for g in groups:
         L = model.inducing_cholesky()
-        terms = _group_terms(model, likelihood, batch, g, q.m, q.S, L, True).sum()
+        terms = group_terms(model, likelihood, batch, g, q.m, q.S, L, True).sum()
         (-terms / normaliser).backward()
     optimizer.step()
+
+
+def _ascends(
+    model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup],
+    q_new: WhitenedPosterior, scale: float, elbo_before: float,
+) -> bool:
+    """Whether ``scale · Σ_{a∈groups} bag_terms − KL`` under ``q_new`` is finite and not below ``elbo_before``."""
+    value = scale * aggregate_data_terms(model, likelihood, batch, groups, q_new) - float(q_new.kl_divergence())
+    return math.isfinite(value) and value >= elbo_before - 1e-9 * abs(elbo_before)
 
 
 def fit_aggregate(
@@ -320,7 +347,9 @@ def fit_aggregate(
         tol: stop when the relative ELBO change stays below ``tol`` for two iterations.
         rho0, rho_max: initial and largest natural step (non-conjugate likelihoods).
         bags_per_batch: minibatches of whole bags with Robbins–Monro steps ``schedule``
-            (default :class:`RobbinsMonro` ``τ = 1, κ = 0.6``) scaled by ``rho_max``.
+            (default :class:`RobbinsMonro` ``τ = 1, κ = 0.6``) scaled by ``rho_max``; a step that
+            lowers the minibatch's unbiased ELBO estimate ``(B / B_mb) Σ_{a∈mb} bag_terms − KL`` is
+            halved until it does not (conjugate models with the whole data in one batch: exact step).
         chunk_instances, block_budget: memory bounds of one chunk of bags (module docstring).
         cache_entries: keep the q-independent projections/kernel blocks of all chunks between
             hyperparameter steps when they fit in this many floats (else recompute per pass).
@@ -331,8 +360,8 @@ def fit_aggregate(
     likelihood.check_data(batch.bag_labels, _weights(batch), batch.bag_index, B)
     budget = block_budget if likelihood.needs_covariance else None
     groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget)
-    conjugate = _is_conjugate(likelihood)
-    cache = _Cache(model, likelihood, batch, groups, cache_entries)
+    conjugate = is_conjugate(likelihood)
+    cache = GroupCache(model, likelihood, batch, groups, cache_entries)
     params = list(model.hyperparameters()) + list(likelihood.parameters())
     optimizer = torch.optim.Adam(params, lr=lr) if learn_hyperparameters and params else None
     schedule = schedule or RobbinsMonro()
@@ -365,10 +394,10 @@ def fit_aggregate(
             stats, data = aggregate_natural_statistics(model, likelihood, batch, groups, q, cache=cache)
             elbo_old = data - float(q.kl_divergence())
             if conjugate:
-                q = _try_step(q, stats, 1.0, 1.0) or q
+                q = try_natural_step(q, stats, 1.0, 1.0) or q
             else:
                 while True:
-                    q_new = _try_step(q, stats, rho, 1.0)
+                    q_new = try_natural_step(q, stats, rho, 1.0)
                     if q_new is not None:
                         elbo_new = aggregate_elbo(model, likelihood, batch, groups, q_new, cache)
                         if math.isfinite(elbo_new) and elbo_new >= elbo_old - 1e-9 * abs(elbo_old):
@@ -383,14 +412,22 @@ def fit_aggregate(
             for s in range(0, B, bags_per_batch):
                 mb = order[s : s + bags_per_batch].to(batch.bag_index.device)
                 mb_groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget, bags=mb)
-                stats, _ = aggregate_natural_statistics(model, likelihood, batch, mb_groups, q)
-                r = 1.0 if (conjugate and bags_per_batch >= B) else min(1.0, rho_max * schedule(step_t))
+                stats, data_mb = aggregate_natural_statistics(model, likelihood, batch, mb_groups, q)
+                scale = B / len(mb)
+                exact = conjugate and bags_per_batch >= B
+                r = 1.0 if exact else min(1.0, rho_max * schedule(step_t))
                 step_t += 1
+                # the minibatch's unbiased ELBO estimate must not fall (as the full-batch path
+                # backtracks on the ELBO): a non-conjugate step (square link) can overshoot
+                elbo_mb = scale * data_mb - float(q.kl_divergence())
                 while True:
-                    q_new = _try_step(q, stats, r, B / len(mb))
-                    if q_new is not None or r < 1e-6:
+                    q_new = try_natural_step(q, stats, r, scale)
+                    if q_new is not None and (exact or _ascends(model, likelihood, batch, mb_groups, q_new, scale, elbo_mb)):
                         break
+                    q_new = None
                     r *= 0.5
+                    if r < 1e-6:
+                        break
                 q = q_new or q
                 rho = r
                 if optimizer is not None:

@@ -8,7 +8,7 @@ import torch
 from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
 
 from milgp.likelihoods import ExponentialAggregateLikelihood
-from milgp.variational.aggregate_fit import _group_terms, fit_aggregate, make_bag_groups
+from milgp.variational.aggregate_fit import group_terms, fit_aggregate, make_bag_groups
 
 
 def test_bound_is_below_monte_carlo_expected_log_likelihood():
@@ -24,7 +24,7 @@ def test_bound_is_below_monte_carlo_expected_log_likelihood():
     lik = ExponentialAggregateLikelihood("exp")
     g = make_bag_groups(bag_index, len(sizes))[0]
     with torch.no_grad():
-        bound = _group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.inducing_cholesky(), False)
+        bound = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.inducing_cholesky(), False)
         bound = bound[torch.argsort(g.bags)]
         mean, cov = dense_posterior(model, x, q)
         f = mean + torch.randn(200000, len(mean), generator=torch.Generator().manual_seed(0), dtype=torch.float64) @ torch.linalg.cholesky(cov).mT

@@ -9,7 +9,7 @@ import torch
 from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
 
 from milgp.likelihoods import NormalAggregateLikelihood
-from milgp.variational.aggregate_fit import _try_step, aggregate_elbo, aggregate_natural_statistics, make_bag_groups
+from milgp.variational.aggregate_fit import try_natural_step, aggregate_elbo, aggregate_natural_statistics, make_bag_groups
 
 TAU = 0.37
 
@@ -102,7 +102,7 @@ def test_one_natural_step_is_the_exact_optimum():
     groups = make_bag_groups(bag_index, len(sizes))
     q0 = random_posterior(model.num_inducing, seed=9)
     stats, _ = aggregate_natural_statistics(model, lik, batch, groups, q0)
-    q1 = _try_step(q0, stats, 1.0, 1.0)
+    q1 = try_natural_step(q0, stats, 1.0, 1.0)
     elbo = aggregate_elbo(model, lik, batch, groups, q1)
     bound = _collapsed_bound(model, x, bag_index, y, w, TAU)
     assert abs(elbo - bound) < 1e-8 * abs(bound)
@@ -111,7 +111,7 @@ def test_one_natural_step_is_the_exact_optimum():
     torch.testing.assert_close(auto.h, stats.h, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(auto.G, stats.G, rtol=1e-9, atol=1e-10)
     # ... and is a fixed point at the optimum
-    q2 = _try_step(q1, aggregate_natural_statistics(model, lik, batch, groups, q1, closed_form=False)[0], 1.0, 1.0)
+    q2 = try_natural_step(q1, aggregate_natural_statistics(model, lik, batch, groups, q1, closed_form=False)[0], 1.0, 1.0)
     torch.testing.assert_close(q2.m, q1.m, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(q2.S, q1.S, rtol=1e-8, atol=1e-10)
 
@@ -123,10 +123,10 @@ def test_expected_log_likelihood_matches_monte_carlo():
     model, q, x, bag_index, y, w, lik = _setup(sizes, seed=11)
     batch = make_batch(x, bag_index, y, w)
     groups = make_bag_groups(bag_index, len(sizes))
-    from milgp.variational.aggregate_fit import _group_terms
+    from milgp.variational.aggregate_fit import group_terms
 
     with torch.no_grad():
-        terms = _group_terms(model, lik, batch, groups[0], q.m, q.S, model.inducing_cholesky(), False)
+        terms = group_terms(model, lik, batch, groups[0], q.m, q.S, model.inducing_cholesky(), False)
         terms = terms[torch.argsort(groups[0].bags)]
         mean, cov = dense_posterior(model, x, q)
         g = torch.Generator().manual_seed(0)
