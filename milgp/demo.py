@@ -76,7 +76,7 @@ def _banner(text: str) -> None:
 
 def run_demo(
     out: str | Path = "runs/demo",
-    scans: int = 100,
+    scans: int = 200,
     slices: tuple[int, int] = (6, 10),
     size: int = 32,
     seed: int = 0,
@@ -102,7 +102,7 @@ def run_demo(
     (out / "features.npz").unlink(missing_ok=True)
 
     settings: dict[str, dict[str, Any]] = {}
-    common = {"trainer.enable_progress_bar": progress}
+    common = {"trainer.enable_progress_bar": progress, "seed_everything": seed}
     if quick:
         scans, slices, size = min(scans, 12), (4, 6), min(size, 32)
         settings = {
@@ -196,9 +196,9 @@ def format_table(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m milgp.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
-    parser.add_argument("--scans", type=int, default=100, help="synthetic scans (default 100)")
+    parser.add_argument("--scans", type=int, default=200, help="synthetic scans (default 200)")
     parser.add_argument("--size", type=int, default=32, help="image size in pixels (default 32)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the split and every training stage")
     parser.add_argument("--quick", action="store_true", help="tiny data and 1-2 epochs (a smoke test, not a result)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
