@@ -51,7 +51,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -402,22 +402,35 @@ class GPMILModule(BagModuleBase):
             self._put_locals(batch, locals_)
             loss_value = torch.tensor(float("nan"))
             if learn:
-                R = world_size()
-                for k in range(self.hyper_steps):
-                    if k > 0 and train_cnn:
-                        z = self.standardized(batch.x, grad=True)
-                    objective = self.gp.hyper_objective(z, batch.bag_index, labels, batch.num_bags, locals_)
-                    loss = -R * objective / global_instances
-                    opt.zero_grad(set_to_none=True)
-                    self.manual_backward(loss)
-                    opt.step()
-                    loss_value = loss.detach() / R
-                self.gp.clear_caches()
+                loss_value = self._hyper_steps(
+                    opt, batch.x, z, train_cnn, global_instances,
+                    lambda z_: self.gp.hyper_objective(z_, batch.bag_index, labels, batch.num_bags, locals_),
+                )
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
         self.log("train/rho", rho, batch_size=batch.num_bags)
         if learn:
             self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
+        return loss_value
+
+    def _hyper_steps(
+        self, opt: Any, x: Tensor, z: Tensor, train_cnn: bool, global_instances: float, objective: Callable[[Tensor], Tensor]
+    ) -> Tensor:
+        """``hyper_steps`` Adam steps on ``−objective(z) / N_global`` with q(v) and the locals fixed
+        (Algorithm 1, step 8); end to end, ``z`` is recomputed from ``x`` through the CNN after each
+        step. The loss is scaled by the world size because DDP averages gradients. Returns the last
+        loss (per instance, this rank)."""
+        R = world_size()
+        loss_value = torch.tensor(float("nan"))
+        for k in range(self.hyper_steps):
+            if k > 0 and train_cnn:
+                z = self.standardized(x, grad=True)
+            loss = -R * objective(z) / global_instances
+            opt.zero_grad(set_to_none=True)
+            self.manual_backward(loss)
+            opt.step()
+            loss_value = loss.detach() / R
+        self.gp.clear_caches()
         return loss_value
 
     def _aggregate_training_step(self, batch: BagBatch) -> Tensor:
@@ -452,17 +465,10 @@ class GPMILModule(BagModuleBase):
             self.natural_steps += 1
             loss_value = torch.tensor(float("nan"))
             if learn:
-                R = world_size()
-                for k in range(self.hyper_steps):
-                    if k > 0 and train_cnn:
-                        z = self.standardized(x, grad=True)
-                    objective = self.gp.aggregate_objective(z, batch.bag_index, y, w, batch.num_bags)
-                    loss = -R * objective / global_instances
-                    opt.zero_grad(set_to_none=True)
-                    self.manual_backward(loss)
-                    opt.step()
-                    loss_value = loss.detach() / R
-                self.gp.clear_caches()
+                loss_value = self._hyper_steps(
+                    opt, x, z, train_cnn, global_instances,
+                    lambda z_: self.gp.aggregate_objective(z_, batch.bag_index, y, w, batch.num_bags),
+                )
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
         self.log("train/rho", step.rho, batch_size=batch.num_bags)

@@ -8,13 +8,7 @@ from sklearn.metrics import roc_auc_score
 from milgp.estimators import ProbitMILClassifier, VGPMILClassifier
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription on shared CI machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_bags(B, n=6, seed=0):

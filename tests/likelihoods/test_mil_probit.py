@@ -20,13 +20,7 @@ from milgp.variational.natural_update import RobbinsMonro, natural_statistics, n
 mp.mp.dps = 60
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription on shared CI machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_problem(B=30, n=5, seed=0, d=2):

@@ -24,13 +24,7 @@ from milgp.likelihoods.truncated_normal import (
 mp.mp.dps = 60
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription on shared CI machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 GRID = np.concatenate([np.linspace(-30, 30, 241), [-35.0, 35.0, 2.999, 3.0, 3.001, 1e-8, -1e-8]])
 
 

@@ -19,13 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "likelihoods"))
 from test_mil_probit import make_problem, reference_cavi  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread avoids oversubscription on shared CI machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")
