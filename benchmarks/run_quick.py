@@ -3,9 +3,9 @@
     .venv/bin/python -m benchmarks.run_quick [--threads 1]
 
 Runs each benchmark's ``--quick`` variant (smaller N, shorter budgets) and prints its tables;
-results go to ``benchmarks/results/*.json``. The deep path (``benchmarks/deep_path.py``, another
-module's) is run with ``--quick`` when it exists (or its smallest setting when it has no such flag). The full runs are each script without
-``--quick`` (see docs/performance.md).
+results go to ``benchmarks/results/*_quick.json``. The deep path (``benchmarks/deep_path.py``) runs
+its smallest setting (small CNN, bags of 24 slices, one timed step) into ``deep_path_quick.json``.
+The full runs are each script without ``--quick`` (see docs/performance.md).
 """
 from __future__ import annotations
 
@@ -39,16 +39,10 @@ def main(argv=None) -> int:
             failures.append(name)
             print(f"FAILED: {type(err).__name__}: {err}", flush=True)
         print(f"\n({name}: {time.perf_counter() - t:.0f} s)", flush=True)
-    deep = HERE / "deep_path.py"
-    if deep.exists() and (args.only is None or "deep_path" in args.only):
+    if args.only is None or "deep_path" in args.only:
         print("\n## deep_path (quick)\n", flush=True)
-        text = deep.read_text()
-        # its own quick flag when it has one, else its smallest setting
-        flags = ["--quick"] if '"--quick"' in text else ["--slices", "24", "--steps", "1", "--arch", "small"]
-        if '"--out"' in text:  # never overwrite its full results
-            flags += ["--out", str(HERE / "results" / "deep_path_quick.json")]
-        rc = subprocess.run([sys.executable, "-m", "benchmarks.deep_path", *flags], cwd=HERE.parent).returncode
-        if rc != 0:
+        flags = ["--slices", "24", "--steps", "1", "--arch", "small", "--out", str(HERE / "results" / "deep_path_quick.json")]
+        if subprocess.run([sys.executable, "-m", "benchmarks.deep_path", *flags], cwd=HERE.parent).returncode != 0:
             failures.append("deep_path")
     if failures:
         print(f"\nfailed: {', '.join(failures)}")

@@ -65,8 +65,9 @@ def test_bag_log_likelihood_limits():
 
 
 def test_hyperparameter_objective_is_exact_logistic_and_above_the_bound():
-    """The hyperparameter objective uses E_q[log φ(f)] by quadrature: it must equal the exact
-    logistic expectation (independent MC check) and dominate the PG tangent bound log φ(c)."""
+    """The hyperparameter objective uses E_q[log φ(f)] by quadrature plus the q(y) entropy and the
+    bag term shared over the bag's instances: it must equal the exact logistic expectation
+    (independent MC check) plus those terms, and dominate the PG tangent bound log φ(c)."""
     g = torch.Generator().manual_seed(1)
     lik = MILBernoulliLikelihood("gamma")
     mean = torch.tensor([-2.0, 0.3, 1.5], dtype=torch.float64)
@@ -77,8 +78,12 @@ def test_hyperparameter_objective_is_exact_logistic_and_above_the_bound():
     terms = lik.hyperparameter_terms(mean, var, bag_index, labels, 2, pi)
     f = mean + var.sqrt() * torch.randn(400_000, 3, generator=g, dtype=torch.float64)
     log_phi = -math.log(2 * math.pi) - torch.log(torch.cosh(f / 2))
-    mc = (pi - 0.5) * mean + log_phi.mean(0) + math.log(math.pi)
+    entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log(1 - pi))
+    # positive bags: E[log p(T|y)] = log H · P(any y = 1) − log(H + 1), shared evenly over the bag
+    p_any = torch.tensor([1 - 0.9 * 0.5, 0.9], dtype=torch.float64)
+    bag_share = (math.log(100.0) * p_any - math.log(101.0))[bag_index] / torch.tensor([2.0, 2.0, 1.0], dtype=torch.float64)
+    mc = (pi - 0.5) * mean + log_phi.mean(0) + math.log(math.pi) + entropy + bag_share
     torch.testing.assert_close(terms, mc, atol=5 * (log_phi.std(0) / 632).max().item(), rtol=0)
     c = torch.sqrt(mean**2 + var)
-    bound = (pi - 0.5) * mean - torch.log(2 * torch.cosh(c / 2))
+    bound = (pi - 0.5) * mean - torch.log(2 * torch.cosh(c / 2)) + entropy + bag_share
     assert (terms >= bound - 1e-12).all()
