@@ -39,8 +39,9 @@ class FitResult:
     Attributes:
         elbo: the closed-form (augmented) ELBO after each iteration (full batch) or epoch
             (minibatch): the objective the natural steps and local updates ascend.
-        objective: the objective the hyperparameter steps ascend, after each iteration:
-            ``Σ hyperparameter_terms − KL`` (:meth:`AugmentedBagLikelihood.hyperparameter_terms`).
+        objective: the objective the hyperparameter steps ascend, ``Σ hyperparameter_terms − KL``,
+            after each iteration when hyperparameters are learned (it is then the convergence
+            criterion), else only its final value (one entry; it is not needed per sweep) (:meth:`AugmentedBagLikelihood.hyperparameter_terms`).
             For VGPMIL it is the un-augmented ELBO with ``E_q[log φ(f)]`` by quadrature (seed 000
             Eq. 29 plus the q(y) terms), a tighter lower bound of ``log p(T)`` than ``elbo``; for
             the probit model it equals ``elbo`` at the fixed point of the locals.
@@ -313,17 +314,20 @@ def fit_closed_form(
         with torch.no_grad():
             kl = q.kl_divergence()
             elbo = float(likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_).sum() - kl)
-            objective = float(likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_).sum() - kl)
+            if optimizer is not None:
+                result.objective.append(_objective(likelihood, batch, mean, var, locals_, kl))
         if not math.isfinite(elbo):
             raise FloatingPointError(
                 f"the ELBO became {elbo} at iteration {it}; check the features for extreme values "
                 "or lower the hyperparameter learning rate"
             )
-        watched = result.objective if optimizer is not None else result.elbo
-        prev = watched[-1] if watched else None
+        if optimizer is not None:  # watch what Adam ascends (already appended for this iteration)
+            prev = result.objective[-2] if len(result.objective) > 1 else None
+            current = result.objective[-1]
+        else:  # watch what the sweeps ascend
+            prev = result.elbo[-1] if result.elbo else None
+            current = elbo
         result.elbo.append(elbo)
-        result.objective.append(objective)
-        current = watched[-1]
         bar.set_postfix(elbo=f"{elbo:.4g}")
         if callback is not None:
             callback(it, elbo)
@@ -334,10 +338,19 @@ def fit_closed_form(
                 break
         else:
             quiet = 0
+    if optimizer is None:  # only the final value: the sweeps ascend ``elbo``, nothing watches it
+        with torch.no_grad():
+            result.objective.append(_objective(likelihood, batch, mean, var, locals_, q.kl_divergence()))
     result.iterations = len(result.elbo)
     result.seconds = time.perf_counter() - start
     result.locals = locals_
     return result
+
+
+def _objective(likelihood: AugmentedBagLikelihood, batch: BagBatch, mean: Tensor, var: Tensor, locals_: Any, kl: Tensor) -> float:
+    """``Σ hyperparameter_terms − KL`` at the current moments (:attr:`FitResult.objective`)."""
+    terms = likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_)
+    return float(terms.sum() - kl)
 
 
 def _select(batch: BagBatch, bags: Tensor) -> tuple[BagBatch, Tensor]:
