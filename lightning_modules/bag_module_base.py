@@ -12,6 +12,7 @@ the metrics are computed, so every rank logs the same numbers for the whole spli
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ def records_metrics(records: list[dict]) -> dict[str, float]:
     return out
 
 
-class BagModuleBase(pl.LightningModule):
+class BagModuleBase(pl.LightningModule, ABC):
     """Base of :class:`AttentionMILModule` and :class:`GPMILModule` (not used on its own)."""
 
     def __init__(self) -> None:
@@ -66,12 +67,9 @@ class BagModuleBase(pl.LightningModule):
         (they live in the state dict; pass them again to ``load_from_checkpoint``)."""
         try:
             from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters
-
-            if _given_hyperparameters.get() is not None:
-                return []
         except ImportError:  # pragma: no cover - other Lightning versions
-            pass
-        return list(module_args)
+            return list(module_args)
+        return [] if _given_hyperparameters.get() is not None else list(module_args)
 
     # -- batches ---------------------------------------------------------------------------------
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -128,8 +126,10 @@ class BagModuleBase(pl.LightningModule):
                 merged.setdefault(r["bag_id"], r)
         return [merged[k] for k in sorted(merged)]
 
-    def predict_records(self, batch: BagBatch) -> list[dict]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def predict_records(self, batch: BagBatch) -> list[dict]:
+        """One record per bag of ``batch``: ``bag_id``, ``bag_label``, ``bag_prob`` (± ``bag_std``),
+        ``slice_probs`` (± ``slice_stds``), ``slice_labels`` — what the metrics and reports read."""
 
     # -- validation / test -----------------------------------------------------------------------
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:

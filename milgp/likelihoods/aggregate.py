@@ -397,9 +397,6 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         sizes = bag_sizes(bag_index, num_bags).to(terms.dtype)
         return (terms / sizes)[bag_index]
 
-    def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - subclasses
-        raise NotImplementedError
-
     # -- predictions --------------------------------------------------------------------------
     def rate_mean(self, mean: Tensor, var: Tensor) -> Tensor:
         """Posterior mean of the individual rate/mean parameter ``Ψ(f)``."""
