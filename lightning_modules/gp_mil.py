@@ -353,12 +353,17 @@ class GPMILModule(BagModuleBase):
         return out
 
     def _put_locals(self, batch: BagBatch, locals_: Any) -> None:
+        """Store the batch's per-bag locals (e.g. VGPMIL's π) by bag id, on CPU. Under DDP every
+        rank stores every rank's bags (all-gathered), so a bag that lands on another rank in a
+        later (shuffled) epoch continues from its current π instead of being re-initialised."""
         if not batch.bag_ids or not isinstance(locals_, Tensor) or locals_.shape != (batch.num_instances,):
             return
         order = torch.argsort(batch.bag_index, stable=True)
         sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
-        for bag_id, part in zip(batch.bag_ids, torch.split(locals_.detach()[order], sizes)):
-            self._locals[bag_id] = part.clone()
+        parts = [(bag_id, part.cpu().clone()) for bag_id, part in zip(batch.bag_ids, torch.split(locals_.detach()[order], sizes))]
+        if world_size() > 1:
+            parts = [pair for rank_parts in all_gather_objects(parts) for pair in rank_parts]
+        self._locals.update(parts)
 
     # -- training --------------------------------------------------------------------------------
     @staticmethod
@@ -546,10 +551,7 @@ class GPMILModule(BagModuleBase):
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        merged: dict[str, Tensor] = {}
-        for part in all_gather_objects({k: v.cpu() for k, v in self._locals.items()}):
-            merged.update(part)
-        checkpoint["gp_locals"] = merged
+        checkpoint["gp_locals"] = dict(self._locals)  # every rank holds every bag's locals (_put_locals)
         checkpoint["gp_num_train_bags"] = self.num_train_bags
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
