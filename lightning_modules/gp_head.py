@@ -17,8 +17,9 @@ Normal); their natural step reuses :mod:`milgp.variational.aggregate_fit` — th
 ``(h, G)`` of :func:`aggregate_natural_statistics` (closed form for Normal, autograd on ``(m, S)``
 otherwise) are additive over bags, so the same ``reduce`` hook all-reduces them under DDP — and the
 step itself is ``aggregate_fit``'s: exact with ρ = 1 for Normal on the full batch, ELBO
-backtracking with adaptive ρ for the non-conjugate models on the full batch, and a given ρ halved
-until the precision is positive definite for minibatches (:meth:`GPHead.aggregate_natural_update`).
+backtracking with adaptive ρ for the non-conjugate models on the full batch, and for minibatches a
+given ρ halved until the precision is positive definite and the batch's ELBO estimate does not
+fall (:meth:`GPHead.aggregate_natural_update`).
 Hyperparameters: :meth:`GPHead.aggregate_objective`; predictions: :meth:`GPHead.predict_aggregate`.
 
 Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
@@ -209,9 +210,7 @@ class GPHead(nn.Module):
         if self.is_aggregate and bag_targets is not None and hasattr(self.gp.mean_module, "constant"):
             total_w = float(instance_weights.sum()) if instance_weights is not None else float(x.shape[0])
             rate = float(torch.as_tensor(bag_targets, dtype=torch.float64).sum()) / total_w
-            link = self.likelihood.link.name
-            c = math.log(max(rate, 1e-8)) if link == "exp" else math.sqrt(max(rate, 1e-8)) if link == "square" else rate
-            self.gp.mean_module.constant.data.fill_(c)
+            self.gp.mean_module.constant.data.fill_(self.likelihood.link.inverse(rate))
         self.reset_posterior()
         self.initialized.fill_(True)
 

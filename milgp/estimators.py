@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, flatten_bags, split_by_bag
@@ -308,9 +308,6 @@ class VGPMILClassifier(ClassifierMixin, BaseEstimator):
 # ---------------------------------------------------------------------------------------------
 # VBAgg: aggregate outputs (seed 001)
 # ---------------------------------------------------------------------------------------------
-import math  # noqa: E402  (kept with the VBAgg block)
-
-from sklearn.base import RegressorMixin  # noqa: E402
 
 def check_bag_weights(weights: Any, bags: list[np.ndarray], name: str = "weights") -> list[np.ndarray]:
     """Per-bag populations ``(n_b,)``: finite and strictly positive; ``None`` → ones.
@@ -468,17 +465,9 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             lengthscale=median_lengthscale(x_np, seed=self.random_state),
             outputscale=1.0,
         ).to(self.device)
-        # constant mean at the rate that explains the total: Σy = Σ w Ψ(c)
-        rate = float(y_np.sum() / np.concatenate(w_list).sum())
-        link = likelihood.link.name
-        if link == "exp":
-            c = math.log(max(rate, 1e-8))
-        elif link == "square":
-            c = math.sqrt(max(rate, 1e-8))
-        else:
-            c = rate
-        if self.constant_mean:
-            self.model_.mean_module.constant.data.fill_(c)
+        if self.constant_mean:  # at the rate that explains the total: Σy = Σ w Ψ(c)
+            rate = float(y_np.sum() / np.concatenate(w_list).sum())
+            self.model_.mean_module.constant.data.fill_(likelihood.link.inverse(rate))
         self.likelihood_ = likelihood.to(device=self.device, dtype=x.dtype)
         batch = BagBatch(x, bag_index, torch.as_tensor(y_np, dtype=x.dtype, device=self.device), instance_weights=w)
         common = dict(

@@ -68,6 +68,11 @@ class Link(ABC):
     def mean(self, mu: Tensor, var: Tensor) -> Tensor: ...
 
     @abstractmethod
+    def inverse(self, rate: float) -> float:
+        """``Ψ⁻¹(rate)``: the latent value whose link is ``rate`` (rates floored at 1e-8 where
+        ``Ψ`` is positive), e.g. to start a constant mean at the pooled rate ``Σy / Σw``."""
+
+    @abstractmethod
     def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
         """``Cov(Ψ(f_i), Ψ(f_j))`` for jointly Gaussian ``f`` with covariance ``cov_ij``."""
 
@@ -89,6 +94,9 @@ class ExpLink(Link):
 
     def __call__(self, f: Tensor) -> Tensor:
         return torch.exp(f)
+
+    def inverse(self, rate: float) -> float:
+        return math.log(max(rate, 1e-8))
 
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return torch.exp(mu + 0.5 * var)
@@ -112,6 +120,9 @@ class SquareLink(Link):
     def __call__(self, f: Tensor) -> Tensor:
         return f * f
 
+    def inverse(self, rate: float) -> float:
+        return math.sqrt(max(rate, 1e-8))
+
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return mu * mu + var
 
@@ -133,6 +144,9 @@ class IdentityLink(Link):
 
     def __call__(self, f: Tensor) -> Tensor:
         return f
+
+    def inverse(self, rate: float) -> float:
+        return rate
 
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return mu
