@@ -51,11 +51,11 @@ from milgp.variational.aggregate_fit import (
     aggregate_data_terms,
     aggregate_elbo,
     aggregate_natural_statistics,
+    checked_natural_step,
     group_terms,
     is_conjugate,
     make_bag_groups,
     predict_bag_moments,
-    try_natural_step,
 )
 from milgp.variational.natural_update import NaturalStatistics, natural_statistics, natural_step
 
@@ -422,50 +422,27 @@ class GPHead(nn.Module):
         if reduce_value is not None:
             data = reduce_value(data)
         kl = float(q.kl_divergence())
-        elbo_old = data - kl
-        new, used, r = q, 0.0, float(rho)
+        estimate_old = scale * data - kl  # the ELBO itself on the full batch (scale 1)
+
+        def ascends(q_new: WhitenedPosterior) -> bool:
+            """The (global) batch's unbiased ELBO estimate did not fall."""
+            data_new = aggregate_data_terms(self.gp, lik, batch, groups, q_new, cache)
+            if reduce_value is not None:  # the data term is a sum over ranks, KL is not
+                data_new = reduce_value(data_new)
+            value = scale * data_new - float(q_new.kl_divergence())
+            return math.isfinite(value) and value >= estimate_old - 1e-9 * abs(estimate_old)
+
+        # the Normal model's full-batch step is exact and needs no check
+        exact = self.aggregate_conjugate and scale == 1.0 and not adaptive
         with torch.no_grad():
-            if adaptive:
-                while True:
-                    q_new = try_natural_step(q, stats, r, scale)
-                    if q_new is not None:
-                        value = aggregate_elbo(self.gp, lik, batch, groups, q_new, cache)
-                        if reduce_value is not None:  # the data term is a sum over ranks, KL is not
-                            kl_new = float(q_new.kl_divergence())
-                            value = reduce_value(value + kl_new) - kl_new
-                        if math.isfinite(value) and value >= elbo_old - 1e-9 * abs(elbo_old):
-                            new, used = q_new, r
-                            r = min(rho_max, r * 1.5)
-                            break
-                    r *= 0.5
-                    if r < 1e-6:
-                        break
-            else:
-                # the batch's unbiased ELBO estimate must not fall (as in fit_aggregate's minibatch
-                # path); the Normal model's full-batch step is exact and needs no check
-                exact = self.aggregate_conjugate and scale == 1.0
-                estimate_old = scale * data - kl
-
-                def ascends(q_new) -> bool:
-                    data_new = aggregate_data_terms(self.gp, lik, batch, groups, q_new, cache)
-                    if reduce_value is not None:
-                        data_new = reduce_value(data_new)
-                    value = scale * data_new - float(q_new.kl_divergence())
-                    return math.isfinite(value) and value >= estimate_old - 1e-9 * abs(estimate_old)
-
-                while True:
-                    q_new = try_natural_step(q, stats, r, scale)
-                    if q_new is not None and (exact or ascends(q_new)):
-                        break
-                    q_new = None
-                    r *= 0.5
-                    if r < 1e-6:
-                        break
-                if q_new is not None:
-                    new, used = q_new, r
-                r = float(rho)
+            q_new, r = checked_natural_step(q, stats, float(rho), scale, None if exact else ascends)
+        new, used = (q, 0.0) if q_new is None else (q_new, r)
+        if not adaptive:
+            r = float(rho)
+        elif q_new is not None:
+            r = min(rho_max, r * 1.5)
         self.gp.set_whitened_posterior(new)  # also clears GPyTorch's caches
-        return AggregateStep(rho=used, next_rho=r, data=data, elbo=scale * data - kl)
+        return AggregateStep(rho=used, next_rho=r, data=data, elbo=estimate_old)
 
     def aggregate_objective(self, z: Tensor, bag_index: Tensor, bag_targets: Tensor, weights: Tensor | None, num_bags: int) -> Tensor:
         """``Σ_a`` of the aggregate likelihood's bag terms with q(v) fixed (the ELBO's data part;

@@ -183,6 +183,11 @@ class BagBatch:
 
     def select_bags(self, bags: Tensor | Sequence[int]) -> "BagBatch":
         """The sub-batch holding the given bags (re-indexed ``0..len(bags)-1``)."""
+        return self.select_bags_with_index(bags)[0]
+
+    def select_bags_with_index(self, bags: Tensor | Sequence[int]) -> tuple["BagBatch", Tensor]:
+        """:meth:`select_bags` and the indices ``(n_sub,)`` of its instances in this batch (so that
+        per-instance state, e.g. VGPMIL's π, can be gathered and scattered back)."""
         bags_t = torch.as_tensor(bags, dtype=torch.long, device=self.bag_index.device)
         remap = torch.full((self.num_bags,), -1, dtype=torch.long, device=self.bag_index.device)
         remap[bags_t] = torch.arange(len(bags_t), device=bags_t.device)
@@ -190,7 +195,7 @@ class BagBatch:
         keep = new_index >= 0
         order = torch.argsort(new_index[keep], stable=True)
         idx = torch.nonzero(keep, as_tuple=True)[0][order]
-        return BagBatch(
+        sub = BagBatch(
             x=self.x[idx],
             bag_index=new_index[idx],
             bag_labels=self.bag_labels[bags_t],
@@ -198,6 +203,7 @@ class BagBatch:
             instance_weights=None if self.instance_weights is None else self.instance_weights[idx],
             bag_ids=None if self.bag_ids is None else [self.bag_ids[int(b)] for b in bags_t],
         )
+        return sub, idx
 
 
 def collate_bags(samples: Sequence[Any]) -> BagBatch:

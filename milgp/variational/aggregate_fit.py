@@ -53,6 +53,7 @@ __all__ = [
     "aggregate_data_terms",
     "aggregate_elbo",
     "aggregate_natural_statistics",
+    "checked_natural_step",
     "fit_aggregate",
     "group_terms",
     "is_conjugate",
@@ -277,6 +278,25 @@ def try_natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float,
     return WhitenedPosterior(m=S @ eta1, S=S, precision=P)
 
 
+def checked_natural_step(
+    q: WhitenedPosterior,
+    stats: NaturalStatistics,
+    rho: float,
+    scale: float,
+    accept: Callable[[WhitenedPosterior], bool] | None = None,
+) -> tuple[WhitenedPosterior | None, float]:
+    """:func:`try_natural_step` with ``ρ`` halved (while ``ρ ≥ 1e-6``) until the new precision is
+    positive definite and ``accept(q_new)`` holds (``None``: always). Returns ``(q_new, ρ)``, or
+    ``(None, ρ)`` with the last ``ρ`` (< 1e-6) when every step was rejected."""
+    r = rho
+    while r >= 1e-6:
+        q_new = try_natural_step(q, stats, r, scale)
+        if q_new is not None and (accept is None or accept(q_new)):
+            return q_new, r
+        r *= 0.5
+    return None, r
+
+
 @dataclass
 class AggregateFitResult:
     """What :func:`fit_aggregate` returns: the ELBO per iteration/epoch, convergence flag,
@@ -308,10 +328,10 @@ def _hyper_step(
 
 def _ascends(
     model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup],
-    q_new: WhitenedPosterior, scale: float, elbo_before: float,
+    q_new: WhitenedPosterior, scale: float, elbo_before: float, cache: GroupCache | None = None,
 ) -> bool:
     """Whether ``scale · Σ_{a∈groups} bag_terms − KL`` under ``q_new`` is finite and not below ``elbo_before``."""
-    value = scale * aggregate_data_terms(model, likelihood, batch, groups, q_new) - float(q_new.kl_divergence())
+    value = scale * aggregate_data_terms(model, likelihood, batch, groups, q_new, cache) - float(q_new.kl_divergence())
     return math.isfinite(value) and value >= elbo_before - 1e-9 * abs(elbo_before)
 
 
@@ -395,18 +415,12 @@ def fit_aggregate(
             elbo_old = data - float(q.kl_divergence())
             if conjugate:
                 q = try_natural_step(q, stats, 1.0, 1.0) or q
-            else:
-                while True:
-                    q_new = try_natural_step(q, stats, rho, 1.0)
-                    if q_new is not None:
-                        elbo_new = aggregate_elbo(model, likelihood, batch, groups, q_new, cache)
-                        if math.isfinite(elbo_new) and elbo_new >= elbo_old - 1e-9 * abs(elbo_old):
-                            q = q_new
-                            rho = min(rho_max, rho * 1.5)
-                            break
-                    rho *= 0.5
-                    if rho < 1e-6:
-                        break
+            else:  # backtracking on the ELBO, then a larger first try next time
+                q_new, rho = checked_natural_step(
+                    q, stats, rho, 1.0, lambda q_: _ascends(model, likelihood, batch, groups, q_, 1.0, elbo_old, cache)
+                )
+                if q_new is not None:
+                    q, rho = q_new, min(rho_max, rho * 1.5)
         else:
             order = torch.randperm(B, generator=generator)
             for s in range(0, B, bags_per_batch):
@@ -420,16 +434,9 @@ def fit_aggregate(
                 # the minibatch's unbiased ELBO estimate must not fall (as the full-batch path
                 # backtracks on the ELBO): a non-conjugate step (square link) can overshoot
                 elbo_mb = scale * data_mb - float(q.kl_divergence())
-                while True:
-                    q_new = try_natural_step(q, stats, r, scale)
-                    if q_new is not None and (exact or _ascends(model, likelihood, batch, mb_groups, q_new, scale, elbo_mb)):
-                        break
-                    q_new = None
-                    r *= 0.5
-                    if r < 1e-6:
-                        break
+                accept = None if exact else (lambda q_: _ascends(model, likelihood, batch, mb_groups, q_, scale, elbo_mb))
+                q_new, rho = checked_natural_step(q, stats, r, scale, accept)
                 q = q_new or q
-                rho = r
                 if optimizer is not None:
                     for _ in range(hyper_steps):
                         _hyper_step(model, likelihood, batch, mb_groups, q, optimizer, float(sizes[mb].sum()))

@@ -207,7 +207,7 @@ def _bag_subset(batch: BagBatch, max_instances: int, generator: torch.Generator)
     keep = order[torch.cumsum(sizes[order], 0) <= max_instances]
     if keep.numel() == 0:
         keep = order[:1]
-    sub, idx = _select(batch, keep)
+    sub, idx = batch.select_bags_with_index(keep)
     return sub, idx, batch.num_instances / max(1, sub.num_instances)
 
 
@@ -282,7 +282,7 @@ def fit_closed_form(
             order = torch.randperm(B, generator=generator)
             for s in range(0, B, bags_per_batch):
                 bags = order[s : s + bags_per_batch].to(batch.bag_index.device)
-                mb, idx = _select(batch, bags)
+                mb, idx = batch.select_bags_with_index(bags)
                 # one projection of the minibatch serves both passes of this step
                 mb_proj = _Projector(model, mb.x, chunk_size, cache_bytes)
                 cached_rows = projector.rows(idx)
@@ -352,21 +352,3 @@ def _objective(likelihood: AugmentedBagLikelihood, batch: BagBatch, mean: Tensor
     terms = likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_)
     return float(terms.sum() - kl)
 
-
-def _select(batch: BagBatch, bags: Tensor) -> tuple[BagBatch, Tensor]:
-    """Sub-batch of ``bags`` and the original indices of its instances (in its order)."""
-    remap = torch.full((batch.num_bags,), -1, dtype=torch.long, device=batch.bag_index.device)
-    remap[bags] = torch.arange(len(bags), device=bags.device)
-    new_index = remap[batch.bag_index]
-    members = torch.nonzero(new_index >= 0, as_tuple=True)[0]
-    idx = members[torch.argsort(new_index[members], stable=True)]
-    # the same sub-batch as batch.select_bags(bags), without sorting the instances a second time
-    sub = BagBatch(
-        x=batch.x[idx],
-        bag_index=new_index[idx],
-        bag_labels=batch.bag_labels[bags],
-        instance_labels=None if batch.instance_labels is None else batch.instance_labels[idx],
-        instance_weights=None if batch.instance_weights is None else batch.instance_weights[idx],
-        bag_ids=None if batch.bag_ids is None else [batch.bag_ids[int(b)] for b in bags],
-    )
-    return sub, idx
