@@ -3,10 +3,10 @@
     .venv/bin/python -m benchmarks.prediction [--quick]
 
 * instances/s for ``q(f*)`` (``SparseGP.predict_marginals``) plus the instance probability and its
-  standard deviation (``MILBernoulliLikelihood.instance_probability``, 40-node quadrature);
+  standard deviation (``LogisticLink.moments``, 40-node quadrature);
 * bags/s for the noisy-OR bag probability with std (Eqs. 34–36, quadrature, factorised q(f*));
 * bags/s for the bag probability under the joint within-bag ``q(f*_b)``
-  (``SparseGP.bag_covariances`` + ``bag_probability_joint``, 512 samples per bag).
+  (``BagPosterior.from_model`` + ``JointNoisyOrRule``, 512 samples per bag).
 
 Timings are the best of 3 repeats (wall, and process CPU time).
 """
@@ -19,6 +19,7 @@ import torch
 
 from benchmarks.common import add_thread_arg, batch_from_flat, make_model, markdown_table, set_threads, synthetic_mil, write_json
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
+from milgp.prediction import BagPosterior, JointNoisyOrRule, NoisyOrRule
 from milgp.variational.fit import fit_closed_form
 
 
@@ -59,14 +60,14 @@ def main(argv=None):
 
         def inst():
             mu, var = model.predict_marginals(xt)
-            return lik.instance_probability(mu, var)
+            return lik.instance_link.moments(mu, var)
 
         w, c = best_of(inst)
         rows.append({"what": "instance probability + std", "unit": "instances", "count": test.num_instances, "per_s": test.num_instances / w, "per_cpu_s": test.num_instances / c, "wall_s": w})
 
         def noisy_or():
             mu, var = model.predict_marginals(xt)
-            return lik.bag_probability_noisy_or(mu, var, bit, Bt)
+            return NoisyOrRule()(BagPosterior(mu, var, bit, Bt), lik.instance_link)
 
         w, c = best_of(noisy_or)
         rows.append({"what": "bag noisy-OR probability + std", "unit": "bags", "count": Bt, "per_s": Bt / w, "per_cpu_s": Bt / c, "wall_s": w})
@@ -75,8 +76,7 @@ def main(argv=None):
         gen = torch.Generator().manual_seed(0)
 
         def joint():
-            mean_pad, cov_pad, mask = model.bag_covariances(sub.x, sub.bag_index, nb)
-            return lik.bag_probability_joint(mean_pad, cov_pad, mask, num_samples=512, generator=gen)
+            return JointNoisyOrRule(num_samples=512)(BagPosterior.from_model(model, sub.x, sub.bag_index, nb), lik.instance_link, gen)
 
         w, c = best_of(joint)
         rows.append({"what": "bag joint-sampling probability + std (512 samples)", "unit": "bags", "count": nb, "per_s": nb / w, "per_cpu_s": nb / c, "wall_s": w})

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from milgp.data.bags import BagBatch, segment_sum
+from milgp.data.bags import BagBatch, make_bag_groups
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate import AggregateLikelihood, bag_blocks
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
@@ -54,9 +54,9 @@ from milgp.variational.aggregate_fit import (
     checked_natural_step,
     group_terms,
     is_conjugate,
-    make_bag_groups,
     predict_bag_moments,
 )
+from milgp.prediction import BagPosterior, make_bag_rule
 from milgp.variational.natural_update import NaturalStatistics, natural_statistics, natural_step
 
 __all__ = ["AggregateStep", "GPHead"]
@@ -77,8 +77,6 @@ class AggregateStep:
     next_rho: float
     data: float
     elbo: float
-
-_BAG_RULES = ("noisy_or", "max", "joint")
 
 
 def _reset_position_cache(likelihood: Any) -> None:
@@ -106,7 +104,8 @@ class GPHead(nn.Module):
         lengthscale: initial RBF lengthscale (``None``: median pairwise distance of the
             standardised training features).
         outputscale: initial kernel variance.
-        bag_rule: bag prediction ``"noisy_or"`` (seed 000 Eq. 34), ``"max"`` or ``"joint"``.
+        bag_rule: a :mod:`milgp.prediction.bag_rules` name (``"noisy_or"``, ``"max"``, ``"top_k_mean"``,
+            ``"joint_noisy_or"``, ``"joint_max"``, ``"orthant"``).
         seed: k-means++ and sampling seed.
         chunk_instances, block_budget, cache_entries: aggregate likelihoods, memory bounds of one
             chunk of bags (see :func:`milgp.variational.aggregate_fit.fit_aggregate`).
@@ -133,8 +132,7 @@ class GPHead(nn.Module):
         nll_samples: int = 256,
     ):
         super().__init__()
-        if bag_rule not in _BAG_RULES:
-            raise ValueError(f"bag_rule must be one of {_BAG_RULES}, got {bag_rule!r}")
+        make_bag_rule(bag_rule)  # fails early, naming the valid rules
         is_aggregate = isinstance(likelihood, AggregateLikelihood)
         constant_mean = is_aggregate if constant_mean is None else bool(constant_mean)
         gen = torch.Generator().manual_seed(seed)
@@ -325,45 +323,27 @@ class GPHead(nn.Module):
         self.gp.variational_strategy._clear_cache()
 
     @torch.no_grad()
-    def predict(self, z: Tensor, bag_index: Tensor, num_bags: int, num_samples: int = 256) -> dict[str, Tensor]:
+    def predict(self, z: Tensor, bag_index: Tensor, num_bags: int) -> dict[str, Tensor]:
         """Instance and bag predictions with standard deviations.
 
         Returns:
-            ``{"mean", "var", "instance_prob", "instance_std"}`` ``(N,)`` and ``{"bag_prob",
-            "bag_std"}`` ``(B,)``. Uses the likelihood's own prediction methods when it has them
-            (``instance_probability``, ``bag_probability_noisy_or``/``_max``/``_joint``), else
-            Monte Carlo through ``likelihood(f)`` (a Bernoulli) with the noisy-OR bag rule.
+            ``{"mean", "var", "instance_prob", "instance_std"}`` ``(N,)`` (the likelihood's
+            :attr:`instance_link` moments) and ``{"bag_prob", "bag_std"}`` ``(B,)`` by the head's
+            bag rule (:mod:`milgp.prediction.bag_rules`).
         """
         if self.is_aggregate:
             raise TypeError("the GP head has an aggregate likelihood: use predict_aggregate (real-valued bag aggregates)")
         z = z.to(torch.float64)
         q = self.posterior()
         mean, var = self.moments(z, q)
-        lik = self.likelihood
+        link = self.likelihood.instance_link
         out = {"mean": mean, "var": var}
+        out["instance_prob"], out["instance_std"] = link.moments(mean, var)
+        posterior = BagPosterior(
+            mean, var, bag_index, num_bags, lambda inst, local, n: self.gp.bag_covariances(z[inst], local, n, q)
+        )
         gen = torch.Generator(device=z.device).manual_seed(self.seed)
-        if hasattr(lik, "instance_probability"):
-            p, s = lik.instance_probability(mean, var)
-        else:
-            f = mean + var.sqrt() * torch.randn((num_samples,) + mean.shape, generator=gen, dtype=mean.dtype, device=mean.device)
-            pf = lik(f).probs
-            p, s = pf.mean(0), pf.std(0)
-        out["instance_prob"], out["instance_std"] = p, s
-        if self.bag_rule == "joint" and hasattr(lik, "bag_probability_joint"):
-            mean_pad, cov_pad, mask = self.gp.bag_covariances(z, bag_index, num_bags, q)
-            bp, bs = lik.bag_probability_joint(mean_pad, cov_pad, mask, generator=gen)
-        elif self.bag_rule == "max" and hasattr(lik, "bag_probability_max"):
-            bp, bs = lik.bag_probability_max(mean, var, bag_index, num_bags)
-        elif hasattr(lik, "bag_probability_noisy_or"):
-            bp, bs = lik.bag_probability_noisy_or(mean, var, bag_index, num_bags)
-        elif hasattr(lik, "bag_probability"):
-            bp, bs = lik.bag_probability(mean, var, bag_index, num_bags)
-        else:
-            f = mean + var.sqrt() * torch.randn((num_samples,) + mean.shape, generator=gen, dtype=mean.dtype, device=mean.device)
-            log_neg = torch.log1p(-lik(f).probs.clamp(max=1 - 1e-12))
-            pb = -torch.expm1(segment_sum(log_neg.mT, bag_index, num_bags).mT)
-            bp, bs = pb.mean(0), pb.std(0)
-        out["bag_prob"], out["bag_std"] = bp, bs
+        out["bag_prob"], out["bag_std"] = make_bag_rule(self.bag_rule)(posterior, link, gen)
         return out
 
     # -- aggregate likelihoods (VBAgg) ---------------------------------------------------------------

@@ -11,11 +11,12 @@ import torch
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
-from milgp.data.bags import BagBatch, flatten_bags, split_by_bag
+from milgp.data.bags import BagBatch, flatten_bags, segment_sum, split_by_bag
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.psi import GSMDensity
 from milgp.models.sparse_gp import SparseGP
+from milgp.prediction import BagPosterior, BagRule, OrthantRule, make_bag_rule
 from milgp.variational.fit import FitResult, fit_closed_form
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "check_bag_weights",
     "check_bags",
     "check_binary_bag_labels",
-    "grouped_bag_probability",
 ]
 
 
@@ -79,43 +79,6 @@ def _dtype(name: str) -> torch.dtype:
     if name not in ("float64", "float32"):
         raise ValueError(f"dtype must be 'float64' or 'float32', got {name!r}")
     return torch.float64 if name == "float64" else torch.float32
-
-
-PREDICT_CHUNK_INSTANCES = 32768
-"""Joint bag predictions: at most this many instances per group of bags (unless one bag is larger)."""
-PREDICT_BLOCK_BUDGET = 2**22
-"""Joint bag predictions: a group of ``B_g`` bags padded to its largest bag ``n_g`` has
-``B_g·n_g² ≤`` this many covariance entries (4.2 M, 32 MiB in float64) unless one bag alone is larger."""
-
-
-def grouped_bag_probability(
-    model: SparseGP,
-    x: torch.Tensor,
-    bag_index: torch.Tensor,
-    num_bags: int,
-    rule: Any,
-    chunk_instances: int | None = None,
-    block_budget: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Apply a padded joint bag rule ``rule(mean_pad, cov_pad, mask) -> (p, err)`` group by group.
-
-    Bags are packed smallest first into groups of whole bags with
-    :func:`milgp.variational.aggregate_fit.make_bag_groups` (the aggregate-output path's grouping), so
-    :meth:`SparseGP.bag_covariances` pads each group only to *its own* largest bag: peak memory is
-    ``O(block_budget + chunk_instances · M)`` entries (or one bag's ``n_b² + n_b·M`` when that is
-    larger) instead of ``B · n_max²`` — one bag of 300 among 599 bags of 5 no longer pads all 600
-    bags to 300. Returns ``(p, err)``, each ``(B,)``, in the original bag order.
-    """
-    from milgp.variational.aggregate_fit import make_bag_groups
-
-    chunk_instances = PREDICT_CHUNK_INSTANCES if chunk_instances is None else chunk_instances
-    block_budget = PREDICT_BLOCK_BUDGET if block_budget is None else block_budget
-    p = x.new_zeros(num_bags)
-    err = x.new_zeros(num_bags)
-    for g in make_bag_groups(bag_index, num_bags, chunk_instances, block_budget):
-        mean_pad, cov_pad, mask = model.bag_covariances(x[g.inst], g.local, g.num_bags)
-        p[g.bags], err[g.bags] = rule(mean_pad, cov_pad, mask)
-    return p, err
 
 
 class VGPMILClassifier(ClassifierMixin, BaseEstimator):
@@ -201,13 +164,15 @@ class VGPMILClassifier(ClassifierMixin, BaseEstimator):
     def _make_likelihood(self) -> MILBernoulliLikelihood:
         return MILBernoulliLikelihood(psi=self.psi, H=self.H, max_rule=self.max_rule)
 
+    def _bag_rule(self) -> BagRule:
+        return make_bag_rule(self.bag_rule)
+
     # -- scikit-learn API -----------------------------------------------------------------------
     def fit(self, bags: Sequence[Any], y: Any) -> "VGPMILClassifier":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)`` in {0, 1}."""
         bags_np = check_bags(bags)
         y_np = check_binary_bag_labels(y, len(bags_np))
-        if self.bag_rule not in ("noisy_or", "max", "joint"):
-            raise ValueError(f"bag_rule must be 'noisy_or', 'max' or 'joint', got {self.bag_rule!r}")
+        make_bag_rule(self.bag_rule)  # fails early, naming the valid rules
         torch.manual_seed(self.random_state)
         flat = np.concatenate(bags_np, 0)
         self.n_features_in_ = flat.shape[1]
@@ -276,18 +241,9 @@ class VGPMILClassifier(ClassifierMixin, BaseEstimator):
     def predict_bag_proba(self, bags: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """Positive-bag probability and its standard deviation, each ``(B,)``."""
         x, bag_index, mean, var, B = self._latent(bags)
-        lik = self.likelihood_
-        with torch.no_grad():
-            if self.bag_rule == "noisy_or":
-                p, s = lik.bag_probability_noisy_or(mean, var, bag_index, B)
-            elif self.bag_rule == "max":
-                p, s = lik.bag_probability_max(mean, var, bag_index, B)
-            else:
-                # groups of bags of similar size (bounded padding); one generator across groups
-                gen = torch.Generator(device=x.device).manual_seed(self.random_state)
-                p, s = grouped_bag_probability(
-                    self.model_, x, bag_index, B, lambda m, c, k: lik.bag_probability_joint(m, c, k, generator=gen)
-                )
+        posterior = BagPosterior(mean, var, bag_index, B, lambda inst, local, n: self.model_.bag_covariances(x[inst], local, n))
+        gen = torch.Generator(device=x.device).manual_seed(self.random_state)
+        p, s = self._bag_rule()(posterior, self.likelihood_.instance_link, gen)
         return p.cpu().numpy(), s.cpu().numpy()
 
     def predict(self, bags: Sequence[Any]) -> np.ndarray:
@@ -298,7 +254,7 @@ class VGPMILClassifier(ClassifierMixin, BaseEstimator):
         """Per-bag lists of instance probabilities ``(n_b,)`` (and their stds), seed 000 Eqs. 31–33."""
         _, bag_index, mean, var, B = self._latent(bags)
         with torch.no_grad():
-            p, s = self.likelihood_.instance_probability(mean, var)
+            p, s = self.likelihood_.instance_link.moments(mean, var)
         probs = [t.cpu().numpy() for t in split_by_bag(p, bag_index, B)]
         if not return_std:
             return probs
@@ -585,7 +541,7 @@ class ProbitMILClassifier(VGPMILClassifier):
         self,
         inference: str = "vi",
         num_inducing: int = 100,
-        bag_rule: str = "joint",
+        bag_rule: str = "orthant",
         max_iter: int = 200,
         tol: float = 1e-5,
         warmup_iter: int = 20,
@@ -638,6 +594,11 @@ class ProbitMILClassifier(VGPMILClassifier):
 
         return MILProbitLikelihood()
 
+    def _bag_rule(self) -> BagRule:
+        if self.bag_rule in ("orthant", "joint"):
+            return OrthantRule(num_points=self.num_qmc_points, replicates=self.qmc_replicates, seed=self.random_state)
+        return make_bag_rule(self.bag_rule)
+
     def fit(self, bags: Sequence[Any], y: Any) -> "ProbitMILClassifier":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)`` in {0, 1}."""
         from milgp.sampling.probit_gibbs import sample_probit_posterior
@@ -667,35 +628,23 @@ class ProbitMILClassifier(VGPMILClassifier):
         return self
 
     def predict_bag_proba(self, bags: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
-        """Positive-bag probability ``(B,)`` and its error ``(B,)``: the randomised-QMC standard error
-        of the orthant probability (VI, ``"joint"``; bags grouped by size, see
-        :func:`grouped_bag_probability`), the Monte-Carlo standard error over draws ``sd/sqrt(ESS)``
-        (Gibbs, ``"joint"``), or the std of the rule's value (``"noisy_or"`` → 0, ``"max"``)."""
-        if getattr(self, "gibbs_", None) is None and self.bag_rule != "joint":
+        """Positive-bag probability ``(B,)`` and its error ``(B,)``: VI by the bag rule (the orthant
+        rule's randomised-QMC standard error); Gibbs ``"joint"``/``"orthant"`` by the exact per-draw
+        product averaged over draws (Monte-Carlo standard error ``sd/sqrt(ESS)``), other rules on the
+        Gibbs instance probabilities."""
+        if getattr(self, "gibbs_", None) is None:
             return super().predict_bag_proba(bags)
         x, bag_index, mean, var, B = self._latent(bags)
         with torch.no_grad():
-            if self.gibbs_ is not None:
-                if self.bag_rule == "joint":
-                    p, s = self.gibbs_.bag_probability(self.model_, x, bag_index, B)
-                else:
-                    pi, _ = self.gibbs_.instance_probability(self.model_, x)
-                    if self.bag_rule == "noisy_or":
-                        from milgp.data.bags import segment_sum
-
-                        p = -torch.expm1(segment_sum(torch.log1p(-pi.clamp(max=1 - 1e-16)), bag_index, B))
-                    else:
-                        p = pi.new_full((B,), -1.0).scatter_reduce(0, bag_index, pi, "amax", include_self=True)
-                    s = torch.zeros_like(p)
+            if self.bag_rule in ("joint", "joint_noisy_or", "orthant"):
+                p, s = self.gibbs_.bag_probability(self.model_, x, bag_index, B)
             else:
-                # bags grouped by size (each group padded only to its own largest bag); the orthant
-                # estimate of a bag does not depend on its group (same Sobol points per bag size)
-                def orthant(mean_pad: torch.Tensor, cov_pad: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                    return self.likelihood_.bag_probability_orthant(
-                        mean_pad, cov_pad, mask, num_points=self.num_qmc_points, replicates=self.qmc_replicates, seed=self.random_state
-                    )
-
-                p, s = grouped_bag_probability(self.model_, x, bag_index, B, orthant)
+                pi, _ = self.gibbs_.instance_probability(self.model_, x)
+                if self.bag_rule == "noisy_or":
+                    p = -torch.expm1(segment_sum(torch.log1p(-pi.clamp(max=1 - 1e-16)), bag_index, B))
+                else:
+                    p = pi.new_full((B,), -1.0).scatter_reduce(0, bag_index, pi, "amax", include_self=True)
+                s = torch.zeros_like(p)
         return p.cpu().numpy(), s.cpu().numpy()
 
     def predict_instance_proba(self, bags: Sequence[Any], return_std: bool = False) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:

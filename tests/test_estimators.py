@@ -107,8 +107,8 @@ def test_predict_validates_width_and_fitted_state():
 def test_bad_options_raise():
     """Unknown bag_rule / dtype / psi must raise ValueError naming the option."""
     bags, y = toy_bags(B=10)
-    with pytest.raises(ValueError, match="bag_rule"):
-        VGPMILClassifier(bag_rule="mean", **FAST).fit(bags, y)
+    with pytest.raises(ValueError, match="unknown bag rule"):
+        VGPMILClassifier(bag_rule="median", **FAST).fit(bags, y)
     with pytest.raises(ValueError, match="dtype"):
         VGPMILClassifier(dtype="float16", **FAST).fit(bags, y)
     with pytest.raises(ValueError, match="psi"):

@@ -80,8 +80,8 @@ def test_sklearn_contract_and_errors(data):
     assert isinstance(clf, VGPMILClassifier)  # shares its data handling
     with pytest.raises(ValueError, match="inference"):
         ProbitMILClassifier(inference="mcmc").fit(tr, ytr)
-    with pytest.raises(ValueError, match="bag_rule"):
-        ProbitMILClassifier(bag_rule="orthant").fit(tr, ytr)
+    with pytest.raises(ValueError, match="unknown bag rule"):
+        ProbitMILClassifier(bag_rule="median").fit(tr, ytr)
     with pytest.raises(ValueError):
         ProbitMILClassifier().fit(tr, np.full(len(tr), 2))
 
@@ -91,11 +91,12 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     B·n_max², n_max integration steps per bag — one bag of 300 among 599 bags of 5 reached 2.6 GB)
     or the grouped computation changes the answer: each bag must get exactly what it gets when
     predicted alone, and agree with the one-shot padded computation within the QMC error."""
-    import milgp.estimators as est
+    from milgp.likelihoods.instance_link import ProbitLink
     from milgp.models.sparse_gp import SparseGP
+    from milgp.prediction import BagPosterior, OrthantRule, bag_posterior
 
     (tr, ytr, _), _ = data
-    clf = ProbitMILClassifier(num_inducing=30, max_iter=40, num_qmc_points=256).fit(tr, ytr)
+    clf = ProbitMILClassifier(num_inducing=30, max_iter=40, num_qmc_points=256, bag_rule="orthant").fit(tr, ytr)
     rng = np.random.default_rng(7)
     sizes = [1, 3, 5, 5, 40, 2, 12, 5, 90, 4, 1, 7]
     bags = [rng.normal(size=(k, 3)) * 3 + 5 + (rng.random() < 0.5) * np.array([3.6, 0, 0]) for k in sizes]
@@ -110,10 +111,10 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
 
     monkeypatch.setattr(SparseGP, "bag_covariances", spy)
     p_all, se_all = clf.predict_bag_proba(bags)
-    assert max(b * n * n for b, n, _ in shapes) <= max(est.PREDICT_BLOCK_BUDGET, 90 * 90)
+    assert max(b * n * n for b, n, _ in shapes) <= max(bag_posterior.BLOCK_BUDGET, 90 * 90)
     # a tight budget: several groups, the small bags together and not padded to the bag of 90;
     # the answers do not move
-    monkeypatch.setattr(est, "PREDICT_BLOCK_BUDGET", 2000)
+    monkeypatch.setattr(bag_posterior, "BLOCK_BUDGET", 2000)
     shapes.clear()
     p_small, se_small = clf.predict_bag_proba(bags)
     assert len(shapes) > 2 and all(b * n * n <= 2000 or b == 1 for b, n, _ in shapes)
@@ -130,7 +131,7 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     x, bag_index = clf._to_tensor(bags)
     with torch.no_grad():
         mp_, cp, mk = clf.model_.bag_covariances(x, bag_index, len(bags))
-        p_pad, se_pad = clf.likelihood_.bag_probability_orthant(mp_, cp, mk, num_points=256, seed=1)
+        p_pad, se_pad = OrthantRule(num_points=256, seed=1)(BagPosterior.from_blocks(mp_, cp, mk), ProbitLink())
     tol = 4 * np.sqrt(se_pad.numpy() ** 2 + se_all**2) + 1e-9
     assert (np.abs(p_pad.numpy() - p_all) <= tol).all()
     assert ((p_all > 0.05) & (p_all < 0.95)).any()  # not only trivial bags

@@ -1,4 +1,4 @@
-"""Bags in memory: flat instances plus a bag index (DESIGN §2).
+"""Bags in memory: flat instances plus a bag index.
 
 A minibatch of bags is stored like a graph batch:
 
@@ -22,12 +22,14 @@ from torch import Tensor
 __all__ = [
     "BagBatch",
     "BagBatchSampler",
+    "BagGroup",
     "bag_index_from_sizes",
     "bag_sizes",
     "collate_bags",
     "flatten_bags",
     "from_padded",
     "labels_per_instance",
+    "make_bag_groups",
     "segment_max",
     "segment_sum",
     "split_by_bag",
@@ -268,3 +270,60 @@ class BagBatchSampler(torch.utils.data.Sampler[list[int]]):
     def __len__(self) -> int:
         full, rest = divmod(self.num_bags, self.bags_per_batch)
         return full if (self.drop_last or rest == 0) else full + 1
+
+
+@dataclass
+class BagGroup:
+    """A chunk of whole bags: instance indices ``(n_g,)`` (bag by bag), local bag index
+    ``(n_g,)`` in ``0..B_g−1`` and the global ids of its bags ``(B_g,)``."""
+
+    inst: Tensor
+    local: Tensor
+    bags: Tensor
+
+    @property
+    def num_bags(self) -> int:
+        return int(self.bags.shape[0])
+
+
+def make_bag_groups(
+    bag_index: Tensor,
+    num_bags: int,
+    chunk_instances: int = 32768,
+    block_budget: int | None = None,
+    bags: Tensor | None = None,
+) -> list[BagGroup]:
+    """Pack (a subset ``bags`` of) the bags into groups of whole bags, smallest bags first.
+
+    A group holds at most ``chunk_instances`` instances and, with ``block_budget``, at most that
+    many entries of its padded within-bag blocks (``B_g · n_max²``), so work on padded per-bag
+    covariances has bounded memory whatever the bag sizes; a bag larger than either bound forms a
+    group of its own.
+    """
+    device = bag_index.device
+    sizes = bag_sizes(bag_index, num_bags)
+    perm = torch.argsort(bag_index, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    chosen = torch.arange(num_bags, device=device) if bags is None else torch.as_tensor(bags, device=device)
+    chosen = chosen[torch.argsort(sizes[chosen], stable=True)]
+    sizes_l = sizes[chosen].tolist()
+    groups, current, n_inst = [], [], 0
+    for b, n in zip(chosen.tolist(), sizes_l):
+        over_inst = current and n_inst + n > chunk_instances
+        over_block = current and block_budget is not None and (len(current) + 1) * n * n > block_budget
+        if over_inst or over_block:
+            groups.append(current)
+            current, n_inst = [], 0
+        current.append(b)
+        n_inst += n
+    if current:
+        groups.append(current)
+    out = []
+    for g in groups:
+        g_t = torch.as_tensor(g, dtype=torch.long, device=device)
+        g_sizes = sizes[g_t]
+        local = torch.repeat_interleave(torch.arange(len(g), device=device), g_sizes)
+        offsets = torch.arange(int(g_sizes.sum()), device=device) - torch.repeat_interleave(torch.cumsum(g_sizes, 0) - g_sizes, g_sizes)
+        inst = perm[starts[g_t][local] + offsets]
+        out.append(BagGroup(inst=inst, local=local, bags=g_t))
+    return out

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 from torch.distributions import Bernoulli
 
-from milgp.data.bags import segment_sum
 from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.noisy_or import (
     PI_CLAMP,
     BagLayout,
@@ -46,7 +46,6 @@ from milgp.likelihoods.noisy_or import (
 )
 from milgp.likelihoods.psi import GammaPsi, GSMDensity, HyperbolicSecantPsi
 from milgp.likelihoods.quadrature import gauss_hermite_expectation
-from milgp.linalg import robust_cholesky
 
 __all__ = ["MILBernoulliLikelihood", "make_psi"]
 
@@ -74,7 +73,12 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         max_rule: ``"exact"`` leave-one-out noisy-OR for ``E[max y_{b∖n}]`` or ``"max"`` (reference).
 
     Persistent locals: ``π`` ``(N,)``. Per-call locals: ``c``, ``θ``.
+
+    Bag predictions: :mod:`milgp.prediction.bag_rules` with :attr:`instance_link` (``σ``).
     """
+
+    instance_link = LogisticLink()
+    """``p(y = 1 | f) = σ(f)`` and its moments under ``q(f)`` (seed 000 Eqs. 31–33)."""
 
     def __init__(self, psi: str | GSMDensity = "pg", H: float = 100.0, max_rule: str = "exact"):
         super().__init__()
@@ -162,66 +166,7 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
 
     def marginal(self, function_dist: Any, *args: Any, **kwargs: Any) -> Bernoulli:
         """Predictive instance label ``Bernoulli(E[sigmoid(f*)])`` (seed 000 Eq. 31)."""
-        p, _ = self.instance_probability(function_dist.mean, function_dist.variance)
-        return Bernoulli(probs=p)
-
-    # -- predictions (seed 000 Eqs. 31–36) ------------------------------------------------------
-    @staticmethod
-    def instance_probability(mean: Tensor, var: Tensor, num_points: int = 40) -> tuple[Tensor, Tensor]:
-        """``E[sigmoid(f*)]`` and its standard deviation ``(N,)`` (Eqs. 31–33, by quadrature)."""
-        p = gauss_hermite_expectation(torch.sigmoid, mean, var, num_points)
-        p2 = gauss_hermite_expectation(lambda f: torch.sigmoid(f) ** 2, mean, var, num_points)
-        return p, (p2 - p * p).clamp_min(0).sqrt()
-
-    @staticmethod
-    def bag_probability_noisy_or(
-        mean: Tensor, var: Tensor, bag_index: Tensor, num_bags: int, num_points: int = 40
-    ) -> tuple[Tensor, Tensor]:
-        """``E[1 − Π_n (1 − sigmoid(f*_n))]`` and its std per bag ``(B,)`` (Eqs. 34–36).
-
-        Under the factorised ``ν(f*) = Π_n q(f*_n)`` of Eq. 34 both moments are exact products of
-        univariate expectations: ``E[Π(1−σ)] = Π E[1−σ]`` and ``E[Π(1−σ)²] = Π E[(1−σ)²]``,
-        computed in log space with quadrature (no Monte-Carlo error).
-        """
-        q1 = gauss_hermite_expectation(lambda f: torch.sigmoid(-f), mean, var, num_points)
-        q2 = gauss_hermite_expectation(lambda f: torch.sigmoid(-f) ** 2, mean, var, num_points)
-        log_m1 = segment_sum(torch.log(q1.clamp_min(1e-300)), bag_index, num_bags)
-        log_m2 = segment_sum(torch.log(q2.clamp_min(1e-300)), bag_index, num_bags)
-        p = -torch.expm1(log_m1)
-        variance = (torch.exp(log_m2) - torch.exp(2 * log_m1)).clamp_min(0)
-        return p, variance.sqrt()
-
-    @staticmethod
-    def bag_probability_max(
-        mean: Tensor, var: Tensor, bag_index: Tensor, num_bags: int, num_points: int = 40
-    ) -> tuple[Tensor, Tensor]:
-        """Max rule: the bag probability is that of its most probable instance, with its std."""
-        p, std = MILBernoulliLikelihood.instance_probability(mean, var, num_points)
-        top = p.new_full((num_bags,), -1.0).scatter_reduce(0, bag_index, p, "amax", include_self=True)
-        is_top = p == top[bag_index]
-        std_top = std.new_zeros(num_bags).scatter_reduce(0, bag_index[is_top], std[is_top], "amax", include_self=True)
-        return top, std_top
-
-    @staticmethod
-    def bag_probability_joint(
-        mean_pad: Tensor, cov_pad: Tensor, mask: Tensor, num_samples: int = 512, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """``E[1 − Π(1 − sigmoid(f*_n))]`` and std per bag under the *joint* ``q(f*_b)`` by sampling.
-
-        Args:
-            mean_pad: ``(B, N_max)``; cov_pad: ``(B, N_max, N_max)``; mask: ``(B, N_max)`` as
-                returned by :meth:`milgp.models.SparseGP.bag_covariances`.
-        """
-        L = robust_cholesky(cov_pad, jitter=1e-10, what="the within-bag predictive covariance q(f*_b)")
-        eps = torch.randn(
-            (num_samples,) + tuple(mean_pad.shape), dtype=mean_pad.dtype, device=mean_pad.device, generator=generator
-        )
-        # f[s, b] = mean[b] + L[b] eps[s, b], as one batched GEMM over bags (B, S, N) @ (B, N, N):
-        # broadcasting L over the samples would materialise S copies of every L[b]
-        f = mean_pad + (eps.transpose(0, 1) @ L.mT).transpose(0, 1)  # (S, B, N_max)
-        log_neg = torch.nn.functional.logsigmoid(-f) * mask
-        p_bag = -torch.expm1(log_neg.sum(-1))  # (S, B)
-        return p_bag.mean(0), p_bag.std(0)
+        return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])
 
     def extra_repr(self) -> str:
         return f"H={self.H}, max_rule={self.max_rule!r}"

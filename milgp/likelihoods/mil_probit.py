@@ -49,17 +49,15 @@ comparison, the same with the within-bag correlation ignored.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.distributions import Bernoulli
 
 from milgp.data.bags import segment_max, segment_sum
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.likelihoods.orthant import orthant_probability
+from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import (
     log_expm1_ratio,
     log_hazard,
@@ -71,7 +69,6 @@ __all__ = [
     "MILProbitLikelihood",
     "bag_log_normaliser",
     "expected_augmentation",
-    "probit_instance_probability",
 ]
 
 
@@ -112,34 +109,6 @@ def expected_augmentation(nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num
     return torch.where(positive, pos_mean, mean_below_zero(nu))
 
 
-@lru_cache(maxsize=4)
-def _gauss_legendre(n: int) -> tuple[np.ndarray, np.ndarray]:
-    x, w = np.polynomial.legendre.leggauss(n)
-    return x, w
-
-
-def probit_instance_probability(mean: Tensor, var: Tensor, num_points: int = 32) -> tuple[Tensor, Tensor]:
-    """``E[Φ(f)]`` and ``std[Φ(f)]`` for ``f ~ N(mean, var)``, elementwise.
-
-    ``E[Φ(f)] = Φ(h)``, ``h = μ/sqrt(1 + σ²)`` (seed 003 §3.4). ``E[Φ(f)²] = P(Z₁ < f, Z₂ < f)`` is a
-    bivariate normal CDF ``Φ₂(h, h; ρ)``, ``ρ = σ²/(1 + σ²)``, evaluated by Sheppard's formula
-    ``Φ(h)² + (2π)⁻¹ ∫_0^{asin ρ} exp(−h²/(1 + sin θ)) dθ`` with Gauss–Legendre quadrature (the
-    integrand is smooth after ``r = sin θ``; 32 nodes give ~1e-15).
-    """
-    denom = torch.sqrt(1.0 + var)
-    h = mean / denom
-    p = torch.special.ndtr(h)
-    rho = (var / (1.0 + var)).clamp(0.0, 1.0)
-    top = torch.asin(rho)
-    x, w = _gauss_legendre(num_points)
-    x = torch.as_tensor(x, dtype=mean.dtype, device=mean.device)
-    w = torch.as_tensor(w, dtype=mean.dtype, device=mean.device)
-    theta = 0.5 * top.unsqueeze(-1) * (x + 1.0)  # (..., K)
-    integrand = torch.exp(-(h * h).unsqueeze(-1) / (1.0 + torch.sin(theta)))
-    second = p * p + 0.5 * top * (integrand * w).sum(-1) / (2.0 * math.pi)
-    return p, (second - p * p).clamp_min(0.0).sqrt()
-
-
 class MILProbitLikelihood(AugmentedBagLikelihood):
     """MIL-GP-Probit bag likelihood (seed 003), see the module docstring for the equations.
 
@@ -150,7 +119,13 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
         lik = MILProbitLikelihood()
         mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=N)
         loss = -mll(model(x), bag_labels[bag_index], bag_index=bag_index)
+
+    Bag predictions: :mod:`milgp.prediction.bag_rules` with :attr:`instance_link` (``Φ``), e.g. the
+    orthant rule ``1 − P(all m* < 0)``.
     """
+
+    instance_link = ProbitLink()
+    """``p(y = 1 | f) = Φ(f)`` and its moments under ``q(f)``."""
 
     # -- augmented-likelihood interface --------------------------------------------------------
     def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Tensor:
@@ -199,68 +174,4 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
 
     def marginal(self, function_dist: Any, *args: Any, **kwargs: Any) -> Bernoulli:
         """Predictive instance label ``Bernoulli(Φ(μ/sqrt(1 + σ²)))``."""
-        return Bernoulli(probs=torch.special.ndtr(function_dist.mean / torch.sqrt(1.0 + function_dist.variance)))
-
-    # -- predictions -------------------------------------------------------------------------------
-    @staticmethod
-    def instance_probability(mean: Tensor, var: Tensor, num_points: int = 32) -> tuple[Tensor, Tensor]:
-        """``(E[Φ(f*)], std[Φ(f*)])`` ``(N,)``; the mean is ``Φ(μ*/sqrt(1 + σ*²))`` exactly."""
-        return probit_instance_probability(mean, var, num_points)
-
-    @staticmethod
-    def bag_probability_independent(
-        mean: Tensor, var: Tensor, bag_index: Tensor, num_bags: int
-    ) -> tuple[Tensor, Tensor]:
-        """``1 − Π_n Φ(−μ*_n/sqrt(1 + σ*²_n))`` per bag, ignoring within-bag correlation (exact under
-        that assumption: the error is 0, returned as the second tensor)."""
-        log_neg = segment_sum(torch.special.log_ndtr(-mean / torch.sqrt(1.0 + var)), bag_index, num_bags)
-        p = -torch.expm1(log_neg)
-        return p, torch.zeros_like(p)
-
-    bag_probability_noisy_or = bag_probability_independent
-    """Alias (the independent-instance rule is the noisy-OR of the instance probabilities)."""
-
-    @staticmethod
-    def bag_probability_max(mean: Tensor, var: Tensor, bag_index: Tensor, num_bags: int) -> tuple[Tensor, Tensor]:
-        """Max rule: the probability of the bag's most probable instance, with its std."""
-        p, std = probit_instance_probability(mean, var)
-        top = p.new_full((num_bags,), -1.0).scatter_reduce(0, bag_index, p, "amax", include_self=True)
-        is_top = p == top[bag_index]
-        std_top = std.new_zeros(num_bags).scatter_reduce(0, bag_index[is_top], std[is_top], "amax", include_self=True)
-        return top, std_top
-
-    @staticmethod
-    def bag_probability_orthant(
-        mean_pad: Tensor,
-        cov_pad: Tensor,
-        mask: Tensor,
-        num_points: int = 1024,
-        replicates: int = 8,
-        seed: int = 0,
-    ) -> tuple[Tensor, Tensor]:
-        """``1 − P(all m* < 0)``, ``m*_b ~ N(μ*_b, Σ*_b + I)``, and its randomised-QMC standard error.
-
-        Args:
-            mean_pad, cov_pad, mask: padded ``q(f*_b)`` as returned by
-                :meth:`milgp.models.SparseGP.bag_covariances` (``(B, n)``, ``(B, n, n)``, ``(B, n)``).
-        """
-        n = cov_pad.shape[-1]
-        eye = torch.eye(n, dtype=cov_pad.dtype, device=cov_pad.device)
-        pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
-        cov_m = torch.where(pair, cov_pad + eye, eye.expand_as(cov_pad))
-        p_neg, err = orthant_probability(mean_pad, cov_m, mask, num_points=num_points, replicates=replicates, seed=seed)
-        return (1.0 - p_neg).clamp(0.0, 1.0), err
-
-    @staticmethod
-    def bag_probability_joint(
-        mean_pad: Tensor, cov_pad: Tensor, mask: Tensor, num_samples: int = 1024, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """The orthant bag probability under the same signature as
-        :meth:`MILBernoulliLikelihood.bag_probability_joint` (``num_samples`` QMC points per
-        replicate; the Sobol scrambling seed is drawn from ``generator``)."""
-        seed = (
-            int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
-            if generator is not None
-            else 0
-        )
-        return MILProbitLikelihood.bag_probability_orthant(mean_pad, cov_pad, mask, num_points=num_samples, seed=seed)
+        return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])

@@ -219,9 +219,12 @@ class SparseGP(gpytorch.models.ApproximateGP):
             var = proj.prior_var + SA.mul_(A).sum(0)
         return mean, var.clamp_min(1e-10)
 
-    def predict_marginals(self, x: Tensor, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
-        """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients."""
-        q = self.whitened_posterior()
+    def predict_marginals(
+        self, x: Tensor, chunk_size: int = 65536, q: WhitenedPosterior | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients
+        (``q``: the posterior to use, default the model's own)."""
+        q = self.whitened_posterior() if q is None else q
         with torch.no_grad():
             L = self.inducing_cholesky()
             means, variances = [], []

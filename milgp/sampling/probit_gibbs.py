@@ -41,12 +41,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from milgp.data.bags import BagBatch, segment_sum, to_padded
-from milgp.likelihoods.mil_probit import probit_instance_probability
+from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import sample_truncated
 from milgp.linalg import robust_cholesky
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 from milgp.sampling.diagnostics import effective_sample_size, split_rhat
-from milgp.variational.aggregate_fit import make_bag_groups
+from milgp.data.bags import make_bag_groups
 
 __all__ = ["DEFAULT_INIT_DISPERSION", "DEFAULT_MAX_ELEMENTS", "ProbitGibbsResult", "sample_probit_posterior"]
 
@@ -153,7 +153,7 @@ class ProbitGibbsResult:
                 mu0, A, resid = self._projection(model, x[start : start + chunk], L)
                 if draw_chunk == S:
                     mu = mu0 + draws @ A  # (S, n_c)
-                    p_s, sd_s = probit_instance_probability(mu, resid.expand_as(mu), num_points)
+                    p_s, sd_s = ProbitLink().moments(mu, resid.expand_as(mu), num_points)
                     p = p_s.mean(0)
                     second = (sd_s * sd_s + p_s * p_s).mean(0)
                 else:
@@ -161,7 +161,7 @@ class ProbitGibbsResult:
                     sum_2 = mu0.new_zeros(mu0.shape)
                     for d0 in range(0, S, draw_chunk):
                         mu = mu0 + draws[d0 : d0 + draw_chunk] @ A
-                        p_s, sd_s = probit_instance_probability(mu, resid.expand_as(mu), num_points)
+                        p_s, sd_s = ProbitLink().moments(mu, resid.expand_as(mu), num_points)
                         sum_p += p_s.sum(0)
                         sum_2 += (sd_s * sd_s + p_s * p_s).sum(0)
                     p, second = sum_p / S, sum_2 / S
@@ -176,7 +176,7 @@ class ProbitGibbsResult:
     ) -> Tensor:
         """Per-draw ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` laid out ``(C, S, B)``.
 
-        Bags are processed in groups of whole bags (:func:`milgp.variational.aggregate_fit.make_bag_groups`,
+        Bags are processed in groups of whole bags (:func:`milgp.data.bags.make_bag_groups`,
         at most ``max_elements // (C·S)`` instances per group unless one bag alone is larger) and
         the ``(s, n)`` latent means of a group in draw chunks of ``max_elements // n``, so apart
         from the ``(C, S, B)`` output the peak is ``O(max_elements + M·n_g)`` elements, ``n_g`` the

@@ -41,14 +41,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, bag_sizes, segment_sum
+from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
 __all__ = [
     "AggregateFitResult",
-    "BagGroup",
     "GroupCache",
     "aggregate_data_terms",
     "aggregate_elbo",
@@ -57,61 +56,9 @@ __all__ = [
     "fit_aggregate",
     "group_terms",
     "is_conjugate",
-    "make_bag_groups",
     "predict_bag_moments",
     "try_natural_step",
 ]
-
-
-@dataclass
-class BagGroup:
-    """A chunk of whole bags: instance indices ``(n_g,)`` (bag by bag), local bag index
-    ``(n_g,)`` in ``0..B_g−1`` and the global ids of its bags ``(B_g,)``."""
-
-    inst: Tensor
-    local: Tensor
-    bags: Tensor
-
-    @property
-    def num_bags(self) -> int:
-        return int(self.bags.shape[0])
-
-
-def make_bag_groups(
-    bag_index: Tensor,
-    num_bags: int,
-    chunk_instances: int = 32768,
-    block_budget: int | None = None,
-    bags: Tensor | None = None,
-) -> list[BagGroup]:
-    """Pack (a subset ``bags`` of) the bags into groups, smallest bags first (see module doc)."""
-    device = bag_index.device
-    sizes = bag_sizes(bag_index, num_bags)
-    perm = torch.argsort(bag_index, stable=True)
-    starts = torch.cumsum(sizes, 0) - sizes
-    chosen = torch.arange(num_bags, device=device) if bags is None else torch.as_tensor(bags, device=device)
-    chosen = chosen[torch.argsort(sizes[chosen], stable=True)]
-    sizes_l = sizes[chosen].tolist()
-    groups, current, n_inst = [], [], 0
-    for b, n in zip(chosen.tolist(), sizes_l):
-        over_inst = current and n_inst + n > chunk_instances
-        over_block = current and block_budget is not None and (len(current) + 1) * n * n > block_budget
-        if over_inst or over_block:
-            groups.append(current)
-            current, n_inst = [], 0
-        current.append(b)
-        n_inst += n
-    if current:
-        groups.append(current)
-    out = []
-    for g in groups:
-        g_t = torch.as_tensor(g, dtype=torch.long, device=device)
-        g_sizes = sizes[g_t]
-        local = torch.repeat_interleave(torch.arange(len(g), device=device), g_sizes)
-        offsets = torch.arange(int(g_sizes.sum()), device=device) - torch.repeat_interleave(torch.cumsum(g_sizes, 0) - g_sizes, g_sizes)
-        inst = perm[starts[g_t][local] + offsets]
-        out.append(BagGroup(inst=inst, local=local, bags=g_t))
-    return out
 
 
 def _weights(batch: BagBatch) -> Tensor:

@@ -8,7 +8,8 @@ import torch
 from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
 
 from milgp.likelihoods import ExponentialAggregateLikelihood
-from milgp.variational.aggregate_fit import group_terms, fit_aggregate, make_bag_groups
+from milgp.data.bags import make_bag_groups
+from milgp.variational.aggregate_fit import group_terms, fit_aggregate
 
 
 def test_bound_is_below_monte_carlo_expected_log_likelihood():

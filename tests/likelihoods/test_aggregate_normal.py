@@ -9,7 +9,8 @@ import torch
 from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
 
 from milgp.likelihoods import NormalAggregateLikelihood
-from milgp.variational.aggregate_fit import try_natural_step, aggregate_elbo, aggregate_natural_statistics, make_bag_groups
+from milgp.data.bags import make_bag_groups
+from milgp.variational.aggregate_fit import try_natural_step, aggregate_elbo, aggregate_natural_statistics
 
 TAU = 0.37
 

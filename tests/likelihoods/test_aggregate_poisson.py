@@ -12,13 +12,13 @@ from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_
 
 from milgp.likelihoods import PoissonAggregateLikelihood
 from milgp.likelihoods.aggregate import bag_blocks
+from milgp.data.bags import make_bag_groups
 from milgp.variational.aggregate_fit import (
     group_terms,
     try_natural_step,
     aggregate_elbo,
     aggregate_natural_statistics,
     fit_aggregate,
-    make_bag_groups,
     predict_bag_moments,
 )
 

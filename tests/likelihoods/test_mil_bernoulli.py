@@ -143,69 +143,6 @@ def test_bags_of_one_reduce_to_sparse_gp_logistic_classification():
     assert elbo_data.item() == pytest.approx(bound.sum().item(), abs=N * 1e-5)
 
 
-# -- predictions ------------------------------------------------------------------------------
-def test_instance_probability_matches_monte_carlo():
-    """E[sigmoid(f)] and its std by quadrature (Eqs. 31–33) must agree with 1e6 MC samples within
-    5 MC standard errors; a wrong node scaling in Gauss–Hermite fails here."""
-    g = torch.Generator().manual_seed(0)
-    mean = torch.tensor([-3.0, -0.5, 0.0, 1.0, 4.0], dtype=torch.float64)
-    var = torch.tensor([0.01, 1.0, 4.0, 9.0, 0.5], dtype=torch.float64)
-    p, s = MILBernoulliLikelihood.instance_probability(mean, var)
-    f = mean + var.sqrt() * torch.randn(1_000_000, 5, generator=g, dtype=torch.float64)
-    sig = torch.sigmoid(f)
-    mc_p, mc_s = sig.mean(0), sig.std(0)
-    se = mc_s / 1000.0
-    assert ((p - mc_p).abs() <= 5 * se + 1e-12).all()
-    # std of the sample std ≈ sd/√(2n) for near-normal; use a loose 5·√(E[(x-μ)^4])/… bound
-    se_s = ((sig - mc_p) ** 2).std(0) / (2 * mc_s * 1000.0)
-    assert ((s - mc_s).abs() <= 5 * se_s + 1e-12).all()
-
-
-def test_bag_probability_noisy_or_matches_monte_carlo_under_factorised_marginals():
-    """Eqs. 34–36 under ν(f*) = Π q(f*_n): mean and std of 1 − Π(1 − σ(f_n)) vs 1e6 samples."""
-    g = torch.Generator().manual_seed(1)
-    bag_index = torch.tensor([0, 0, 0, 1, 1, 2])
-    mean = torch.tensor([-2.0, -1.0, 0.5, -3.0, -2.5, 1.0], dtype=torch.float64)
-    var = torch.tensor([1.0, 0.5, 2.0, 0.2, 3.0, 1.0], dtype=torch.float64)
-    p, s = MILBernoulliLikelihood.bag_probability_noisy_or(mean, var, bag_index, 3)
-    f = mean + var.sqrt() * torch.randn(1_000_000, 6, generator=g, dtype=torch.float64)
-    keep = torch.sigmoid(-f)
-    prod = torch.stack([keep[:, bag_index == b].prod(1) for b in range(3)], 1)
-    pb = 1 - prod
-    se = pb.std(0) / 1000.0
-    assert ((p - pb.mean(0)).abs() <= 5 * se).all()
-    se_s = ((pb - pb.mean(0)) ** 2).std(0) / (2 * pb.std(0) * 1000.0)
-    assert ((s - pb.std(0)).abs() <= 5 * se_s).all()
-
-
-def test_bag_probability_joint_with_diagonal_covariance_equals_noisy_or():
-    """Sampling the joint q(f*_b) with a diagonal covariance is the factorised model: it must
-    agree with the quadrature noisy-OR within MC error, and padded entries must not count."""
-    bag_index = torch.tensor([0, 0, 0, 1, 1, 2])
-    mean = torch.tensor([-2.0, -1.0, 0.5, -3.0, -2.5, 1.0], dtype=torch.float64)
-    var = torch.tensor([1.0, 0.5, 2.0, 0.2, 3.0, 1.0], dtype=torch.float64)
-    p, s = MILBernoulliLikelihood.bag_probability_noisy_or(mean, var, bag_index, 3)
-    mean_pad = torch.tensor([[-2.0, -1.0, 0.5], [-3.0, -2.5, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
-    var_pad = torch.tensor([[1.0, 0.5, 2.0], [0.2, 3.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
-    n = 200_000
-    gen = torch.Generator().manual_seed(7)
-    pj, sj = MILBernoulliLikelihood.bag_probability_joint(mean_pad, torch.diag_embed(var_pad), mask, num_samples=n, generator=gen)
-    assert ((pj - p).abs() <= 5 * s / math.sqrt(n)).all()
-    torch.testing.assert_close(sj, s, rtol=0.02, atol=1e-3)
-
-
-def test_bag_probability_max_rule():
-    """Max rule: the bag probability is the largest instance probability in the bag."""
-    bag_index = torch.tensor([0, 0, 1, 1, 1])
-    mean = torch.tensor([-1.0, 2.0, -3.0, 0.0, -1.0], dtype=torch.float64)
-    var = torch.full((5,), 0.5, dtype=torch.float64)
-    p_inst, s_inst = MILBernoulliLikelihood.instance_probability(mean, var)
-    p, s = MILBernoulliLikelihood.bag_probability_max(mean, var, bag_index, 2)
-    torch.testing.assert_close(p, torch.stack([p_inst[1], p_inst[3]]))
-    torch.testing.assert_close(s, torch.stack([s_inst[1], s_inst[3]]))
-
-
 def test_constructor_validation():
     """H ≤ 1 makes wrong bag labels as likely as right ones; an unknown rule or ψ must raise."""
     with pytest.raises(ValueError, match="H"):

@@ -12,7 +12,9 @@ from scipy import stats
 from milgp.data.bags import BagBatch
 from milgp.likelihoods import MILProbitLikelihood
 from milgp.likelihoods.mil_probit import bag_log_normaliser, expected_augmentation
+from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.orthant import orthant_probability
+from milgp.prediction import BagPosterior, NoisyOrRule, OrthantRule
 from milgp.models.sparse_gp import SparseGP
 from milgp.variational.fit import closed_form_elbo, fit_closed_form
 from milgp.variational.natural_update import RobbinsMonro, natural_statistics, natural_step
@@ -222,7 +224,7 @@ def test_vi_matches_independent_unwhitened_reference():
     )
     np.testing.assert_allclose(mean.numpy(), ref_mean, atol=1e-6)
     np.testing.assert_allclose(var.numpy(), ref_var, atol=1e-6)
-    p = MILProbitLikelihood.instance_probability(mean, var)[0].numpy()
+    p = MILProbitLikelihood.instance_link.moments(mean, var)[0].numpy()
     np.testing.assert_allclose(p, stats.norm.cdf(ref_mean / np.sqrt(1 + ref_var)), atol=1e-6)
 
 
@@ -286,19 +288,6 @@ def test_plain_gpytorch_value_and_one_ngd_step_equal_the_closed_form():
 # -- predictions -------------------------------------------------------------------------------------
 
 
-def test_instance_probability_and_std_against_monte_carlo():
-    """If this fails, E[Φ(f)] ≠ Φ(μ/sqrt(1+σ²)) or std[Φ(f)] (Sheppard's bivariate formula) is wrong."""
-    mean = torch.tensor([-3.0, -0.5, 0.0, 1.0, 30.0, -30.0], dtype=torch.float64)
-    var = torch.tensor([0.5, 2.0, 1.0, 4.0, 1.0, 1.0], dtype=torch.float64)
-    p, s = MILProbitLikelihood.instance_probability(mean, var)
-    g = torch.Generator().manual_seed(0)
-    f = mean + var.sqrt() * torch.randn(400000, 6, dtype=torch.float64, generator=g)
-    phi = torch.special.ndtr(f)
-    np.testing.assert_allclose(p.numpy(), phi.mean(0).numpy(), atol=3e-3)
-    np.testing.assert_allclose(s.numpy(), phi.std(0).numpy(), atol=3e-3)
-    assert torch.isfinite(s).all()
-
-
 def _random_bags(sizes, seed):
     rng = np.random.default_rng(seed)
     n = max(sizes)
@@ -319,7 +308,7 @@ def test_orthant_bag_probability_matches_brute_force_monte_carlo():
     biased or its standard error is understated (compared with 4·10⁵ brute-force draws)."""
     sizes = [1, 2, 3, 5, 7]
     mean, cov, mask = _random_bags(sizes, 0)
-    p, se = MILProbitLikelihood.bag_probability_orthant(mean, cov, mask, num_points=1024, replicates=8)
+    p, se = OrthantRule(num_points=1024, replicates=8)(BagPosterior.from_blocks(mean, cov, mask), ProbitLink())
     g = torch.Generator().manual_seed(1)
     S = 400000
     for b, k in enumerate(sizes):
@@ -349,18 +338,18 @@ def test_bag_prediction_accounts_for_within_bag_correlation():
     same = torch.full((1, 2, 2), sig2, dtype=torch.float64)
     indep = torch.diag_embed(torch.full((1, 2), sig2, dtype=torch.float64))
     mask = torch.ones(1, 2, dtype=torch.bool)
-    p_same, _ = MILProbitLikelihood.bag_probability_orthant(mean, same, mask)
-    p_ind, _ = MILProbitLikelihood.bag_probability_orthant(mean, indep, mask)
-    p_ind2, _ = MILProbitLikelihood.bag_probability_independent(mean[0], torch.full((2,), sig2, dtype=torch.float64), torch.zeros(2, dtype=torch.long), 1)
+    p_same, _ = OrthantRule()(BagPosterior.from_blocks(mean, same, mask), ProbitLink())
+    p_ind, _ = OrthantRule()(BagPosterior.from_blocks(mean, indep, mask), ProbitLink())
+    p_ind2, _ = NoisyOrRule()(BagPosterior(mean[0], torch.full((2,), sig2, dtype=torch.float64), torch.zeros(2, dtype=torch.long), 1), ProbitLink())
     assert float(p_same) < float(p_ind) - 0.05  # 1 − P(neg): higher P(neg) ⇔ lower P(pos)
     assert abs(float(p_ind) - float(p_ind2)) < 1e-3
     # through the model: a bag [x, x] has the full correlation from bag_covariances
     model = SparseGP(torch.tensor([[0.0], [3.0]], dtype=torch.float64), lengthscale=1.0, outputscale=2.0)
     x = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
     mp_, cp, mk = model.bag_covariances(x, torch.zeros(2, dtype=torch.long), 1)
-    p_joint, _ = MILProbitLikelihood.bag_probability_orthant(mp_, cp, mk)
+    p_joint, _ = OrthantRule()(BagPosterior.from_blocks(mp_, cp, mk), ProbitLink())
     m, v = model.predict_marginals(x)
-    p_indep, _ = MILProbitLikelihood.bag_probability_independent(m, v, torch.zeros(2, dtype=torch.long), 1)
+    p_indep, _ = NoisyOrRule()(BagPosterior(m, v, torch.zeros(2, dtype=torch.long), 1), ProbitLink())
     assert float(p_joint) < float(p_indep) - 0.05
 
 
@@ -373,7 +362,7 @@ def test_orthant_large_bags_and_extremes_are_finite():
     cov = torch.tensor(W @ W.T * 0.2 + 0.1 * np.eye(n))[None].repeat(3, 1, 1)
     mean = torch.stack([torch.full((n,), -30.0), torch.full((n,), 30.0), torch.tensor(rng.normal(size=n) - 3.0)]).double()
     mask = torch.ones(3, n, dtype=torch.bool)
-    p, se = MILProbitLikelihood.bag_probability_orthant(mean, cov, mask, num_points=256, replicates=4)
+    p, se = OrthantRule(num_points=256, replicates=4)(BagPosterior.from_blocks(mean, cov, mask), ProbitLink())
     assert torch.isfinite(p).all() and torch.isfinite(se).all()
     assert ((p >= 0) & (p <= 1)).all()
     assert float(p[0]) < 1e-100 + 1e-12 and float(p[1]) == pytest.approx(1.0, abs=1e-12)

@@ -46,7 +46,7 @@ def test_gibbs_agrees_with_vi_and_with_the_reference(fitted):
     summary = gibbs.summary()
     assert summary["max_rhat"] < 1.1 and summary["min_ess"] > 100, summary
     mean_vi, var_vi = model.predict_marginals(batch.x)
-    p_vi = lik.instance_probability(mean_vi, var_vi)[0]
+    p_vi = lik.instance_link.moments(mean_vi, var_vi)[0]
     mean_g = gibbs.latent_mean(model, batch.x)
     p_g = gibbs.instance_probability(model, batch.x)[0]
     assert float((mean_vi - mean_g).abs().max()) < 0.2
@@ -108,6 +108,7 @@ def test_chunked_predictions_equal_unchunked_and_respect_the_memory_bound(fitted
     from the one-shot computation beyond rounding, or a block exceeds ``max_elements`` entries —
     i.e. predicting 2,000 instances with 4,000 draws would again build (C·S, N, 32) tensors (≈ 7 GB)."""
     import milgp.sampling.probit_gibbs as pg
+    from milgp.likelihoods.instance_link import ProbitLink
 
     batch, model, _, gibbs = fitted
     x, bi, B = batch.x, batch.bag_index, batch.num_bags
@@ -118,17 +119,17 @@ def test_chunked_predictions_equal_unchunked_and_respect_the_memory_bound(fitted
     S = gibbs.draws.shape[0]
 
     seen = []
-    orig_ipp, orig_seg = pg.probit_instance_probability, pg.segment_sum
+    orig_ipp, orig_seg = ProbitLink.moments, pg.segment_sum
 
-    def ipp(mean, var, num_points=32):
+    def ipp(self, mean, var, num_points=32):
         seen.append(mean.numel() * num_points)
-        return orig_ipp(mean, var, num_points)
+        return orig_ipp(self, mean, var, num_points)
 
     def seg(values, index, num_bags):
         seen.append(values.numel())
         return orig_seg(values, index, num_bags)
 
-    monkeypatch.setattr(pg, "probit_instance_probability", ipp)
+    monkeypatch.setattr(ProbitLink, "moments", ipp)
     monkeypatch.setattr(pg, "segment_sum", seg)
     # instance chunks only (7 instances of S·32 nodes), then instance and draw chunks
     for budget, xs in ((S * 32 * 7, x), (4096, x[:40])):

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from milgp.data.bags import BagBatch, bag_index_from_sizes
+from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
+from milgp.prediction import BagPosterior, JointNoisyOrRule
 from milgp.likelihoods.noisy_or import bag_layout, positions_in_bag, update_instance_labels
 from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
 from milgp.variational import fit as fit_mod
@@ -212,16 +214,21 @@ def test_kl_with_cached_cholesky_equals_refactorised():
 
 
 def test_joint_bag_sampling_matches_broadcast_formula():
+    """The joint noisy-OR rule samples all bags of a group with one batched GEMM; it must equal the
+    plain broadcast formula f = mean + L·eps draw for draw (same generator), padding masked."""
     g = torch.Generator().manual_seed(0)
     B, n, S = 7, 5, 64
     X = torch.randn(B, n, n, generator=g, dtype=torch.float64)
     cov = X @ X.mT / n + 0.1 * torch.eye(n, dtype=torch.float64)
     mean = torch.randn(B, n, generator=g, dtype=torch.float64)
     mask = torch.rand(B, n, generator=g) < 0.8
-    p, s = MILBernoulliLikelihood.bag_probability_joint(mean, cov, mask, num_samples=S, generator=torch.Generator().manual_seed(5))
-    L = torch.linalg.cholesky_ex(cov + 1e-10 * torch.eye(n, dtype=torch.float64))[0]
+    mask[:, 0] = True
+    post = BagPosterior.from_blocks(mean, cov, mask)
+    order = next(post.joint_blocks()).bags  # the rule's group order (smallest bags first)
+    p, s = JointNoisyOrRule(num_samples=S)(post, LogisticLink(), torch.Generator().manual_seed(5))
+    L = torch.linalg.cholesky_ex(cov[order] + 1e-10 * torch.eye(n, dtype=torch.float64))[0]
     eps = torch.randn((S, B, n), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    f = mean + (L @ eps.unsqueeze(-1)).squeeze(-1)
-    p_bag = -torch.expm1((torch.nn.functional.logsigmoid(-f) * mask).sum(-1))
-    torch.testing.assert_close(p, p_bag.mean(0), rtol=0, atol=1e-12)
-    torch.testing.assert_close(s, p_bag.std(0), rtol=0, atol=1e-12)
+    f = mean[order] + (L @ eps.unsqueeze(-1)).squeeze(-1)
+    p_bag = -torch.expm1((torch.nn.functional.logsigmoid(-f) * mask[order]).sum(-1))
+    torch.testing.assert_close(p[order], p_bag.mean(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(s[order], p_bag.std(0), rtol=0, atol=1e-12)

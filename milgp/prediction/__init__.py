@@ -1,0 +1,31 @@
+"""From the instance posterior to bag decisions: bag rules and bag-level calibration."""
+from milgp.prediction.bag_posterior import BagPosterior, JointBlocks
+from milgp.prediction.bag_rules import (
+    BAG_RULES,
+    DEFAULT_BAG_RULE,
+    BagRule,
+    JointMaxRule,
+    JointNoisyOrRule,
+    MaxRule,
+    NoisyOrRule,
+    OrthantRule,
+    TopKMeanRule,
+    make_bag_rule,
+)
+from milgp.prediction.calibration import BagCalibrator
+
+__all__ = [
+    "BAG_RULES",
+    "DEFAULT_BAG_RULE",
+    "BagCalibrator",
+    "BagPosterior",
+    "BagRule",
+    "JointBlocks",
+    "JointMaxRule",
+    "JointNoisyOrRule",
+    "MaxRule",
+    "NoisyOrRule",
+    "OrthantRule",
+    "TopKMeanRule",
+    "make_bag_rule",
+]

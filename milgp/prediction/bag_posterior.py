@@ -1,0 +1,118 @@
+"""The instance posterior ``q(f*)`` of a set of bags, as the bag rules read it.
+
+Marginal rules (noisy-OR, max, top-k) read the per-instance means and variances; joint rules
+(sampling the within-bag ``q(f*_b)``, the probit orthant) read per-bag covariance blocks, built on
+demand for groups of whole bags of similar size (:func:`milgp.data.bags.make_bag_groups`), so
+memory is bounded by ``block_budget`` entries however the bag sizes are mixed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from milgp.data.bags import bag_sizes, make_bag_groups
+from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+
+__all__ = ["BLOCK_BUDGET", "BagPosterior", "JointBlocks", "MAX_JOINT_INSTANCES"]
+
+BLOCK_BUDGET = 2**22
+"""Default bound on the padded block entries of one group of bags (``B_g · n_max²``; 4.2 M entries,
+32 MiB in float64) unless one bag alone is larger."""
+
+MAX_JOINT_INSTANCES = 4096
+"""Joint rules factorise a bag's ``n × n`` predictive covariance; larger bags are refused with an
+error that names them (4096² float64 entries are 128 MiB)."""
+
+
+@dataclass
+class JointBlocks:
+    """Padded joint ``q(f*_b)`` of a group of bags.
+
+    Attributes:
+        bags: ``(B_g,)`` the bags' ids in the posterior.
+        mean: ``(B_g, n)``; cov: ``(B_g, n, n)`` (padding: identity); mask: ``(B_g, n)``.
+    """
+
+    bags: Tensor
+    mean: Tensor
+    cov: Tensor
+    mask: Tensor
+
+
+@dataclass
+class BagPosterior:
+    """``q(f*)`` of the instances of ``num_bags`` bags.
+
+    Attributes:
+        mean, var: ``(N,)`` marginal means and variances.
+        bag_index: ``(N,)`` bag of each instance, ``0..num_bags−1``.
+        num_bags: B.
+        block_source: ``(instances (n_g,), local bag index (n_g,), bags in group) → (mean_pad,
+            cov_pad, mask)``, the padded joint blocks of one group; ``None`` when only marginals
+            are known.
+        block_budget: at most this many padded block entries per group (``None``: :data:`BLOCK_BUDGET`).
+        chunk_instances: at most this many instances per group (bounds the ``n_g × M`` projection).
+    """
+
+    mean: Tensor
+    var: Tensor
+    bag_index: Tensor
+    num_bags: int
+    block_source: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, Tensor]] | None = None
+    block_budget: int | None = None
+    chunk_instances: int = 32768
+
+    @classmethod
+    def from_model(
+        cls,
+        model: SparseGP,
+        x: Tensor,
+        bag_index: Tensor,
+        num_bags: int,
+        q: WhitenedPosterior | None = None,
+        block_budget: int | None = None,
+    ) -> "BagPosterior":
+        """The predictive ``q(f*)`` of ``model`` at inputs ``x`` ``(N, D)``."""
+        q = model.whitened_posterior() if q is None else q
+        mean, var = model.predict_marginals(x, q=q)
+
+        def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
+            return model.bag_covariances(x[inst], local, n_bags, q)
+
+        return cls(mean, var, bag_index, num_bags, blocks, block_budget)
+
+    @classmethod
+    def from_blocks(cls, mean_pad: Tensor, cov_pad: Tensor, mask: Tensor) -> "BagPosterior":
+        """A posterior given as padded joint blocks ``(B, n)``, ``(B, n, n)``, ``(B, n)`` (e.g. from
+        :meth:`SparseGP.bag_covariances` or a user's own ``q(f*_b)``); every joint rule then sees the
+        blocks exactly as given, in one group."""
+        B, n = mask.shape
+        bag_index = torch.arange(B, device=mask.device).unsqueeze(1).expand(B, n)[mask]
+        var = torch.diagonal(cov_pad, dim1=-2, dim2=-1)[mask]
+
+        def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
+            bags = torch.zeros(n_bags, dtype=torch.long, device=mask.device).scatter_(0, local, bag_index[inst])
+            return mean_pad[bags], cov_pad[bags], mask[bags]
+
+        return cls(mean_pad[mask], var, bag_index, B, blocks, max(B * n * n, 1), max(B * n, 1))
+
+    def joint_blocks(self, max_instances: int = MAX_JOINT_INSTANCES) -> Iterator[JointBlocks]:
+        """The padded joint blocks, group by group (every bag exactly once)."""
+        if self.block_source is None:
+            raise ValueError("this bag posterior has marginals only; use a marginal bag rule (noisy_or, max, top_k_mean)")
+        sizes = bag_sizes(self.bag_index, self.num_bags)
+        too_big = torch.nonzero(sizes > max_instances).flatten()
+        if too_big.numel():
+            b = int(too_big[0])
+            raise ValueError(
+                f"bag {b} has {int(sizes[b])} instances: a joint bag rule factorises its {int(sizes[b])}×{int(sizes[b])} "
+                f"predictive covariance (limit {max_instances}); use a marginal rule such as 'max' for bags this long"
+            )
+        budget = BLOCK_BUDGET if self.block_budget is None else self.block_budget
+        for g in make_bag_groups(self.bag_index, self.num_bags, self.chunk_instances, budget):
+            with torch.no_grad():
+                mean_pad, cov_pad, mask = self.block_source(g.inst, g.local, g.num_bags)
+            yield JointBlocks(g.bags, mean_pad, cov_pad, mask)

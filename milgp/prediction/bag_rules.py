@@ -1,0 +1,262 @@
+"""Bag rules: from the instance posterior of a bag to ``P(bag positive)`` and its standard deviation.
+
+The instance posterior ``q(f*)`` is what a MIL GP learns; how it becomes a bag decision is a
+separate, swappable choice. Every rule is called as ``rule(posterior, link, generator)`` with a
+:class:`~milgp.prediction.bag_posterior.BagPosterior` and the likelihood's
+:class:`~milgp.likelihoods.instance_link.InstanceLink`, and returns ``(p, std)``, each ``(B,)``.
+
+Marginal rules (instances treated through their marginals ``q(f*_n)``):
+
+* :class:`NoisyOrRule` — ``E[1 − Π_n (1 − p_n)]`` with independent instances, the model's own bag
+  predictive (Castro-Macías et al., *Hyperbolic secant representation of the logistic function:
+  application to probabilistic multiple instance learning for CT intracranial hemorrhage
+  detection*, Artificial Intelligence 2024, Eqs. 34–36). Exact under independence, but every
+  instance is an independent chance of a positive: a bag's probability grows with its length
+  (near-duplicate CT slices compound a small per-slice false-positive rate);
+* :class:`MaxRule` — the probability of the bag's most probable instance (the rule of the VGPMIL
+  reference code, Haußmann et al., *Variational Bayesian Multiple Instance Learning with Gaussian
+  Processes*, CVPR 2017). Unchanged by duplicating instances;
+* :class:`TopKMeanRule` — the mean probability of the ``k`` most probable instances, or of the
+  most probable fraction of the bag (unchanged by re-slicing a scan more finely).
+
+Joint rules (the within-bag covariance of ``q(f*_b)``, bags up to
+:data:`~milgp.prediction.bag_posterior.MAX_JOINT_INSTANCES` instances):
+
+* :class:`JointNoisyOrRule` — noisy-OR averaged over joint samples of ``q(f*_b)``;
+* :class:`JointMaxRule` — ``E[p(max_n f*_n)]`` over joint samples: the probability that the bag's
+  most positive instance is positive. Exactly unchanged by duplicating instances (copies share one
+  latent value) and it keeps the uncertainty of which instance is the maximum;
+* :class:`OrthantRule` — probit model: ``1 − P(all m*_n < 0)``, ``m*_b ~ N(μ*_b, Σ*_b + I)`` (Wang &
+  Pinar, *The Multiple Instance Learning Gaussian Process Probit Model*, AISTATS 2021, §3.4).
+
+:func:`make_bag_rule` builds a rule from its name. :data:`DEFAULT_BAG_RULE` is the project's
+default, chosen by the study in ``benchmarks/bag_rules.py`` (docs/core.md).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from milgp.data.bags import segment_max, segment_sum
+from milgp.likelihoods.instance_link import InstanceLink, ProbitLink
+from milgp.likelihoods.orthant import orthant_probability
+from milgp.linalg import robust_cholesky
+from milgp.prediction.bag_posterior import MAX_JOINT_INSTANCES, BagPosterior
+
+__all__ = [
+    "BAG_RULES",
+    "DEFAULT_BAG_RULE",
+    "BagRule",
+    "JointMaxRule",
+    "JointNoisyOrRule",
+    "MaxRule",
+    "NoisyOrRule",
+    "OrthantRule",
+    "TopKMeanRule",
+    "make_bag_rule",
+]
+
+
+class BagRule(ABC):
+    """``(posterior, link, generator) → (p, std)``, each ``(B,)``."""
+
+    name: str
+
+    @abstractmethod
+    def __call__(
+        self, posterior: BagPosterior, link: InstanceLink, generator: torch.Generator | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Bag probabilities and their standard deviations, ``(B,)`` each."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class NoisyOrRule(BagRule):
+    """``E[1 − Π_n (1 − p(f*_n))]`` with independent ``q(f*_n)``, and its std (both exact).
+
+    With ``g_n = E[1 − p_n]``: ``E[Π(1−p)] = Π g_n`` and ``Var[Π(1−p)] = Π g_n² · (Π(1 + v_n/g_n²) − 1)``
+    with ``v_n = Var[p_n]``, evaluated as ``exp(2Σ log g) · expm1(Σ log1p(v/g²))`` so that long bags
+    keep their precision in float32 as in float64.
+    """
+
+    name = "noisy_or"
+
+    def __call__(self, posterior, link, generator=None):
+        log_g = link.log_expected_negative(posterior.mean, posterior.var)
+        _, std = link.moments(posterior.mean, posterior.var)
+        B, idx = posterior.num_bags, posterior.bag_index
+        log_all_neg = segment_sum(log_g, idx, B)
+        rel = segment_sum(torch.log1p(std * std * torch.exp(-2 * log_g)), idx, B)
+        var = torch.exp(2 * log_all_neg) * torch.expm1(rel)
+        return -torch.expm1(log_all_neg), var.clamp_min(0).sqrt()
+
+
+class MaxRule(BagRule):
+    """``max_n E[p(f*_n)]``, with the std of that instance's probability."""
+
+    name = "max"
+
+    def __call__(self, posterior, link, generator=None):
+        p, std = link.moments(posterior.mean, posterior.var)
+        B, idx = posterior.num_bags, posterior.bag_index
+        top = segment_max(p, idx, B)
+        is_top = p == top[idx]
+        std_top = std.new_zeros(B).scatter_reduce(0, idx[is_top], std[is_top], "amax", include_self=True)
+        return top, std_top
+
+
+class TopKMeanRule(BagRule):
+    """Mean of the largest instance probabilities of each bag: the top ``k``, or the top fraction
+    ``fraction`` of the bag (``⌈fraction · n_b⌉`` instances, at least one).
+
+    The fraction form is unchanged by duplicating every instance and by re-slicing a scan more
+    finely (a lesion covers the same fraction of slices); it runs from the max rule
+    (``fraction → 0``) to the mean of the bag (``fraction = 1``). The std is ``sqrt(Σ_top v_n)/k``,
+    treating those instances as independent.
+    """
+
+    name = "top_k_mean"
+
+    def __init__(self, k: int | None = None, fraction: float | None = None):
+        if k is not None and fraction is not None:
+            raise ValueError("TopKMeanRule takes exactly one of k (an instance count) or fraction (of the bag)")
+        if k is None and fraction is None:
+            fraction = 0.25
+        if k is not None and k < 1:
+            raise ValueError(f"TopKMeanRule needs k >= 1, got {k}")
+        if fraction is not None and not 0.0 < fraction <= 1.0:
+            raise ValueError(f"TopKMeanRule needs fraction in (0, 1], got {fraction}")
+        self.k = None if k is None else int(k)
+        self.fraction = None if fraction is None else float(fraction)
+
+    def __call__(self, posterior, link, generator=None):
+        p, std = link.moments(posterior.mean, posterior.var)
+        B, idx = posterior.num_bags, posterior.bag_index
+        # rank within bag by descending probability: sort by (bag, −p)
+        order = torch.argsort(p, descending=True, stable=True)
+        order = order[torch.argsort(idx[order], stable=True)]
+        sizes = segment_sum(torch.ones_like(p), idx, B)
+        starts = (torch.cumsum(sizes, 0) - sizes).long()
+        rank = torch.arange(p.numel(), device=p.device) - starts[idx[order]]
+        if self.k is not None:
+            count = sizes.clamp(max=self.k)
+        else:
+            count = torch.ceil(self.fraction * sizes - 1e-9).clamp_min(1.0)
+        keep = order[rank < count[idx[order]]]
+        mean = segment_sum(p[keep], idx[keep], B) / count
+        var = segment_sum(std[keep] ** 2, idx[keep], B) / count**2
+        return mean, var.sqrt()
+
+    def __repr__(self) -> str:
+        return f"TopKMeanRule(k={self.k})" if self.k is not None else f"TopKMeanRule(fraction={self.fraction})"
+
+
+class _SamplingRule(BagRule):
+    """A joint rule estimated by sampling ``f*_b ~ q(f*_b)``: mean and std of a per-sample value."""
+
+    def __init__(self, num_samples: int = 512, max_instances: int = MAX_JOINT_INSTANCES):
+        if num_samples < 2:
+            raise ValueError(f"a sampling bag rule needs num_samples >= 2, got {num_samples}")
+        self.num_samples = int(num_samples)
+        self.max_instances = int(max_instances)
+
+    @abstractmethod
+    def per_sample(self, f: Tensor, mask: Tensor, link: InstanceLink) -> Tensor:
+        """``(S, B_g)`` bag values from joint samples ``f`` ``(S, B_g, n)`` (padding masked)."""
+
+    def __call__(self, posterior, link, generator=None):
+        p = posterior.mean.new_zeros(posterior.num_bags)
+        std = torch.zeros_like(p)
+        for blk in posterior.joint_blocks(self.max_instances):
+            L = robust_cholesky(blk.cov, jitter=1e-10, what="the within-bag predictive covariance q(f*_b)")
+            eps = torch.randn(
+                (self.num_samples,) + tuple(blk.mean.shape), dtype=blk.mean.dtype, device=blk.mean.device, generator=generator
+            )
+            # one batched GEMM over bags (B, S, n) @ (B, n, n): no S copies of every L[b]
+            f = blk.mean + (eps.transpose(0, 1) @ L.mT).transpose(0, 1)
+            values = self.per_sample(f, blk.mask, link)
+            p[blk.bags], std[blk.bags] = values.mean(0), values.std(0)
+        return p, std
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_samples={self.num_samples})"
+
+
+class JointNoisyOrRule(_SamplingRule):
+    """Noisy-OR ``1 − Π_n (1 − p(f*_n))`` averaged over joint samples of ``q(f*_b)``."""
+
+    name = "joint_noisy_or"
+
+    def per_sample(self, f, mask, link):
+        return -torch.expm1((link.log_prob_negative(f) * mask).sum(-1))
+
+
+class JointMaxRule(_SamplingRule):
+    """``p(max_n f*_n)`` averaged over joint samples of ``q(f*_b)``."""
+
+    name = "joint_max"
+
+    def per_sample(self, f, mask, link):
+        return link.prob(f.masked_fill(~mask, float("-inf")).amax(-1))
+
+
+class OrthantRule(BagRule):
+    """Probit model: ``1 − P(all m*_n < 0)``, ``m*_b ~ N(μ*_b, Σ*_b + I)``, by Genz's separation of
+    variables with randomised quasi-Monte Carlo; the std is the estimator's standard error."""
+
+    name = "orthant"
+
+    def __init__(self, num_points: int = 1024, replicates: int = 8, seed: int = 0, max_instances: int = MAX_JOINT_INSTANCES):
+        self.num_points = int(num_points)
+        self.replicates = int(replicates)
+        self.seed = int(seed)
+        self.max_instances = int(max_instances)
+
+    def __call__(self, posterior, link, generator=None):
+        """The Sobol scrambling seed is ``seed``, or drawn from ``generator`` when one is given."""
+        if not isinstance(link, ProbitLink):
+            raise ValueError(f"the orthant bag rule is defined for the probit link only, not {link!r}")
+        seed = self.seed if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
+        p = posterior.mean.new_zeros(posterior.num_bags)
+        err = torch.zeros_like(p)
+        for blk in posterior.joint_blocks(self.max_instances):
+            n = blk.cov.shape[-1]
+            eye = torch.eye(n, dtype=blk.cov.dtype, device=blk.cov.device)
+            pair = blk.mask.unsqueeze(-1) & blk.mask.unsqueeze(-2)
+            cov_m = torch.where(pair, blk.cov + eye, eye.expand_as(blk.cov))
+            p_neg, e = orthant_probability(blk.mean, cov_m, blk.mask, num_points=self.num_points, replicates=self.replicates, seed=seed)
+            p[blk.bags], err[blk.bags] = (1.0 - p_neg).clamp(0.0, 1.0), e
+        return p, err
+
+    def __repr__(self) -> str:
+        return f"OrthantRule(num_points={self.num_points}, replicates={self.replicates})"
+
+
+BAG_RULES: dict[str, Callable[[], BagRule]] = {
+    "noisy_or": NoisyOrRule,
+    "max": MaxRule,
+    "top_k_mean": TopKMeanRule,
+    "mean": lambda: TopKMeanRule(fraction=1.0),
+    "joint_noisy_or": JointNoisyOrRule,
+    "joint_max": JointMaxRule,
+    "orthant": OrthantRule,
+}
+"""Rules by name, with their default settings (``"top_k_mean"``: the top quarter of the bag;
+``"mean"``: the whole bag; ``"joint"`` is accepted for ``"joint_noisy_or"``)."""
+
+DEFAULT_BAG_RULE = "max"
+"""The default rule of the estimators and the Lightning GP head (see the study in docs/core.md)."""
+
+
+def make_bag_rule(rule: str | BagRule) -> BagRule:
+    """A :class:`BagRule` from its name (:data:`BAG_RULES`) or as given."""
+    if isinstance(rule, BagRule):
+        return rule
+    name = "joint_noisy_or" if rule == "joint" else rule
+    if name not in BAG_RULES:
+        raise ValueError(f"unknown bag rule {rule!r}: use one of {sorted(BAG_RULES)} or a BagRule instance")
+    return BAG_RULES[name]()

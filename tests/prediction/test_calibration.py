@@ -1,0 +1,81 @@
+"""Bag calibration (Platt scaling on held-out bag scores)."""
+import math
+
+import pytest
+import torch
+
+from milgp.prediction import BagCalibrator
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+def _logit(p):
+    return torch.log(p) - torch.log1p(-p)
+
+
+def test_recovers_the_generating_map():
+    """Scores s and labels y ~ Bern(σ(a·logit(s) + c)) with a = 2.5, c = −1: the fit must recover
+    (a, c) within sampling error (20,000 bags), and the calibrated probability equals the map."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.rand(20_000, generator=g, dtype=torch.float64).clamp(0.01, 0.99)
+    y = (torch.rand(20_000, generator=g, dtype=torch.float64) < torch.sigmoid(2.5 * _logit(s) - 1.0)).double()
+    cal = BagCalibrator().fit(s, y)
+    assert float(cal.slope) == pytest.approx(2.5, abs=0.1)
+    assert float(cal.intercept) == pytest.approx(-1.0, abs=0.1)
+    p, _ = cal(torch.tensor([0.5], dtype=torch.float64))
+    assert p.item() == pytest.approx(torch.sigmoid(cal.intercept).item(), abs=1e-12)
+
+
+def test_separable_scores_give_a_finite_slope():
+    """Perfectly separated held-out scores must not give an infinite slope (Platt's smoothed
+    targets); calibrated probabilities stay inside (0, 1)."""
+    s = torch.tensor([0.1, 0.2, 0.3, 0.7, 0.8, 0.9], dtype=torch.float64)
+    y = torch.tensor([0, 0, 0, 1, 1, 1], dtype=torch.float64)
+    cal = BagCalibrator().fit(s, y)
+    assert math.isfinite(float(cal.slope)) and float(cal.slope) > 0
+    p, _ = cal(s)
+    assert (p > 0).all() and (p < 1).all()
+    assert (p[3:] > 0.5).all() and (p[:3] < 0.5).all()
+
+
+def test_anti_ranked_scores_give_the_base_rate():
+    """Held-out scores ranked worse than chance must not be turned upside down: slope 0 and every
+    bag gets the (smoothed) base rate."""
+    s = torch.tensor([0.9, 0.8, 0.7, 0.3, 0.2, 0.1, 0.6, 0.4], dtype=torch.float64)
+    y = torch.tensor([0, 0, 0, 1, 1, 1, 0, 1], dtype=torch.float64)
+    cal = BagCalibrator().fit(s, y)
+    assert float(cal.slope) == 0.0
+    p, _ = cal(s)
+    torch.testing.assert_close(p, torch.full_like(p, 0.5))
+
+
+def test_identity_until_fitted_and_delta_method_std():
+    """Before fit the calibrator returns its input; after, the std is a·p_c(1−p_c)/(s(1−s))·σ."""
+    cal = BagCalibrator()
+    p, s = cal(torch.tensor([0.3]), torch.tensor([0.1]))
+    assert p.item() == pytest.approx(0.3) and s.item() == pytest.approx(0.1)
+    cal.slope.fill_(2.0)
+    cal.intercept.fill_(0.5)
+    cal.fitted.fill_(True)
+    x = torch.tensor([0.3], dtype=torch.float64)
+    p, s = cal(x, torch.tensor([0.1], dtype=torch.float64))
+    pc = torch.sigmoid(2.0 * _logit(x) + 0.5)
+    torch.testing.assert_close(p, pc)
+    torch.testing.assert_close(s, 2.0 * pc * (1 - pc) / (0.3 * 0.7) * 0.1)
+
+
+def test_state_dict_round_trip():
+    """The fitted map travels in a state dict (a checkpoint) and is restored exactly."""
+    cal = BagCalibrator().fit(torch.tensor([0.2, 0.4, 0.6, 0.8]), torch.tensor([0.0, 1.0, 0.0, 1.0]))
+    other = BagCalibrator()
+    other.load_state_dict(cal.state_dict())
+    x = torch.tensor([0.1, 0.5, 0.95], dtype=torch.float64)
+    torch.testing.assert_close(other(x)[0], cal(x)[0])
+
+
+def test_bad_input():
+    """Non-finite scores name the bag; one class only cannot be calibrated."""
+    with pytest.raises(ValueError, match="bag 1"):
+        BagCalibrator().fit(torch.tensor([0.2, float("nan")]), torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="positive and negative"):
+        BagCalibrator().fit(torch.tensor([0.2, 0.3]), torch.tensor([1.0, 1.0]))
