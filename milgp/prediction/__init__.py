@@ -1,4 +1,5 @@
 """From the instance posterior to bag decisions: bag rules and bag-level calibration."""
+from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, fit_bag_decision
 from milgp.prediction.bag_posterior import BagPosterior, JointBlocks
 from milgp.prediction.bag_rules import (
     BAG_RULES,
@@ -15,6 +16,9 @@ from milgp.prediction.bag_rules import (
 from milgp.prediction.calibration import BagCalibrator
 
 __all__ = [
+    "AUTO_BAG_RULES",
+    "BagDecision",
+    "fit_bag_decision",
     "BAG_RULES",
     "DEFAULT_BAG_RULE",
     "BagCalibrator",

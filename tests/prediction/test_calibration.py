@@ -79,3 +79,27 @@ def test_bad_input():
         BagCalibrator().fit(torch.tensor([0.2, float("nan")]), torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="positive and negative"):
         BagCalibrator().fit(torch.tensor([0.2, 0.3]), torch.tensor([1.0, 1.0]))
+
+
+def test_fit_bag_decision_picks_the_rule_that_predicts_held_out_bags():
+    """Bags whose label is carried by their mean instance (diffuse evidence, one loud negative
+    instance in negatives): the held-out NLL must choose the mean rule over the max rule, and the
+    decision returns calibrated probabilities with every candidate's score recorded."""
+    from milgp.likelihoods.instance_link import LogisticLink
+    from milgp.prediction import BagPosterior, fit_bag_decision
+
+    g = torch.Generator().manual_seed(0)
+    B, n = 200, 10
+    y = (torch.arange(B) % 2).double()
+    mean = torch.randn(B, n, generator=g, dtype=torch.float64) + 0.8 * y.unsqueeze(1)
+    mean[:, 0] = 3.0 + torch.randn(B, generator=g, dtype=torch.float64)  # a loud instance in every bag
+    bag_index = torch.arange(B).repeat_interleave(n)
+    post = BagPosterior(mean.reshape(-1), torch.full((B * n,), 0.1, dtype=torch.float64), bag_index, B)
+    decision = fit_bag_decision(post, LogisticLink(), y)
+    assert decision.rule.name == "top_k_mean" and decision.rule.fraction == 1.0
+    assert set(decision.candidates) == {"MaxRule()", "TopKMeanRule(fraction=0.25)", "TopKMeanRule(fraction=1.0)"}
+    assert decision.heldout_nll == min(decision.candidates.values())
+    p, s = decision(post, LogisticLink())
+    assert ((p > 0) & (p < 1)).all() and (s >= 0).all()
+    with pytest.raises(ValueError, match="at least one"):
+        fit_bag_decision(post, LogisticLink(), y, candidates=())
