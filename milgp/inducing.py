@@ -8,13 +8,20 @@ __all__ = ["kmeans_pp_inducing", "median_lengthscale"]
 
 
 def kmeans_pp_inducing(
-    x: np.ndarray, instance_bag_labels: np.ndarray, num_inducing: int, seed: int = 0, max_points: int = 20000
+    x: np.ndarray,
+    instance_bag_labels: np.ndarray,
+    num_inducing: int,
+    seed: int = 0,
+    max_points: int = 20000,
+    weights: np.ndarray | None = None,
 ) -> np.ndarray:
     """``(M, D)`` inducing points by k-means++ seeding, split between instances of positive and of
     negative bags in proportion ½ / ½ (as the VGPMIL reference code does), or over all instances
     when ``instance_bag_labels`` has one class (regression targets, one-class data).
 
-    At most ``max_points`` instances per group are used for the seeding.
+    ``weights`` ``(N,)`` weight the instances in the seeding and the subsampling (e.g. the bag-size
+    cap's ``min(1, n̄/n_b)``, so that one very long bag does not claim most inducing points). At most
+    ``max_points`` instances per group are used for the seeding.
     """
     rng = np.random.default_rng(seed)
     x = np.asarray(x, dtype=np.float64)
@@ -27,13 +34,16 @@ def kmeans_pp_inducing(
     counts = [num_inducing // len(groups)] * len(groups)
     counts[0] += num_inducing - sum(counts)
     chosen = []
+    w_all = np.ones(len(x)) if weights is None else np.asarray(weights, dtype=np.float64)
     for group, count in zip(groups, counts):
-        pts = x[group]
+        pts, w = x[group], w_all[group]
         if len(pts) > max_points:
-            pts = pts[rng.choice(len(pts), max_points, replace=False)]
-        unique = np.unique(pts, axis=0)
+            keep = rng.choice(len(pts), max_points, replace=False, p=w / w.sum())
+            pts, w = pts[keep], np.ones(max_points)
+        unique, inverse = np.unique(pts, axis=0, return_inverse=True)
+        w_unique = np.bincount(inverse.reshape(-1), weights=w, minlength=len(unique))
         count = min(count, len(unique))
-        centers, _ = kmeans_plusplus(unique, count, random_state=int(rng.integers(2**31 - 1)))
+        centers, _ = kmeans_plusplus(unique, count, sample_weight=w_unique, random_state=int(rng.integers(2**31 - 1)))
         chosen.append(centers)
     Z = np.concatenate(chosen, 0)
     if len(Z) < num_inducing:  # fewer distinct points than requested: jitter copies apart

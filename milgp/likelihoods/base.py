@@ -26,11 +26,50 @@ from torch import Tensor
 
 from milgp.data.bags import bag_sizes, segment_max
 
-__all__ = ["AugmentedBagLikelihood"]
+__all__ = ["AugmentedBagLikelihood", "check_bag_size_cap"]
+
+
+def check_bag_size_cap(cap: float | None) -> float | None:
+    """``None`` or a number ≥ 1 (a bag-size cap below one instance means nothing)."""
+    if cap is not None and not cap >= 1:
+        raise ValueError(f"bag_size_cap must be None or at least 1, got {cap!r}")
+    return None if cap is None else float(cap)
 
 
 class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
-    """Base class of bag likelihoods with closed-form local updates (see module docstring)."""
+    """Base class of bag likelihoods with closed-form local updates (see module docstring).
+
+    **Bag-size cap.** With :attr:`bag_size_cap` ``= n̄`` set, the instance terms of a bag of
+    ``n_b > n̄`` instances are tempered by ``w_b = n̄ / n_b`` (a power likelihood per bag) in the
+    natural statistics and the ELBO, so no bag carries more evidence about ``f`` than ``n̄``
+    instances do: a scan re-sliced 10× finer, or one bag of 10,000 instances among bags of 10,
+    no longer outweighs the rest of the training set. The local variables (``q(y)``, ``q(m)``) are
+    updated as without the cap. ``None`` (the default here; the estimators set the median training
+    bag size) is the model as published.
+    """
+
+    bag_size_cap: float | None = None
+
+    def instance_weights(self, bag_index: Tensor, num_bags: int, dtype: torch.dtype) -> Tensor | None:
+        """``w_n = min(1, n̄ / n_b)`` ``(N,)`` for the bag-size cap ``n̄``, or ``None`` without one."""
+        if self.bag_size_cap is None:
+            return None
+        sizes = bag_sizes(bag_index, num_bags).to(dtype)
+        return (self.bag_size_cap / sizes).clamp(max=1.0)[bag_index]
+
+    def _tempered(self, values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+        """``values`` ``(N,)`` multiplied by :meth:`instance_weights` (unchanged without a cap)."""
+        w = self.instance_weights(bag_index, num_bags, values.dtype)
+        return values if w is None else w * values
+
+    def quadratic_terms(
+        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
+    ) -> tuple[Tensor, Tensor]:
+        """``(b, λ)`` ``(N,), (N,)``: coefficients of the augmented expected log-likelihood
+        (:meth:`_quadratic_terms` tempered by :meth:`instance_weights`)."""
+        b, lam = self._quadratic_terms(mean, var, bag_index, bag_labels, num_bags, locals_)
+        w = self.instance_weights(bag_index, num_bags, mean.dtype)
+        return (b, lam) if w is None else (w * b, w * lam)
 
     @abstractmethod
     def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Any:
@@ -43,18 +82,19 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         """Closed-form coordinate-ascent update of the persistent local factors given q(f)."""
 
     @abstractmethod
-    def quadratic_terms(
+    def _quadratic_terms(
         self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
     ) -> tuple[Tensor, Tensor]:
-        """``(b, λ)`` ``(N,), (N,)``: coefficients of the augmented expected log-likelihood."""
+        """``(b, λ)`` of the untempered model."""
 
     @abstractmethod
     def elbo_terms(
         self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
     ) -> Tensor:
         """Per-instance contributions ``(N,)`` to the closed-form ELBO's data part (everything but
-        ``−KL``; bag-level terms split evenly over the bag's instances). Differentiable in
-        ``mean`` and ``var`` with the locals held fixed (hyperparameter steps)."""
+        ``−KL``; bag-level terms split evenly over the bag's instances; the ``f``-dependent instance
+        terms tempered by :meth:`instance_weights`). Differentiable in ``mean`` and ``var`` with the
+        locals held fixed (hyperparameter steps)."""
 
     def hyperparameter_terms(
         self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any

@@ -35,9 +35,10 @@ import torch
 from torch import Tensor
 from torch.distributions import Bernoulli
 
-from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
 from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.noisy_or import (
+    MAX_RULE_DAMPING,
     PI_CLAMP,
     BagLayout,
     bag_layout,
@@ -71,6 +72,10 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         psi: the GSM density (``"pg"`` = VGPMIL, ``"gamma"`` = G-VGPMIL, or a :class:`GSMDensity`).
         H: bag-label noise parameter of Eq. 4 (the paper uses 100; some reference code 1e12).
         max_rule: ``"exact"`` leave-one-out noisy-OR for ``E[max y_{b∖n}]`` or ``"max"`` (reference).
+        damping: step of the ``"max"`` rule's parallel update (1: the reference code's undamped
+            update, which can oscillate; see :data:`milgp.likelihoods.noisy_or.MAX_RULE_DAMPING`).
+        bag_size_cap: temper the instance terms of bags longer than this
+            (:class:`~milgp.likelihoods.base.AugmentedBagLikelihood`); ``None``: the published model.
 
     Persistent locals: ``π`` ``(N,)``. Per-call locals: ``c``, ``θ``.
 
@@ -80,15 +85,26 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
     instance_link = LogisticLink()
     """``p(y = 1 | f) = σ(f)`` and its moments under ``q(f)`` (seed 000 Eqs. 31–33)."""
 
-    def __init__(self, psi: str | GSMDensity = "pg", H: float = 100.0, max_rule: str = "exact"):
+    def __init__(
+        self,
+        psi: str | GSMDensity = "pg",
+        H: float = 100.0,
+        max_rule: str = "exact",
+        damping: float = MAX_RULE_DAMPING,
+        bag_size_cap: float | None = None,
+    ):
         super().__init__()
         if not H > 1:
             raise ValueError(f"H must be > 1 (bag labels more likely right than wrong), got {H}")
         if max_rule not in ("exact", "max"):
             raise ValueError(f"max_rule must be 'exact' or 'max', got {max_rule!r}")
+        if not 0 < damping <= 1:
+            raise ValueError(f"damping must be in (0, 1], got {damping}")
         self.psi = make_psi(psi)
         self.H = float(H)
         self.max_rule = max_rule
+        self.damping = float(damping)
+        self.bag_size_cap = check_bag_size_cap(bag_size_cap)
         self._positions_cache: tuple[tuple, Tensor, BagLayout] | None = None
 
     @property
@@ -113,10 +129,10 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         self, mean: Tensor, var: Tensor | None, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
     ) -> Tensor:
         return update_instance_labels(
-            mean, locals_, bag_index, bag_labels, num_bags, self.log_h, self.max_rule, self._positions(bag_index, num_bags)
+            mean, locals_, bag_index, bag_labels, num_bags, self.log_h, self.max_rule, self._positions(bag_index, num_bags), self.damping
         )
 
-    def quadratic_terms(
+    def _quadratic_terms(
         self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
     ) -> tuple[Tensor, Tensor]:
         c = torch.sqrt(mean * mean + var)
@@ -127,7 +143,7 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
     ) -> Tensor:
         pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
         c = torch.sqrt(mean * mean + var)
-        instance = (pi - 0.5) * mean + self.psi.log_psi(c) + _LOG_PI
+        instance = self._tempered((pi - 0.5) * mean + self.psi.log_psi(c) + _LOG_PI, bag_index, num_bags)
         entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
         bag = self.bag_log_likelihood(pi, bag_index, bag_labels, num_bags)
         return instance + entropy + self._bag_share(bag, bag_index, num_bags)
@@ -150,7 +166,8 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         expected_log_phi = gauss_hermite_expectation(_LOGISTIC_PSI.log_psi, mean, var, 20)
         entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
         bag = self.bag_log_likelihood(pi, bag_index, bag_labels, num_bags)
-        return (pi - 0.5) * mean + expected_log_phi + _LOG_PI + entropy + self._bag_share(bag, bag_index, num_bags)
+        instance = self._tempered((pi - 0.5) * mean + expected_log_phi + _LOG_PI, bag_index, num_bags)
+        return instance + entropy + self._bag_share(bag, bag_index, num_bags)
 
     def bag_log_likelihood(self, pi: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Tensor:
         """``E_q[log p(T_b | y_b)] = log H · E[G_b] − log(H + 1)`` per bag ``(B,)``."""
@@ -169,4 +186,4 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])
 
     def extra_repr(self) -> str:
-        return f"H={self.H}, max_rule={self.max_rule!r}"
+        return f"H={self.H}, max_rule={self.max_rule!r}, damping={self.damping}, bag_size_cap={self.bag_size_cap}"

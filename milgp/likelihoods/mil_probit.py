@@ -56,7 +56,7 @@ from torch import Tensor
 from torch.distributions import Bernoulli
 
 from milgp.data.bags import segment_max, segment_sum
-from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import (
     log_expm1_ratio,
@@ -127,6 +127,10 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
     instance_link = ProbitLink()
     """``p(y = 1 | f) = Φ(f)`` and its moments under ``q(f)``."""
 
+    def __init__(self, bag_size_cap: float | None = None):
+        super().__init__()
+        self.bag_size_cap = check_bag_size_cap(bag_size_cap)
+
     # -- augmented-likelihood interface --------------------------------------------------------
     def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Tensor:
         """``ν = μ`` (the optimum for the current q(f))."""
@@ -138,7 +142,7 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
         """Seed 003 Eq. 19: ``ν ← μ`` (exact coordinate ascent; one step is the optimum)."""
         return mean.detach().clone()
 
-    def quadratic_terms(
+    def _quadratic_terms(
         self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
     ) -> tuple[Tensor, Tensor]:
         """``b = E_q[m]``, ``λ = 1``."""
@@ -153,7 +157,7 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
         nu = locals_
         em = expected_augmentation(nu, bag_index, bag_labels, num_bags)
         log_z, _ = bag_log_normaliser(nu, bag_index, bag_labels, num_bags)
-        inst = (mean - nu) * em + 0.5 * (nu * nu - mean * mean) - 0.5 * var
+        inst = self._tempered((mean - nu) * em + 0.5 * (nu * nu - mean * mean) - 0.5 * var, bag_index, num_bags)
         return inst + self._bag_share(log_z, bag_index, num_bags)
 
     def hyperparameter_terms(
@@ -165,7 +169,7 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
     def collapsed_elbo_terms(self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Tensor:
         """``(★)`` at ``ν = μ``: ``log Z_b(μ)`` shared over the bag minus ``½σ²_n``, ``(N,)``."""
         log_z, _ = bag_log_normaliser(mean, bag_index, bag_labels, num_bags)
-        return self._bag_share(log_z, bag_index, num_bags) - 0.5 * var
+        return self._bag_share(log_z, bag_index, num_bags) - self._tempered(0.5 * var, bag_index, num_bags)
 
     # -- GPyTorch Likelihood API ----------------------------------------------------------------
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Bernoulli:

@@ -10,7 +10,7 @@ away from 1.
 ``"exact"`` updates are true coordinate ascent: instances are visited by their position within
 the bag, all bags at once (bags are independent given q(f)), so every update sees the latest
 ``π`` of its bag-mates and the ELBO cannot decrease. ``"max"`` updates all ``π`` in parallel from
-the previous values, as the reference implementation does.
+the previous values, as the reference implementation does, with a damped step (:data:`MAX_RULE_DAMPING`).
 """
 from __future__ import annotations
 
@@ -22,10 +22,17 @@ from torch import Tensor
 
 from milgp.data.bags import bag_sizes, segment_sum
 
-__all__ = ["PI_CLAMP", "BagLayout", "bag_layout", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
+__all__ = ["MAX_RULE_DAMPING", "PI_CLAMP", "BagLayout", "bag_layout", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
 
 PI_CLAMP = 1e-7
 """``π`` is kept in ``[PI_CLAMP, 1 − PI_CLAMP]`` so that ``log1p(−π)`` stays finite."""
+
+MAX_RULE_DAMPING = 0.5
+"""Default step ``δ`` of the ``"max"`` rule's parallel update, ``π ← (1 − δ)π + δ·π̂``. The undamped
+parallel update (``δ = 1``, the reference code's) falls into 2-cycles: two instances of a positive
+bag that each see the other as unlikely both jump to 1, then both drop back, forever (with
+``H = 10¹²`` the ELBO alternates between two values and the fit never converges). Damping keeps
+the same fixed points and converges."""
 
 
 def positions_in_bag(bag_index: Tensor, num_bags: int) -> list[Tensor]:
@@ -86,6 +93,7 @@ def update_instance_labels(
     log_h: float,
     rule: str = "exact",
     positions: list[Tensor] | BagLayout | None = None,
+    damping: float = MAX_RULE_DAMPING,
 ) -> Tensor:
     """One coordinate-ascent pass over ``q(y)``: the new ``π`` ``(N,)``.
 
@@ -96,10 +104,12 @@ def update_instance_labels(
         log_h: ``log H``.
         rule: ``"exact"`` (noisy-OR leave-one-out) or ``"max"`` (largest other π).
         positions: cached :func:`bag_layout` (or :func:`positions_in_bag`); computed when ``None``.
+        damping: step ``δ ∈ (0, 1]`` of the ``"max"`` rule's parallel update (:data:`MAX_RULE_DAMPING`).
     """
     sign = (2 * bag_labels - 1).to(mean.dtype)[bag_index]
     if rule == "max":
-        return _parallel_max_update(mean, pi, bag_index, sign, num_bags, log_h)
+        target = _parallel_max_update(mean, pi, bag_index, sign, num_bags, log_h)
+        return (1 - damping) * pi + damping * target
     if rule != "exact":
         raise ValueError(f"unknown rule {rule!r} for E[max y_b\\n]: use 'exact' or 'max'")
     positions = bag_layout(bag_index, num_bags) if positions is None else positions

@@ -1,7 +1,8 @@
 """Sparse variational GP head, whitened, usable by GPyTorch and by the closed-form fast path.
 
 ``SparseGP`` is an ordinary :class:`gpytorch.models.ApproximateGP` (whitened
-``VariationalStrategy``, RBF kernel with optional ARD, zero or constant mean), so it works with
+``VariationalStrategy``, a scaled RBF kernel with optional ARD or a scaled linear kernel, zero or
+constant mean), so it works with
 ``gpytorch.mlls.VariationalELBO`` and Adam or ``gpytorch.optim.NGD``. It also exposes what the
 augmentation-based closed-form updates need (DESIGN §3), computed without N×N matrices:
 
@@ -26,7 +27,9 @@ from torch import Tensor
 from milgp.data.bags import to_padded
 from milgp.linalg import cholesky_inverse_from_precision, robust_cholesky
 
-__all__ = ["Projection", "WhitenedPosterior", "SparseGP"]
+__all__ = ["KERNELS", "Projection", "WhitenedPosterior", "SparseGP"]
+
+KERNELS = ("rbf", "linear")
 
 
 @dataclass
@@ -89,7 +92,9 @@ class SparseGP(gpytorch.models.ApproximateGP):
         learn_inducing_locations: make ``Z`` a trainable parameter.
         natural: use GPyTorch's ``NaturalVariationalDistribution`` (needed by ``gpytorch.optim.NGD``);
             otherwise ``CholeskyVariationalDistribution`` (Adam on ``m`` and ``chol(S)``).
-        lengthscale, outputscale: initial kernel hyperparameters.
+        kernel: ``"rbf"``: ``s² exp(−‖x − x'‖²/(2ℓ²))``; ``"linear"``: ``s² xᵀx'/D`` (Bayesian linear
+            regression on the features, restricted to the span of the inducing points).
+        lengthscale, outputscale: initial kernel hyperparameters (``ℓ`` is unused by ``"linear"``).
     """
 
     def __init__(
@@ -100,9 +105,12 @@ class SparseGP(gpytorch.models.ApproximateGP):
         constant_mean: bool = False,
         learn_inducing_locations: bool = False,
         natural: bool = True,
+        kernel: str = "rbf",
         lengthscale: float | Tensor = 1.0,
         outputscale: float = 1.0,
     ):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         num_inducing, dim = inducing_points.shape
         dist_cls = (
             gpytorch.variational.NaturalVariationalDistribution
@@ -115,12 +123,19 @@ class SparseGP(gpytorch.models.ApproximateGP):
         )
         super().__init__(strategy)
         self.mean_module = gpytorch.means.ConstantMean() if constant_mean else gpytorch.means.ZeroMean()
-        self.covar_module = gpytorch.kernels.ScaleKernel(
-            gpytorch.kernels.RBFKernel(ard_num_dims=dim if ard else None)
-        )
-        self.covar_module.base_kernel.lengthscale = lengthscale
+        if kernel == "rbf":
+            base = gpytorch.kernels.RBFKernel(ard_num_dims=dim if ard else None)
+        else:
+            base = gpytorch.kernels.LinearKernel()
+            base.raw_variance.requires_grad_(False)  # the scale is the outputscale's alone
+        self.kernel = kernel
+        self.covar_module = gpytorch.kernels.ScaleKernel(base)
+        self.to(inducing_points.dtype)  # before setting values: a float64 model gets them exactly
+        if kernel == "rbf":
+            base.lengthscale = lengthscale
+        else:
+            base.variance = 1.0 / dim
         self.covar_module.outputscale = outputscale
-        self.to(inducing_points.dtype)
         # q(v) starts at the prior N(0, I), written in our own terms so that GPyTorch never
         # re-initialises or "re-whitens" it.
         M = num_inducing
@@ -156,10 +171,9 @@ class SparseGP(gpytorch.models.ApproximateGP):
         )
 
     def hyperparameters(self) -> list[torch.nn.Parameter]:
-        """Kernel and mean parameters (and ``Z`` when learned): everything but q(v)."""
+        """Trainable kernel and mean parameters (and ``Z`` when learned): everything but q(v)."""
         var_ids = {id(p) for p in self.variational_parameters()}
-        params = [p for p in self.parameters() if id(p) not in var_ids]
-        return params
+        return [p for p in self.parameters() if id(p) not in var_ids and p.requires_grad]
 
     # -- fast path ------------------------------------------------------------------------------
     def inducing_cholesky(self) -> Tensor:

@@ -1,4 +1,4 @@
-"""Algorithm 1 of seed 000, generalised to any :class:`AugmentedBagLikelihood`.
+"""Algorithm 1 of Castro-Macías et al. (2024), generalised to any :class:`AugmentedBagLikelihood`.
 
 One iteration (full batch):
 
@@ -231,6 +231,7 @@ def fit_closed_form(
     callback: Callable[[int, float], None] | None = None,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     initial_locals: Any = None,
+    projection: tuple[Tensor, Projection] | None = None,
 ) -> FitResult:
     """Fit ``model``'s q(v), the locals and (optionally) the hyperparameters on ``batch``.
 
@@ -252,6 +253,9 @@ def fit_closed_form(
         initial_locals: the locals to start from (e.g. ``result.locals`` of an earlier fit on the
             same ``batch``, so that q(y) is not reset); ``None`` initialises them from the
             current q(v) with :meth:`AugmentedBagLikelihood.init_locals`.
+        projection: ``(L, Projection)`` of ``batch.x`` under the model's current hyperparameters,
+            already computed (e.g. by :class:`milgp.models.shared_gram.SharedGram` for a kernel
+            search); used until a hyperparameter step changes the kernel.
     """
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
@@ -262,6 +266,8 @@ def fit_closed_form(
     # With minibatches and hyperparameter steps A changes after every minibatch: no full cache.
     budget = 0 if (bags_per_batch is not None and learn_hyperparameters) else cache_bytes
     projector = _Projector(model, batch.x, chunk_size, budget)
+    if projection is not None:
+        projector.adopt(*projection)
     mean, var = _moments(model, batch.x, q, chunk_size, projector)
     if initial_locals is None:
         locals_ = likelihood.init_locals(batch.bag_index, batch.bag_labels, B, mean)

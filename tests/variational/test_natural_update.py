@@ -14,7 +14,7 @@ import torch
 
 from milgp.data.bags import BagBatch, bag_index_from_sizes
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
-from milgp.likelihoods.noisy_or import PI_CLAMP, update_instance_labels
+from milgp.likelihoods.noisy_or import MAX_RULE_DAMPING, PI_CLAMP, update_instance_labels
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 from milgp.variational import fit_closed_form, natural_statistics, natural_step
 from milgp.variational.natural_update import RobbinsMonro
@@ -125,7 +125,7 @@ def test_whitened_cavi_equals_unwhitened_paper_updates(constant_mean, rule, iter
     unwhitened Eqs. 25–28 to 1e-8. A failure means the whitening, the mean-function correction
     (−Θ·mean inside the bracket), the jitter, θ, or the π update order/rule is wrong."""
     model, batch = make_problem(constant_mean)
-    lik = MILBernoulliLikelihood("pg", H=100.0, max_rule=rule)
+    lik = MILBernoulliLikelihood("pg", H=100.0, max_rule=rule, damping=1.0)  # the paper's undamped rule
     ref = PaperReference(model, batch, H=100.0, rule=rule)
     pi = ref.init_pi()
     for _ in range(iters):
@@ -157,13 +157,35 @@ def test_max_rule_is_parallel_update_against_brute_force():
     pi[3:6] = 0.7  # a three-way tie for the maximum in bag 2
     pi[6] = 0.9  # bag 3: a tie of two at the top
     pi[7] = 0.9
-    new = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), rule="max")
+    new = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), rule="max", damping=1.0)
+    damped = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), rule="max")
+    torch.testing.assert_close(damped, (1 - MAX_RULE_DAMPING) * pi + MAX_RULE_DAMPING * new, rtol=0, atol=1e-15)
     bi = bag_index.numpy()
     for n in range(N):
         others = [pi[i].item() for i in range(N) if bi[i] == bi[n] and i != n]
         e_max = max(others) if others else 0.0
         expected = sigmoid(mean[n].item() + math.log(100.0) * (2 * labels[bi[n]].item() - 1) * (1 - e_max))
         assert new[n].item() == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_damped_max_rule_converges_where_the_undamped_one_cycles():
+    """A positive bag of two instances that the GP calls negative (μ = −1), H = 10¹²: the reference
+    code's undamped parallel update alternates between (1, 1) and (0.27, 0.27) forever; the damped
+    default must converge to a fixed point of the same update."""
+    mean = torch.tensor([-1.0, -1.0], dtype=torch.float64)
+    bag_index = torch.zeros(2, dtype=torch.long)
+    labels = torch.ones(1, dtype=torch.float64)
+    log_h = math.log(1e12)
+    pi = torch.full((2,), 0.5, dtype=torch.float64)
+    undamped = [pi]
+    for _ in range(40):
+        undamped.append(update_instance_labels(mean, undamped[-1], bag_index, labels, 1, log_h, rule="max", damping=1.0))
+    assert abs(undamped[-1][0] - undamped[-2][0]) > 0.5  # still jumping
+    damped = pi
+    for _ in range(200):
+        damped = update_instance_labels(mean, damped, bag_index, labels, 1, log_h, rule="max")
+    target = update_instance_labels(mean, damped, bag_index, labels, 1, log_h, rule="max", damping=1.0)
+    torch.testing.assert_close(target, damped, rtol=0, atol=1e-9)
 
 
 def test_exact_rule_single_pass_against_brute_force_random_pi():
