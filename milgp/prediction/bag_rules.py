@@ -52,6 +52,7 @@ __all__ = [
     "BagRule",
     "JointMaxRule",
     "JointNoisyOrRule",
+    "MarginalBagRule",
     "MaxRule",
     "NoisyOrRule",
     "OrthantRule",
@@ -75,7 +76,27 @@ class BagRule(ABC):
         return f"{type(self).__name__}()"
 
 
-class NoisyOrRule(BagRule):
+class MarginalBagRule(BagRule):
+    """A rule that reads each instance through its marginal ``q(f*_n)`` only: it combines the
+    instance probabilities ``p_n = E[p(y=1|f*_n)]`` and their stds per bag (:meth:`combine`), so
+    it applies as well to instance probabilities from any other source (e.g. Gibbs draws)."""
+
+    uses_log_negative = False
+    """Whether :meth:`combine` wants ``log E[p(y=0|f)]`` computed directly (accurate near p = 1)."""
+
+    def __call__(self, posterior, link, generator=None):
+        p, std = link.moments(posterior.mean, posterior.var)
+        log_negative = link.log_expected_negative(posterior.mean, posterior.var) if self.uses_log_negative else None
+        return self.combine(p, std, posterior.bag_index, posterior.num_bags, log_negative)
+
+    @abstractmethod
+    def combine(
+        self, p: Tensor, std: Tensor, bag_index: Tensor, num_bags: int, log_negative: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Bag probability and std ``(B,)`` from instance probabilities and stds ``(N,)``."""
+
+
+class NoisyOrRule(MarginalBagRule):
     """``E[1 − Π_n (1 − p(f*_n))]`` with independent ``q(f*_n)``, and its std (both exact).
 
     With ``g_n = E[1 − p_n]``: ``E[Π(1−p)] = Π g_n`` and ``Var[Π(1−p)] = Π g_n² · (Π(1 + v_n/g_n²) − 1)``
@@ -84,32 +105,29 @@ class NoisyOrRule(BagRule):
     """
 
     name = "noisy_or"
+    uses_log_negative = True
 
-    def __call__(self, posterior, link, generator=None):
-        log_g = link.log_expected_negative(posterior.mean, posterior.var)
-        _, std = link.moments(posterior.mean, posterior.var)
-        B, idx = posterior.num_bags, posterior.bag_index
-        log_all_neg = segment_sum(log_g, idx, B)
-        rel = segment_sum(torch.log1p(std * std * torch.exp(-2 * log_g)), idx, B)
+    def combine(self, p, std, bag_index, num_bags, log_negative=None):
+        log_g = torch.log1p(-p.clamp(max=1 - 1e-16)) if log_negative is None else log_negative
+        log_all_neg = segment_sum(log_g, bag_index, num_bags)
+        rel = segment_sum(torch.log1p(std * std * torch.exp(-2 * log_g)), bag_index, num_bags)
         var = torch.exp(2 * log_all_neg) * torch.expm1(rel)
         return -torch.expm1(log_all_neg), var.clamp_min(0).sqrt()
 
 
-class MaxRule(BagRule):
+class MaxRule(MarginalBagRule):
     """``max_n E[p(f*_n)]``, with the std of that instance's probability."""
 
     name = "max"
 
-    def __call__(self, posterior, link, generator=None):
-        p, std = link.moments(posterior.mean, posterior.var)
-        B, idx = posterior.num_bags, posterior.bag_index
-        top = segment_max(p, idx, B)
-        is_top = p == top[idx]
-        std_top = std.new_zeros(B).scatter_reduce(0, idx[is_top], std[is_top], "amax", include_self=True)
+    def combine(self, p, std, bag_index, num_bags, log_negative=None):
+        top = segment_max(p, bag_index, num_bags)
+        is_top = p == top[bag_index]
+        std_top = std.new_zeros(num_bags).scatter_reduce(0, bag_index[is_top], std[is_top], "amax", include_self=True)
         return top, std_top
 
 
-class TopKMeanRule(BagRule):
+class TopKMeanRule(MarginalBagRule):
     """Mean of the largest instance probabilities of each bag: the top ``k``, or the top fraction
     ``fraction`` of the bag (``⌈fraction · n_b⌉`` instances, at least one).
 
@@ -133,9 +151,8 @@ class TopKMeanRule(BagRule):
         self.k = None if k is None else int(k)
         self.fraction = None if fraction is None else float(fraction)
 
-    def __call__(self, posterior, link, generator=None):
-        p, std = link.moments(posterior.mean, posterior.var)
-        B, idx = posterior.num_bags, posterior.bag_index
+    def combine(self, p, std, bag_index, num_bags, log_negative=None):
+        B, idx = num_bags, bag_index
         # rank within bag by descending probability: sort by (bag, −p)
         order = torch.argsort(p, descending=True, stable=True)
         order = order[torch.argsort(idx[order], stable=True)]

@@ -15,7 +15,7 @@ leave-one-out cross-validation approximations for Gaussian latent variable model
 
 The estimators fit their bag calibration (:class:`milgp.prediction.calibration.BagCalibrator`)
 and select kernel hyperparameters on these out-of-bag predictions, at the cost of about one
-sweep: per bag an ``M × M`` downdate and Cholesky factorisation, batched over groups of bags.
+sweep, batched over groups of bags of similar size.
 """
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ from torch import Tensor
 
 from milgp.data.bags import BagBatch, make_bag_groups, to_padded
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.models.sparse_gp import SparseGP
+from milgp.linalg import cholesky_inverse_from_precision
+from milgp.models.sparse_gp import Projection, SparseGP
 from milgp.prediction.bag_posterior import BagPosterior
+from milgp.variational.natural_update import natural_statistics
 
 __all__ = ["leave_bag_out_posterior"]
 
@@ -39,13 +41,24 @@ def leave_bag_out_posterior(
     batch: BagBatch,
     locals_: Any,
     block_budget: int = 2**22,
+    projection: tuple[Tensor, Projection] | None = None,
 ) -> BagPosterior:
     """Cavity predictive ``q_{−b}(f_b)`` of every training bag.
+
+    Each bag's cavity is computed in whichever space is smaller: for a bag of ``n_b ≤ M``
+    instances by the Woodbury identity in its own ``n_b``-dimensional space,
+
+        A_bᵀ S_{−b} A_b = C + C W C,   A_bᵀ m_{−b} = (I + C W)(A_bᵀ m − C β_b),
+
+    with ``C = A_bᵀ S A_b``, ``W = Λ^{½}(I − Λ^{½} C Λ^{½})⁻¹Λ^{½}`` (``I − Λ^{½}CΛ^{½}`` has eigenvalues
+    ``1/(1 + σ²)``, so it is positive definite); for larger bags by downdating ``P`` and factorising
+    the ``M × M`` cavity precision.
 
     Args:
         batch: the training bags (``x`` ``(N, D)``, ``bag_index``, ``bag_labels``).
         locals_: the likelihood's locals at the fit (e.g. ``π`` ``(N,)``).
-        block_budget: at most this many ``M × M`` and padded-block entries per group of bags.
+        block_budget: at most this many block entries per group of bags.
+        projection: ``(L, Projection)`` of ``batch.x`` already computed for the model's kernel.
 
     Returns:
         A :class:`BagPosterior` with the cavity marginals of all ``N`` instances and, for joint
@@ -53,43 +66,58 @@ def leave_bag_out_posterior(
     """
     x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
     q = model.whitened_posterior()
-    L_K = model.inducing_cholesky()
-    proj = model.projection(x, L_K)
+    proj = model.projection(x) if projection is None else projection[1]
     mean, var = model.marginals(proj, q)
     beta, lam = likelihood.quadratic_terms(mean, var, bag_index, batch.bag_labels, B, locals_)
     beta = beta - lam * proj.prior_mean
     AT = proj.A.mT  # (N, M)
     M = AT.shape[1]
-    eye = torch.eye(M, dtype=x.dtype, device=x.device)
-    P = eye + (AT * lam.unsqueeze(1)).mT @ AT
-    eta = AT.mT @ beta
-    def cavity(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Padded ``A_b`` ``(B_g, n, M)``, mask, and each bag's cavity mean ``m_{−b}`` ``(B_g, M)`` and
-        Cholesky factor ``L_{−b}`` of ``P_{−b}`` ``(B_g, M, M)``."""
-        A_pad, mask = to_padded(AT[inst], local, n_bags)
+    # the Gaussian these statistics define (q(v) itself may lag one update behind the locals)
+    stats = natural_statistics(proj.A, beta, lam)
+    eta, P = stats.targets()
+    S, _ = cholesky_inverse_from_precision(P, what="q(v) precision")
+    m = S @ eta
+    SAT = AT @ S  # (N, M): rows (S A_n)ᵀ
+
+    def cavity_v(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Padded cavity mean ``(B_g, n)`` and covariance ``(B_g, n, n)`` of ``A_bᵀ v``, and the mask."""
+        A_pad, mask = to_padded(AT[inst], local, n_bags)  # padding rows are zero
         lam_pad, _ = to_padded(lam[inst], local, n_bags)
         beta_pad, _ = to_padded(beta[inst], local, n_bags)
-        G = A_pad.mT @ (A_pad * lam_pad.unsqueeze(-1))  # padding rows are zero
+        n = mask.shape[1]
+        if n <= M:
+            SA_pad, _ = to_padded(SAT[inst], local, n_bags)
+            C = A_pad @ SA_pad.mT
+            C = 0.5 * (C + C.mT)
+            r = lam_pad.sqrt()
+            eye_n = torch.eye(n, dtype=x.dtype, device=x.device)
+            L = torch.linalg.cholesky(eye_n - r.unsqueeze(-1) * C * r.unsqueeze(-2))
+            V = torch.linalg.solve_triangular(L, r.unsqueeze(-1) * C, upper=False)  # (B_g, n, n)
+            u = (A_pad @ m.unsqueeze(-1)).squeeze(-1) - (C @ beta_pad.unsqueeze(-1)).squeeze(-1)
+            w = torch.linalg.solve_triangular(L, (r * u).unsqueeze(-1), upper=False)  # L⁻¹Λ^{½}u
+            return u + (V.mT @ w).squeeze(-1), C + V.mT @ V, mask
+        G = A_pad.mT @ (A_pad * lam_pad.unsqueeze(-1))
         h = (A_pad.mT @ beta_pad.unsqueeze(-1)).squeeze(-1)
         L_c = torch.linalg.cholesky(P - 0.5 * (G + G.mT))
         m_c = torch.cholesky_solve((eta - h).unsqueeze(-1), L_c).squeeze(-1)
-        return A_pad, mask, m_c, L_c
+        W = torch.linalg.solve_triangular(L_c, A_pad.mT, upper=False)  # (B_g, M, n)
+        return (A_pad @ m_c.unsqueeze(-1)).squeeze(-1), W.mT @ W, mask
 
     cav_mean, cav_var = torch.empty_like(mean), torch.empty_like(var)
-    for g in make_bag_groups(bag_index, B, chunk_instances=max(1, block_budget // (M * M))):
-        A_pad, mask, m_c, L_c = cavity(g.inst, g.local, g.num_bags)
-        W = torch.linalg.solve_triangular(L_c, A_pad.mT, upper=False)  # (B_g, M, n)
-        cav_mean[g.inst] = proj.prior_mean[g.inst] + (A_pad @ m_c.unsqueeze(-1)).squeeze(-1)[mask]
-        cav_var[g.inst] = proj.prior_var[g.inst] - (AT[g.inst] ** 2).sum(1) + (W * W).sum(1)[mask]
+    residual = proj.prior_var - (AT * AT).sum(1)
+    for g in make_bag_groups(bag_index, B, chunk_instances=max(1, block_budget // M), block_budget=block_budget):
+        mean_v, cov_v, mask = cavity_v(g.inst, g.local, g.num_bags)
+        cav_mean[g.inst] = proj.prior_mean[g.inst] + mean_v[mask]
+        cav_var[g.inst] = residual[g.inst] + torch.diagonal(cov_v, dim1=-2, dim2=-1)[mask]
 
     def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
-        A_pad, mask, _, L_c = cavity(inst, local, n_bags)
-        W = torch.linalg.solve_triangular(L_c, A_pad.mT, upper=False)
+        _, cov_v, mask = cavity_v(inst, local, n_bags)
+        A_pad, _ = to_padded(AT[inst], local, n_bags)
         x_pad, _ = to_padded(x[inst], local, n_bags)
         mean_pad, _ = to_padded(cav_mean[inst], local, n_bags)
         n = mask.shape[1]
         eye_n = torch.eye(n, dtype=x.dtype, device=x.device)
-        cov = model.covar_module(x_pad).to_dense() + model.jitter * eye_n - A_pad @ A_pad.mT + W.mT @ W
+        cov = model.covar_module(x_pad).to_dense() + model.jitter * eye_n - A_pad @ A_pad.mT + cov_v
         pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
         cov = torch.where(pair, cov, eye_n.expand_as(cov))
         return mean_pad, 0.5 * (cov + cov.mT), mask

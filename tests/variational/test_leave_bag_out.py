@@ -13,13 +13,13 @@ from milgp.variational.natural_update import natural_statistics
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
-def _fit(likelihood, constant_mean=False):
+def _fit(likelihood, constant_mean=False, num_inducing=6):
     g = torch.Generator().manual_seed(0)
     sizes = [3, 5, 2, 6, 4, 1, 3]
     bag_index = bag_index_from_sizes(sizes)
     x = torch.randn(int(sum(sizes)), 3, generator=g, dtype=torch.float64)
     labels = torch.tensor([1, 0, 1, 0, 1, 0, 1], dtype=torch.float64)
-    model = SparseGP(torch.randn(6, 3, generator=g, dtype=torch.float64), lengthscale=1.5, outputscale=2.0, constant_mean=constant_mean)
+    model = SparseGP(torch.randn(num_inducing, 3, generator=g, dtype=torch.float64), lengthscale=1.5, outputscale=2.0, constant_mean=constant_mean)
     if constant_mean:
         model.mean_module.constant.data.fill_(-0.4)
     batch = BagBatch(x, bag_index, labels)
@@ -28,16 +28,22 @@ def _fit(likelihood, constant_mean=False):
 
 
 @pytest.mark.parametrize(
-    "likelihood, constant_mean",
-    [(MILBernoulliLikelihood("pg", max_rule="max"), False), (MILBernoulliLikelihood("gamma"), True), (MILProbitLikelihood(), False)],
-    ids=["vgpmil-max", "gvgpmil-mean", "probit"],
+    "likelihood, constant_mean, num_inducing",
+    [
+        (MILBernoulliLikelihood("pg", max_rule="max"), False, 6),
+        (MILBernoulliLikelihood("gamma"), True, 6),
+        (MILProbitLikelihood(), False, 6),
+        (MILBernoulliLikelihood("pg", max_rule="max"), True, 3),
+    ],
+    ids=["vgpmil-max", "gvgpmil-mean", "probit", "bags-larger-than-M"],
 )
-def test_cavity_equals_posterior_without_the_bag(likelihood, constant_mean):
+def test_cavity_equals_posterior_without_the_bag(likelihood, constant_mean, num_inducing):
     """For every bag b: the marginals and the within-bag covariance block of q_{−b}(f_b) must equal
-    those of the Gaussian built from every other bag's quadratic terms (same locals) to 1e-10. A
-    cavity that forgot the mean function, used q(v) instead of the statistics, or dropped a bag's
-    own precision fails here."""
-    model, batch, locals_ = _fit(likelihood, constant_mean)
+    those of the Gaussian built from every other bag's quadratic terms (same locals) to 1e-10, both
+    in the bag's own space (n_b ≤ M, Woodbury) and in the inducing space (n_b > M). A cavity that
+    forgot the mean function, used q(v) instead of the statistics, or dropped a bag's own
+    precision fails here."""
+    model, batch, locals_ = _fit(likelihood, constant_mean, num_inducing)
     post = leave_bag_out_posterior(model, likelihood, batch, locals_, block_budget=40)
     blocks = {}
     for blk in post.joint_blocks():
