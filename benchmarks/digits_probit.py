@@ -44,7 +44,11 @@ def evaluate(name: str, seed: int, args) -> dict:
     bags, y, inst = make_bags(seed)
     idx_tr, idx_te = train_test_split(np.arange(len(bags)), test_size=args.test_size, stratify=y, random_state=seed)
     tr, te = [bags[i] for i in idx_tr], [bags[i] for i in idx_te]
-    fixed = dict(num_inducing=args.inducing, random_state=seed, learn_hyperparameters=False, warmup_iter=args.max_iter)
+    # one fixed kernel (RBF, lengthscale √D, variance 1) for VI, Gibbs and VGPMIL alike
+    fixed = dict(
+        num_inducing=args.inducing, random_state=seed, max_iter=args.max_iter,
+        kernel="rbf", lengthscale=float(np.sqrt(tr[0].shape[1])), outputscale=1.0,
+    )
     if name == "probit-vi":
         clf = ProbitMILClassifier(inference="vi", **fixed)
     elif name == "probit-gibbs":
@@ -52,7 +56,7 @@ def evaluate(name: str, seed: int, args) -> dict:
             inference="gibbs", num_samples=args.samples, burn_in=args.burn_in, num_chains=args.chains, **fixed
         )
     elif name == "probit-vi-learned":
-        clf = ProbitMILClassifier(inference="vi", num_inducing=args.inducing, random_state=seed)
+        clf = ProbitMILClassifier(inference="vi", learn_hyperparameters=True, **fixed)
     else:
         clf = VGPMILClassifier(psi="pg", **fixed)
     t0 = time.perf_counter()

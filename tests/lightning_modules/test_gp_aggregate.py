@@ -130,7 +130,7 @@ def test_normal_exact_step_matches_vbagg_regressor() -> None:
     weights dropped, wrong scaling) or the head's aggregate initialisation differs."""
     data = aggregate_bags(30, seed=1, kind="normal")
     idx = list(range(30))
-    reg = VBAggRegressor(likelihood="normal", num_inducing=12, warmup_iter=1, max_iter=0, noise=0.3, random_state=0)
+    reg = VBAggRegressor(likelihood="normal", num_inducing=12, outputscale=1.0, warmup_iter=1, max_iter=0, noise=0.3, random_state=0)
     reg.fit(data["x"], data["y"], data["pop"])
     ls = float(reg.model_.covar_module.base_kernel.lengthscale.detach())
     model = GPMILModule(feature_dim=2, likelihood=NormalAggregateLikelihood(noise=0.3), num_inducing=12,

@@ -31,7 +31,7 @@ def _poisson_problem(seed=0, n_bags=24, mean_size=15):
 def fitted():
     bags, y, weights, x, lam = _poisson_problem()
     models = {
-        link: VBAggRegressor("poisson", link, num_inducing=12, max_iter=40, warmup_iter=5, random_state=0).fit(bags, y, weights)
+        link: VBAggRegressor("poisson", link, num_inducing=12, max_iter=40, random_state=0).fit(bags, y, weights)
         for link in ("exp", "square")
     }
     return models, bags, y, weights, x, lam

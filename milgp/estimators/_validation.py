@@ -1,0 +1,129 @@
+"""Input validation and feature standardisation shared by the estimators.
+
+Every check raises a one-line ``ValueError`` naming the bag, instance or feature at fault.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["FeatureScaler", "check_bag_weights", "check_bags", "check_binary_bag_labels", "torch_dtype"]
+
+
+def check_bags(bags: Sequence[Any], name: str = "bags") -> list[np.ndarray]:
+    """Validate bags: a non-empty sequence of non-empty 2-D finite float arrays of equal width."""
+    if isinstance(bags, np.ndarray) and bags.dtype != object and bags.ndim == 2:
+        raise ValueError(f"{name} must be a sequence of (n_b, d) arrays, one per bag, not a single 2-D array")
+    if len(bags) == 0:
+        raise ValueError(f"{name} is empty: need at least one bag")
+    out = []
+    width = None
+    for b, bag in enumerate(bags):
+        arr = np.asarray(bag, dtype=np.float64)
+        if arr.ndim == 1:
+            raise ValueError(f"{name}[{b}] is 1-D with shape {arr.shape}; each bag must be (n_b, d) — use reshape(1, -1) for a bag of one")
+        if arr.ndim != 2:
+            raise ValueError(f"{name}[{b}] must be 2-D (n_b, d), got shape {arr.shape}")
+        if arr.shape[0] == 0:
+            raise ValueError(f"{name}[{b}] is empty: every bag needs at least one instance")
+        if not np.isfinite(arr).all():
+            row = int(np.nonzero(~np.isfinite(arr).all(1))[0][0])
+            raise ValueError(f"{name}[{b}] has NaN or inf features (first in instance {row})")
+        if width is None:
+            width = arr.shape[1]
+        elif arr.shape[1] != width:
+            raise ValueError(f"{name}[{b}] has {arr.shape[1]} features, but {name}[0] has {width}")
+        out.append(arr)
+    return out
+
+
+def check_binary_bag_labels(y: Any, num_bags: int, require_both: bool = True) -> np.ndarray:
+    """Validate ``(B,)`` bag labels in {0, 1}."""
+    y = np.asarray(y)
+    if y.ndim != 1:
+        raise ValueError(f"y must be a 1-D array of bag labels, got shape {y.shape}")
+    if len(y) != num_bags:
+        raise ValueError(f"got {num_bags} bags but {len(y)} labels in y")
+    yf = y.astype(np.float64)
+    bad = np.nonzero(~np.isin(yf, (0.0, 1.0)))[0]
+    if len(bad):
+        raise ValueError(f"bag {int(bad[0])} has label {y[bad[0]].item()!r}; bag labels must be 0 or 1")
+    if require_both and len(np.unique(yf)) < 2:
+        raise ValueError(f"the training set has only bags of class {int(yf[0])}; MIL training needs positive and negative bags")
+    return yf
+
+
+def check_bag_weights(weights: Any, bags: list[np.ndarray], name: str = "weights") -> list[np.ndarray]:
+    """Per-bag populations ``(n_b,)``: finite and strictly positive; ``None`` → ones."""
+    if weights is None:
+        return [np.ones(len(b)) for b in bags]
+    if len(weights) != len(bags):
+        raise ValueError(f"got {len(bags)} bags but {len(weights)} entries in {name}")
+    out = []
+    for b, (w, bag) in enumerate(zip(weights, bags)):
+        w = np.asarray(w, dtype=np.float64).reshape(-1)
+        if w.shape[0] != bag.shape[0]:
+            raise ValueError(f"{name}[{b}] has {w.shape[0]} entries but bag {b} has {bag.shape[0]} instances")
+        if not (np.isfinite(w).all() and (w > 0).all()):
+            i = int(np.nonzero(~(np.isfinite(w) & (w > 0)))[0][0])
+            raise ValueError(f"bag {b} has weight/population {float(w[i])} (instance {i}); populations must be finite and > 0")
+        out.append(w)
+    return out
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float64"`` / ``"float32"`` → the torch dtype."""
+    if name not in ("float64", "float32"):
+        raise ValueError(f"dtype must be 'float64' or 'float32', got {name!r}")
+    return torch.float64 if name == "float64" else torch.float32
+
+
+class FeatureScaler:
+    """z-scoring with training statistics, refusing what would make it meaningless.
+
+    Constant features (zero spread in training) are kept unscaled and reported in one warning —
+    they carry no information, and when every feature is constant the model can only predict the
+    base rate. Features whose spread overflows (e.g. values of 1e154: their variance is inf) are
+    refused with an error naming the first one: scaling by an infinite standard deviation would
+    silently turn them into zeros or NaN.
+    """
+
+    def __init__(self, standardize: bool = True):
+        self.standardize = standardize
+
+    def fit(self, flat: np.ndarray, weights: np.ndarray | None = None) -> "FeatureScaler":
+        """Statistics of training instances ``(N, D)``, optionally weighted ``(N,)``."""
+        D = flat.shape[1]
+        if not self.standardize:
+            self.mean_, self.scale_ = np.zeros(D), np.ones(D)
+            return self
+        w = np.ones(len(flat)) if weights is None else np.asarray(weights, dtype=np.float64)
+        w = w / w.sum()
+        with np.errstate(over="ignore", invalid="ignore"):
+            mean = w @ flat
+            scale = np.sqrt(w @ (flat - mean) ** 2)
+        bad = np.nonzero(~np.isfinite(mean) | ~np.isfinite(scale))[0]
+        if len(bad):
+            j = int(bad[0])
+            raise ValueError(
+                f"feature {j} cannot be standardised: its mean or spread overflows float64 "
+                f"(max |value| {np.abs(flat[:, j]).max():.3g}); rescale it before fitting"
+            )
+        constant = np.nonzero(scale <= 1e-12 * np.maximum(1.0, np.abs(mean)))[0]
+        if len(constant):
+            warnings.warn(
+                f"{len(constant)} of {D} features are constant in the training bags (first: feature {int(constant[0])}); "
+                "they carry no information" + (" — every feature is constant, so only the base rate can be learned" if len(constant) == D else ""),
+                UserWarning,
+                stacklevel=3,
+            )
+            scale = np.where(np.isin(np.arange(D), constant), 1.0, scale)
+        self.mean_, self.scale_ = mean, scale
+        return self
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        """Standardised ``x`` ``(N, D)`` (same dtype and device)."""
+        return (x - torch.as_tensor(self.mean_).to(x)) / torch.as_tensor(self.scale_).to(x)

@@ -1,0 +1,277 @@
+"""VBAgg: individual-level GP regression from bag-level aggregate outputs."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import math
+
+import numpy as np
+import torch
+from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.metrics import r2_score
+from sklearn.model_selection import KFold
+from sklearn.utils.validation import check_is_fitted
+
+from milgp.data.bags import BagBatch, flatten_bags
+from milgp.estimators._validation import FeatureScaler, check_bag_weights, check_bags, torch_dtype
+from milgp.inducing import kmeans_pp_inducing, median_lengthscale
+from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
+from milgp.likelihoods.aggregate_normal import NormalAggregateLikelihood
+from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
+from milgp.models.sparse_gp import SparseGP
+from milgp.variational.aggregate_fit import fit_aggregate, predict_bag_moments
+
+__all__ = ["VBAggRegressor"]
+
+SEARCH_OUTPUTSCALES = (0.3, 1.0, 3.0, 10.0)
+"""Kernel variances ``outputscale=None`` chooses among."""
+CV_FOLDS = 3
+"""Folds (over bags) of the cross-validation that chooses the kernel variance."""
+
+
+_VBAGG_DEFAULT_LINK = {"poisson": "exp", "normal": "identity", "exponential": "exp"}
+
+
+class VBAggRegressor(RegressorMixin, BaseEstimator):
+    """VBAgg: individual-level GP regression from bag-level aggregate outputs (Law et al., *Variational
+    Learning on Aggregate Outputs with Gaussian Processes*, NeurIPS 2018).
+
+    ``y_a ~ p(y | η_a)``, ``η_a = Σ_{i∈a} w_i Ψ(f(x_i))`` with ``f`` a sparse GP (RBF kernel,
+    constant mean, M inducing points by k-means++), fitted by natural-gradient steps on ``q(u)``
+    (:func:`milgp.variational.aggregate_fit.fit_aggregate`) at a fixed kernel: lengthscale the median
+    pairwise distance, kernel variance chosen among ``SEARCH_OUTPUTSCALES`` by 3-fold
+    cross-validation over bags on the held-out bag-level predictive NLL. The ELBO cannot make that
+    choice: its variance penalty (Lemma 1 of the paper for the exp link) falls monotonically with the
+    kernel variance, so learning the kernel on it collapsed the GP to a constant (digits bags, count
+    of 9s: outputscale 0.0015, bag R² −0.005; docs/aggregate.md). After ``warmup_iter`` natural
+    steps, Adam steps on the constant mean and the Normal noise τ alternate with them (the kernel
+    stays fixed; ``learn_hyperparameters=True`` learns it too).
+
+    Args:
+        likelihood: ``"poisson"`` (counts, populations), ``"normal"`` or ``"exponential"``.
+        link: ``"exp"`` (Poisson, Exponential; Lemma-1 / A.4 bounds), ``"square"`` (Poisson;
+            Taylor approximation Eq. 11) or ``"identity"`` (Normal). ``None``: the default per model.
+        num_inducing: M.
+        lengthscale, outputscale: the RBF kernel's (initial) values on standardised features;
+            ``lengthscale=None``: the median pairwise distance of the training instances.
+        lr, hyper_steps: Adam on hyperparameters, each step on random whole bags
+            holding at most ``hyper_max_instances`` instances.
+        max_iter, tol, warmup_iter: natural-step iterations (epochs with ``bags_per_batch``).
+        noise: initial τ of the Normal model.
+        constant_mean: learn a constant prior mean of f, initialised at the link value of the
+            pooled rate ``Σy / Σw`` (default); ``False``: zero-mean GP, as in Law et al.'s models.
+        bags_per_batch: minibatches of whole bags (stochastic natural steps); ``None``: full batch
+            (still chunked: ``chunk_instances``, ``block_budget``).
+        ard, learn_inducing_locations, standardize, dtype, device, random_state, verbose.
+
+    Fitted attributes: ``model_`` (:class:`~milgp.models.SparseGP`), ``likelihood_``,
+    ``fit_result_``, ``elbo_``, ``n_features_in_``.
+    """
+
+    def __init__(
+        self,
+        likelihood: str = "poisson",
+        link: str | None = None,
+        num_inducing: int = 100,
+        lengthscale: float | None = None,
+        outputscale: float | None = None,
+        max_iter: int = 100,
+        tol: float = 1e-6,
+        warmup_iter: int = 10,
+        learn_hyperparameters: bool = False,
+        lr: float = 0.05,
+        hyper_steps: int = 3,
+        hyper_max_instances: int = 5000,
+        noise: float = 1.0,
+        constant_mean: bool = True,
+        ard: bool = False,
+        learn_inducing_locations: bool = False,
+        standardize: bool = True,
+        bags_per_batch: int | None = None,
+        chunk_instances: int = 32768,
+        block_budget: int = 2_000_000,
+        dtype: str = "float64",
+        device: str = "cpu",
+        random_state: int = 0,
+        verbose: bool = False,
+    ):
+        self.likelihood = likelihood
+        self.link = link
+        self.num_inducing = num_inducing
+        self.lengthscale = lengthscale
+        self.outputscale = outputscale
+        self.max_iter = max_iter
+        self.tol = tol
+        self.warmup_iter = warmup_iter
+        self.learn_hyperparameters = learn_hyperparameters
+        self.lr = lr
+        self.hyper_steps = hyper_steps
+        self.hyper_max_instances = hyper_max_instances
+        self.noise = noise
+        self.constant_mean = constant_mean
+        self.ard = ard
+        self.learn_inducing_locations = learn_inducing_locations
+        self.standardize = standardize
+        self.bags_per_batch = bags_per_batch
+        self.chunk_instances = chunk_instances
+        self.block_budget = block_budget
+        self.dtype = dtype
+        self.device = device
+        self.random_state = random_state
+        self.verbose = verbose
+
+    def _make_likelihood(self) -> Any:
+        if self.likelihood not in _VBAGG_DEFAULT_LINK:
+            raise ValueError(f"likelihood must be 'poisson', 'normal' or 'exponential', got {self.likelihood!r}")
+        link = self.link or _VBAGG_DEFAULT_LINK[self.likelihood]
+        if self.likelihood == "poisson":
+            return PoissonAggregateLikelihood(link)
+        if self.likelihood == "normal":
+            return NormalAggregateLikelihood(link, noise=self.noise)
+        return ExponentialAggregateLikelihood(link)
+
+    def _flat(self, bags: list[np.ndarray], weights: list[np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        x, bag_index = flatten_bags(bags)
+        x = self._transform(x)
+        w = None if weights is None else torch.as_tensor(np.concatenate(weights), dtype=x.dtype, device=self.device)
+        return x, bag_index.to(self.device), w
+
+    def _transform(self, x: Any) -> torch.Tensor:
+        x = torch.as_tensor(np.asarray(x, dtype=np.float64) if not isinstance(x, torch.Tensor) else x)
+        return self.scaler_.transform(x.to(dtype=torch_dtype(self.dtype), device=self.device))
+
+    def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "VBAggRegressor":
+        """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays), aggregate targets ``y`` ``(B,)`` and
+        optional per-bag populations ``weights`` (sequence of ``(n_b,)``, default ones)."""
+        bags_np = check_bags(bags)
+        y_np = np.asarray(y, dtype=np.float64)
+        if y_np.ndim != 1 or len(y_np) != len(bags_np):
+            raise ValueError(f"y must be a 1-D array with one target per bag ({len(bags_np)}), got shape {y_np.shape}")
+        w_list = check_bag_weights(weights, bags_np)
+        sizes = [len(b) for b in bags_np]
+        self._make_likelihood().check_data(y_np, np.concatenate(w_list), np.repeat(np.arange(len(sizes)), sizes), len(sizes))
+        if self.outputscale is not None and not self.outputscale > 0:
+            raise ValueError(f"outputscale must be None (chosen by cross-validation) or > 0, got {self.outputscale!r}")
+        torch.manual_seed(self.random_state)
+        flat = np.concatenate(bags_np, 0)
+        self.n_features_in_ = flat.shape[1]
+        self.scaler_ = FeatureScaler(self.standardize).fit(flat)
+        x, bag_index, w = self._flat(bags_np, w_list)
+        x_np = x.detach().cpu().numpy()
+        Z = torch.as_tensor(
+            kmeans_pp_inducing(x_np, np.zeros(len(x_np)), min(self.num_inducing, len(x_np)), seed=self.random_state),
+            dtype=x.dtype, device=self.device,
+        )
+        lengthscale = median_lengthscale(x_np, seed=self.random_state) if self.lengthscale is None else self.lengthscale
+        batch = BagBatch(x, bag_index, torch.as_tensor(y_np, dtype=x.dtype, device=self.device), instance_weights=w)
+        self.search_: dict[float, float] = {}
+        if self.outputscale is None and len(bags_np) >= 2 * CV_FOLDS:
+            for scale in SEARCH_OUTPUTSCALES:
+                self.search_[scale] = self._cross_validated_nll(batch, Z, lengthscale, scale)
+            outputscale = min(self.search_, key=self.search_.get)
+        else:
+            outputscale = 1.0 if self.outputscale is None else float(self.outputscale)
+        self.model_, self.likelihood_, self.fit_result_ = self._fit_one(batch, Z, lengthscale, outputscale)
+        self.elbo_ = self.fit_result_.elbo[-1]
+        return self
+
+    def _fit_one(
+        self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float, learn: bool = True
+    ) -> tuple[SparseGP, Any, Any]:
+        """One model fitted on ``batch`` at these kernel values: ``warmup_iter`` natural steps, then
+        (``learn``) up to ``max_iter`` natural steps alternating with Adam on the constant mean and
+        the Normal noise τ — and on the kernel with ``learn_hyperparameters`` — else natural steps
+        alone to convergence."""
+        model = SparseGP(
+            Z, ard=self.ard, constant_mean=self.constant_mean, learn_inducing_locations=self.learn_inducing_locations,
+            lengthscale=lengthscale, outputscale=outputscale,
+        ).to(self.device)
+        likelihood = self._make_likelihood().to(device=self.device, dtype=batch.x.dtype)
+        if self.constant_mean:  # at the rate that explains the total: Σy = Σ w Ψ(c)
+            rate = float(batch.bag_labels.sum() / batch.instance_weights.sum())
+            model.mean_module.constant.data.fill_(likelihood.link.inverse(rate))
+        if not self.learn_hyperparameters:
+            for p in model.covar_module.parameters():
+                p.requires_grad_(False)
+        common = dict(
+            tol=self.tol, bags_per_batch=self.bags_per_batch, chunk_instances=self.chunk_instances,
+            block_budget=self.block_budget, seed=self.random_state, progress=self.verbose,
+        )
+        learn = learn and bool(model.hyperparameters() or list(likelihood.parameters()))
+        result = fit_aggregate(
+            model, likelihood, batch, max_iter=max(1, self.warmup_iter if learn else self.max_iter), learn_hyperparameters=False, **common
+        )
+        if learn and self.max_iter > 0:
+            main = fit_aggregate(
+                model, likelihood, batch, max_iter=self.max_iter, learn_hyperparameters=True,
+                lr=self.lr, hyper_steps=self.hyper_steps, hyper_max_instances=self.hyper_max_instances,
+                rho0=result.rho, **common,
+            )
+            main.elbo = result.elbo + main.elbo
+            main.iterations += result.iterations
+            main.seconds += result.seconds
+            result = main
+        return model, likelihood, result
+
+    def _cross_validated_nll(self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float) -> float:
+        """Mean held-out negative log-likelihood of the bag targets under the Gaussian predictive
+        ``N(E[y_a], Var[y_a])`` (a proper score that includes the predictive uncertainty), by
+        ``CV_FOLDS``-fold cross-validation over bags."""
+        folds = KFold(CV_FOLDS, shuffle=True, random_state=self.random_state).split(np.zeros(batch.num_bags))
+        total = 0.0
+        for train, test in folds:
+            tr, te = batch.select_bags(torch.as_tensor(train)), batch.select_bags(torch.as_tensor(test))
+            model, likelihood, _ = self._fit_one(tr, Z, lengthscale, outputscale, learn=False)
+            moments = predict_bag_moments(
+                model, likelihood, te.x, te.bag_index, te.num_bags, te.instance_weights, self.chunk_instances, self.block_budget
+            )
+            var = moments["y_var"].clamp_min(1e-12)
+            nll = 0.5 * (torch.log(2 * math.pi * var) + (te.bag_labels - moments["y_mean"]) ** 2 / var)
+            total += float(nll.sum())
+        return total / batch.num_bags
+
+    # -- predictions ------------------------------------------------------------------------
+    def predict_latent(self, X: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and variance of ``f`` ``(n,)`` at instances ``X`` ``(n, d)``."""
+        mean, var = self._latent(X)
+        return mean.cpu().numpy(), var.cpu().numpy()
+
+    def _latent(self, X: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        check_is_fitted(self, "model_")
+        X = np.asarray(X, dtype=np.float64)
+        if X.ndim != 2 or X.shape[1] != self.n_features_in_:
+            raise ValueError(f"X must be (n, {self.n_features_in_}) individual covariates, got shape {X.shape}")
+        if not np.isfinite(X).all():
+            raise ValueError(f"X has NaN or inf features (first in row {int(np.nonzero(~np.isfinite(X).all(1))[0][0])})")
+        return self.model_.predict_marginals(self._transform(X))
+
+    def predict(self, X: Any) -> np.ndarray:
+        """Posterior mean of the individual rate / mean parameter ``Ψ(f(x))`` ``(n,)``."""
+        mean, var = self._latent(X)
+        with torch.no_grad():
+            return self.likelihood_.rate_mean(mean, var).cpu().numpy()
+
+    def predict_quantiles(self, X: Any, q: Any) -> np.ndarray:
+        """Posterior quantiles of ``Ψ(f(x))``: ``(n,)`` for a scalar ``q``, else ``(n, len(q))``
+        (log-normal for ``exp``, scaled non-central χ² for ``square``, Gaussian for ``identity``)."""
+        mean, var = self._latent(X)
+        out = self.likelihood_.rate_quantiles(mean, var, q)
+        return out[:, 0] if np.ndim(q) == 0 else out
+
+    def predict_bags(self, bags: Sequence[Any], weights: Sequence[Any] | None = None) -> dict[str, np.ndarray]:
+        """Bag-level predictive moments ``(B,)`` with the full within-bag covariance:
+        ``rate_mean``/``rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` and ``y_mean``/``y_var`` of ``y_a``."""
+        check_is_fitted(self, "model_")
+        bags_np = check_bags(bags)
+        if bags_np[0].shape[1] != self.n_features_in_:
+            raise ValueError(f"bags have {bags_np[0].shape[1]} features, the model was fitted on {self.n_features_in_}")
+        w_list = check_bag_weights(weights, bags_np)
+        x, bag_index, w = self._flat(bags_np, w_list)
+        out = predict_bag_moments(
+            self.model_, self.likelihood_, x, bag_index, len(bags_np), w, self.chunk_instances, self.block_budget
+        )
+        return {k: v.cpu().numpy() for k, v in out.items()}
+
+    def score(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> float:
+        """R² of the predicted bag aggregates ``E[y_a]`` against ``y`` (bag level)."""
+        return float(r2_score(np.asarray(y, dtype=np.float64), self.predict_bags(bags, weights)["y_mean"]))

@@ -1,0 +1,51 @@
+"""Estimator input checks and feature standardisation."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from milgp.estimators import VGPMILClassifier, check_bags, check_binary_bag_labels
+from milgp.estimators._validation import FeatureScaler
+
+
+def test_check_helpers_directly():
+    """check_bags converts to float64 arrays; check_binary_bag_labels accepts bools/ints."""
+    out = check_bags([[[1, 2]], np.ones((2, 2))])
+    assert [a.dtype for a in out] == [np.float64, np.float64]
+    assert check_binary_bag_labels(np.array([True, False]), 2).tolist() == [1.0, 0.0]
+    assert check_binary_bag_labels([1, 1], 2, require_both=False).tolist() == [1.0, 1.0]
+
+
+def test_constant_features_warn_and_are_left_unscaled():
+    """Constant training features must be reported in one warning (naming the first) and kept
+    finite (scale 1); all-constant features say that only the base rate can be learned."""
+    flat = np.c_[np.arange(6.0), np.full(6, 3.0), np.full(6, -2.0)]
+    with pytest.warns(UserWarning, match=r"2 of 3 features are constant .*feature 1"):
+        sc = FeatureScaler().fit(flat)
+    z = sc.transform(torch.as_tensor(flat))
+    assert torch.isfinite(z).all() and (z[:, 1:].abs() < 1e-12).all()
+    with pytest.warns(UserWarning, match="only the base rate"):
+        FeatureScaler().fit(np.ones((4, 2)))
+
+
+def test_overflowing_features_are_refused_naming_the_feature():
+    """Features of scale 1e154 overflow the variance: the fit must refuse them with a message
+    naming the feature, not standardise them into zeros or NaN."""
+    rng = np.random.default_rng(0)
+    bags = [np.c_[rng.normal(size=(3, 1)), 1e154 * rng.normal(size=(3, 1))] for _ in range(6)]
+    with pytest.raises(ValueError, match="feature 1 cannot be standardised"):
+        VGPMILClassifier(num_inducing=4, max_iter=3, search_iter=2).fit(bags, np.array([0, 1] * 3))
+
+
+def test_all_constant_features_do_not_call_every_bag_positive():
+    """All-constant features: the estimator warns, and its calibrated bag probabilities sit at the
+    training base rate instead of near 1 for every bag (the old noisy-OR gave 0.95–1)."""
+    bags = [np.ones((int(n), 3)) for n in (3, 5, 2, 6, 4, 3, 5, 2)]
+    y = np.array([0, 0, 0, 0, 0, 0, 1, 1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        clf = VGPMILClassifier(num_inducing=4, max_iter=5, search_iter=2).fit(bags, y)
+    assert any("constant" in str(w.message) for w in caught)
+    p = clf.predict_proba(bags)[:, 1]
+    assert (p < 0.5).all() and np.allclose(p, p[0], atol=0.05)
