@@ -1,0 +1,27 @@
+"""milgp.data.atomic: finished files get the permissions of the umask, like open(path, "w") would give them."""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from milgp.data.atomic import atomic_save_npy, atomic_write_json, atomic_write_text, current_umask
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_atomic_writes_respect_the_umask(tmp_path: Path, umask: int) -> None:
+    """Files written atomically must have mode 0o666 & ~umask, not mkstemp's owner-only 0o600: otherwise a
+    cache built by one user cannot be read by the group that trains on it."""
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        atomic_write_text(tmp_path / "a.txt", "x")
+        atomic_write_json(tmp_path / "b.json", {"a": 1})
+        atomic_save_npy(tmp_path / "c.npy", np.zeros(3))
+    finally:
+        os.umask(old)
+    for name in ("a.txt", "b.json", "c.npy"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o666 & ~umask, name
