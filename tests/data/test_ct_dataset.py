@@ -11,7 +11,8 @@ import torch
 from milgp.data.augment import AugmentParams, BagAugment
 from milgp.data.bags import collate_bags
 from milgp.data.ct_dataset import CTBagDataset, uniform_subsample
-from milgp.data.dicom import ct_channels, read_hu
+from milgp.data.hounsfield import read_hu
+from milgp.data.windows import ct_channels
 from milgp.data.synthetic import SyntheticDataset
 
 
