@@ -59,7 +59,7 @@ def atomic_open(
     ``encoding`` and ``errors`` apply to text modes.
 
     On any exception inside the ``with`` block the temporary file is removed and ``path`` is left
-    untouched.
+    untouched; an ``OSError`` that names no file (a full disk) is raised again naming ``path``.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -72,6 +72,12 @@ def atomic_open(
             os.fchmod(fh.fileno(), 0o666 & ~current_umask())
             os.fsync(fh.fileno())
         os.replace(tmp, target)
+    except OSError as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if err.filename is None:  # os.write/fsync errors (a full disk) do not say which file
+            raise OSError(err.errno, err.strerror or str(err), str(target)) from err
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -73,6 +73,7 @@ __all__ = [
     "build_cache",
     "check_cache_params",
     "read_manifest",
+    "repair_hint",
 ]
 
 _WORKER_DIED = ("the worker process died while caching this bag (killed by a signal: a crash in a decoder, or out "
@@ -86,7 +87,8 @@ class CacheCorruptError(ValueError):
     """
 
 
-def _repair_hint(root: Path) -> str:
+def repair_hint(root: Path) -> str:
+    """How to check and repair the cache ``root`` (ends every corruption error)."""
     return f"check and repair the cache with: milgp-cache verify {printable(root)} --repair"
 
 
@@ -263,15 +265,15 @@ def read_manifest(cache_dir: str | os.PathLike[str]) -> list[CacheEntry]:
     except FileNotFoundError:
         raise FileNotFoundError(f"{printable(root)}: no manifest.json; run build_cache (milgp-cache) first") from None
     except (OSError, ValueError) as err:
-        raise CacheCorruptError(f"{printable(path)}: unreadable manifest ({type(err).__name__}: {err}); {_repair_hint(root)}") from None
+        raise CacheCorruptError(f"{printable(path)}: unreadable manifest ({type(err).__name__}: {err}); {repair_hint(root)}") from None
     if not isinstance(obj, dict) or obj.get("format") != "milgp-ct-cache-manifest" or not isinstance(obj.get("bags"), list):
-        raise CacheCorruptError(f"{printable(path)}: not a milgp cache manifest; {_repair_hint(root)}")
+        raise CacheCorruptError(f"{printable(path)}: not a milgp cache manifest; {repair_hint(root)}")
     entries = []
     for i, e in enumerate(obj["bags"]):
         try:
             entries.append(CacheEntry.from_json_dict(e))
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise CacheCorruptError(f"{printable(path)}: bag entry {i} is malformed ({type(err).__name__}: {err}); {_repair_hint(root)}") from None
+            raise CacheCorruptError(f"{printable(path)}: bag entry {i} is malformed ({type(err).__name__}: {err}); {repair_hint(root)}") from None
     return entries
 
 
@@ -330,7 +332,7 @@ class CTCache:
         try:
             return open_array_file(path, self.entry(bag_id).shape, self.params.dtype, mmap)
         except ValueError as err:
-            raise CacheCorruptError(f"cached bag {bag_id!r}: {printable(path)}: {err}; {_repair_hint(self.root)}") from None
+            raise CacheCorruptError(f"cached bag {bag_id!r}: {printable(path)}: {err}; {repair_hint(self.root)}") from None
 
     def skipped_report(self) -> dict:
         """The ``skipped.json`` content of the last build (``{}`` when absent)."""

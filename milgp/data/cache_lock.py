@@ -87,7 +87,7 @@ class CacheLock:
             os.close(fd)
             if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 return False
-            raise
+            raise OSError(err.errno, f"cannot lock ({err.strerror}; does this file system support flock?)", str(self.path)) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
         except FileNotFoundError:

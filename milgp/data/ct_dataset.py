@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from milgp.data.augment import BagAugment
-from milgp.data.cache import CacheParams, CTCache
+from milgp.data.cache import CacheCorruptError, CacheParams, CTCache, repair_hint
 from milgp.data.report_entry import printable
 
 __all__ = ["CTBagDataset", "uniform_subsample"]
@@ -129,13 +129,18 @@ class CTBagDataset(torch.utils.data.Dataset):
         return np.concatenate(per_bag), np.repeat(np.arange(len(per_bag)), sizes)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor | None, float, str]:
-        """Item ``i``; a damaged cache file raises :class:`milgp.data.cache.CacheCorruptError` naming the bag and file."""
+        """Item ``i``; a damaged cache file (truncated, another shape or dtype, non-finite values) raises
+        :class:`milgp.data.cache.CacheCorruptError` naming the bag and the file."""
         if not 0 <= i < len(self):
             raise IndexError(f"bag index {i} out of range for {len(self)} bags")
         bag_id = self.bag_ids[i]
         entry = self.cache.entry(bag_id)
         stored = self.cache.load(bag_id)
         x = torch.from_numpy(self.cache.params.decode(np.asarray(stored[self.slice_indices(i)])))
+        if not torch.isfinite(x).all():  # float16 caches only: uint8 values are always finite
+            raise CacheCorruptError(
+                f"cached bag {bag_id!r}: {printable(self.cache.path(bag_id))} holds non-finite values; {repair_hint(self.cache.root)}"
+            )
         if self.augment is not None:
             state = np.random.SeedSequence([self.seed, self.epoch, i]).generate_state(1, dtype=np.uint64)[0]
             generator = torch.Generator().manual_seed(int(state) & 0x7FFF_FFFF_FFFF_FFFF)

@@ -115,7 +115,8 @@ class BagIndex:
         where: str,
     ) -> None:
         """Index one series as a bag (:func:`bag_from_headers`), or list it in ``refused`` (at ``where``,
-        a file or folder) with the reason when it cannot be one; its left-out files and warnings are kept."""
+        a file or folder) with the reason when it cannot be one, or when an indexed bag already holds
+        the same series (a duplicate export); its left-out files and warnings are kept."""
         try:
             record, dropped, notes = bag_from_headers(bag_id, headers, bag_label, slice_labels_by_path, patient_id, policy)
         except ValueError as err:
@@ -123,6 +124,13 @@ class BagIndex:
             return
         if any(b.bag_id == bag_id for b in self.bags):
             raise ValueError(f"bag id {bag_id!r} appears twice in the index")
+        twin = next((b for b in self.bags if record.series_uid and b.series_uid == record.series_uid), None)
+        if twin is not None:
+            self.refused.append(ReportEntry(
+                bag_id, where, f"left out: the same series (SeriesInstanceUID {record.series_uid}) as bag {twin.bag_id!r}, "
+                "a duplicate export; keeping both would count the scan twice and could put it in two splits",
+            ))
+            return
         self.bags.append(record)
         self.skipped += dropped
         self.warnings += notes
@@ -157,13 +165,18 @@ class BagIndex:
 
     @classmethod
     def from_json_dict(cls, obj: dict, source: str = "<dict>") -> "BagIndex":
-        """Inverse of :meth:`to_json_dict`; ``source`` names the file in errors."""
+        """Inverse of :meth:`to_json_dict`; ``source`` names the file in errors.
+
+        A malformed bag entry (e.g. a label edited to ``NaN``) is left out and listed in ``refused``;
+        a file that is not an index at all raises ``ValueError`` naming ``source``.
+        """
         if obj.get("format") != "milgp-bag-index":
             raise ValueError(f"{source}: not a milgp bag index (format field is {obj.get('format')!r})")
         if obj.get("version") != INDEX_FORMAT_VERSION:
             raise ValueError(f"{source}: bag index version {obj.get('version')}, this milgp reads {INDEX_FORMAT_VERSION}")
         bags = []
-        for i, b in enumerate(obj["bags"]):
+        refused = []
+        for i, b in enumerate(obj.get("bags", [])):
             try:
                 bags.append(
                     BagRecord(
@@ -177,13 +190,18 @@ class BagIndex:
                         modality=str(b.get("modality", "CT")),
                     )
                 )
-            except (KeyError, TypeError, ValueError) as err:
-                raise ValueError(f"{source}: bag entry {i} is malformed: {err}") from err
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                name = str(b.get("bag_id", f"entry {i}")) if isinstance(b, dict) else f"entry {i}"
+                refused.append(ReportEntry(name, source, f"bag entry {i} of the saved index is malformed ({err}); left out"))
         try:
             lists = {k: [ReportEntry.from_json_dict(e) for e in obj.get(k, [])] for k in ("skipped", "refused", "warnings")}
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"{source}: malformed report entry: {err!r}") from err
-        return cls(bags, **lists)
+        lists["refused"] += refused
+        try:
+            return cls(bags, **lists)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save atomically; the format follows the suffix: ``.json`` (lossless) or ``.csv``.

@@ -860,3 +860,80 @@ def test_meaningless_rescale_values_are_refused(write_series, slope: str, interc
     _rewrite(path, RescaleSlope=slope, RescaleIntercept=intercept)
     with pytest.raises(DicomReadError, match=r"f00\.dcm: .*(Rescale|not finite)"):
         read_hu(path)
+
+
+# -- more of what archives do ----------------------------------------------------------------------------
+
+
+def test_the_same_series_under_two_bag_folders_is_indexed_once(tmp_path: Path) -> None:
+    """A scan exported twice under two folder names (same SeriesInstanceUID) would be counted twice and could land
+    in train and test at once. The second bag must be refused naming the first."""
+    ds = _generic(tmp_path / "gen")
+    twin = Path(ds.image_dir) / "scan_twin"
+    shutil.copytree(Path(ds.image_dir) / ds.scans[0].bag_id, twin)
+    labels = Path(ds.labels_csv)
+    labels.write_text(labels.read_text() + f"scan_twin,{int(ds.scans[0].bag_label)},other_patient\n")
+    index = index_generic(ds.image_dir, ds.labels_csv)
+    assert index.bag_ids == [s.bag_id for s in ds.scans]
+    [refused] = index.refused
+    assert refused.bag_id == "scan_twin" and f"as bag {ds.scans[0].bag_id!r}" in refused.reason
+
+
+def test_saved_index_with_a_damaged_entry_caches_the_rest(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`milgp-cache index` on a saved index whose one bag entry was edited to a NaN label (or lost its slices) must
+    cache the other bags and report the damaged entry as refused, not fail on the whole file."""
+    ds = _generic(tmp_path / "gen")
+    saved = tmp_path / "index.json"
+    index_generic(ds.image_dir, ds.labels_csv).save(saved)
+    obj = json.loads(saved.read_text())
+    obj["bags"][0]["bag_label"] = float("nan")
+    del obj["bags"][1]["slice_paths"]
+    saved.write_text(json.dumps(obj))
+    assert main(["index", "--index", str(saved), "--out", str(tmp_path / "c"), "--no-progress", *SIZE]) == 0
+    report = json.loads((tmp_path / "c" / "skipped.json").read_text())
+    assert [e["bag_id"] for e in report["refused_bags"]] == [ds.scans[0].bag_id, ds.scans[1].bag_id]
+    assert "not a finite number" in report["refused_bags"][0]["reason"]
+    assert CTCache(tmp_path / "c").bag_ids == [ds.scans[2].bag_id]
+
+
+def test_non_finite_values_in_a_float16_cache_stop_training_naming_the_bag(tmp_path: Path) -> None:
+    """A float16 bag whose values became NaN (same shape and size, so only the checksum or the values show it) must
+    raise naming the bag and the file when served, never reach the network."""
+    ds = _generic(tmp_path / "gen", n_bags=2)
+    out = tmp_path / "c"
+    assert _cache(ds, out, "--dtype", "float16")[0] == 0
+    victim = ds.scans[1].bag_id
+    np.save(_npy(out, victim), np.full(np.load(_npy(out, victim)).shape, np.nan, np.float16))
+    dataset = CTBagDataset(out)
+    dataset[0]
+    with pytest.raises(CacheCorruptError, match=rf"cached bag '{victim}': .*\.npy holds non-finite values"):
+        dataset[1]
+    assert [e.bag_id for e in verify_cache(out).problems] == [victim]
+
+
+def test_cache_folder_that_is_a_file_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--out naming an existing file must be a one-line error naming it (exit 1), and the file is left as it was."""
+    ds = _generic(tmp_path / "gen", n_bags=1)
+    (tmp_path / "out").write_text("not a folder")
+    assert _cache(ds, tmp_path / "out")[0] == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "milgp-cache: error:" in err and "out" in err
+    assert (tmp_path / "out").read_text() == "not a folder"
+
+
+def test_degenerate_orientation_refuses_the_bag(tmp_path: Path) -> None:
+    """ImageOrientationPatient with parallel row and column cosines has no slice normal: the bag must be refused
+    naming a file, not crash the indexer."""
+    ds = _generic(tmp_path / "gen")
+    for path in ds.scans[0].paths:
+        _rewrite(path, ImageOrientationPatient=[1, 0, 0, 1, 0, 0])
+    index = index_generic(ds.image_dir, ds.labels_csv)
+    assert ds.scans[0].bag_id not in index.bag_ids and "degenerate ImageOrientationPatient" in index.refused[0].reason
+
+
+def test_verify_of_a_folder_that_is_not_a_cache(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """verify on a folder without params.json must say so in one line (exit 1)."""
+    (tmp_path / "empty").mkdir()
+    assert main(["verify", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a milgp CT cache (no params.json)" in err

@@ -33,7 +33,7 @@ def test_round_trip_synthetic_to_dataset(rsna_synth: SyntheticDataset, rsna_cach
 
 
 def test_collate_into_a_bag_batch(rsna_cache: str) -> None:
-    """Dataset items must collate with milgp.data.bags.collate_bags into the flat representation (DESIGN §2)."""
+    """Dataset items must collate with milgp.data.bags.collate_bags into the flat representation (flat instances plus a bag index)."""
     ds = CTBagDataset(rsna_cache)
     batch = collate_bags([ds[0], ds[1], ds[2]])
     sizes = [ds[i][0].shape[0] for i in range(3)]

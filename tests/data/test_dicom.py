@@ -41,7 +41,8 @@ def test_brain_window_anchor_points() -> None:
 
 def test_ct_channels_stacks_the_three_head_windows(ct_small_path: str) -> None:
     """Channels must be brain, subdural, soft tissue in that order, each in [0, 1]; resizing must give the
-    requested size and keep values in [0, 1]. Failing means channel order or scaling differs from DESIGN §6."""
+    requested size and keep values in [0, 1]. Failing means channel order or scaling differs from the
+    three-window pipeline of Castro-Macias et al. (2024)."""
     assert HEAD_CT_WINDOWS == ((40.0, 80.0), (80.0, 200.0), (40.0, 380.0))
     hu = read_hu(ct_small_path)
     ch = ct_channels(hu)
