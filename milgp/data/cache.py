@@ -28,18 +28,17 @@ Robustness:
   stale bag is rebuilt and reported as rebuilt;
 * one bag never stops a build: any exception while reading or writing it makes it a failed bag
   (reported with the file and the reason), and a worker process that dies (a decoder crash, out of
-  memory) costs only the bag it was working on;
+  memory) costs only the bag it was working on (:func:`milgp.data.worker_pool.run_isolated`);
 * :class:`CTCache` checks a bag's header, shape, dtype and size when it is opened, so a damaged file
   gives a :class:`CacheCorruptError` naming the bag and the file; ``milgp-cache verify`` checks
   (and repairs) a whole cache, checksums included (:mod:`milgp.data.cache_verify`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
-from concurrent.futures import as_completed
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -59,9 +58,9 @@ from milgp.data.cache_params import (
     write_cache_params,
 )
 from milgp.data.cache_report import CacheReport
-from milgp.data.ct_index import BagIndex, BagRecord
+from milgp.data.ct_index import BagIndex
 from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.worker_pool import process_pool
+from milgp.data.worker_pool import run_isolated
 
 __all__ = [
     "CTCache",
@@ -100,41 +99,6 @@ def _write_manifest(cache_dir: Path, entries: list[dict]) -> None:
     exactly the bags of the last build's index.
     """
     atomic_write_json(cache_dir / "manifest.json", {"format": "milgp-ct-cache-manifest", "bags": entries})
-
-
-def _run_in_pool(bags: list[BagRecord], root: Path, params: CacheParams, workers: int, record: Callable[[BagResult], None]) -> None:
-    """Process ``bags`` in a pool of ``workers`` processes.
-
-    When a worker dies, the pool is broken and every unfinished bag gets ``BrokenProcessPool``:
-    those bags are then run one per fresh single-process pool, so that only the bag that kills its
-    worker again is reported failed.
-    """
-    pending = list(bags)
-    isolate = False
-    while pending:
-        batch, pending = (pending[:1], pending[1:]) if isolate else (pending, [])
-        crashed: list[BagRecord] = []
-        with process_pool(1 if isolate else workers) as pool:
-            futures = {pool.submit(process_bag_isolated, bag, root, params): bag for bag in batch}
-            try:
-                for fut in as_completed(futures):
-                    try:
-                        result = fut.result()
-                    except BrokenProcessPool:
-                        crashed.append(futures[fut])
-                        continue
-                    record(result)
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
-        if crashed and isolate:
-            bag = crashed[0]
-            record(BagResult(bag.bag_id, "failed", reason=_WORKER_DIED, path=bag.slice_paths[0]))
-        elif crashed:
-            isolate = True
-            order = {b.bag_id: k for k, b in enumerate(bags)}
-            pending = sorted(crashed, key=lambda b: order[b.bag_id]) + pending
 
 
 def build_cache(
@@ -209,7 +173,11 @@ def build_cache(
                 for bag in index.bags:
                     record(process_bag_isolated(bag, root, params))
             else:
-                _run_in_pool(index.bags, root, params, workers, record)
+                run_isolated(
+                    functools.partial(process_bag_isolated, cache_dir=root, params=params), index.bags, workers,
+                    on_result=lambda i, result: record(result),
+                    on_crash=lambda i: record(BagResult(index.bags[i].bag_id, "failed", reason=_WORKER_DIED, path=index.bags[i].slice_paths[0])),
+                )
         finally:
             bar.close()
             _write_manifest(root, [entries[b] for b in index.bag_ids if b in entries])

@@ -27,7 +27,7 @@ from pydicom.multival import MultiValue
 from tqdm.auto import tqdm
 
 from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.worker_pool import process_pool
+from milgp.data.worker_pool import run_isolated
 
 __all__ = [
     "DicomReadError",
@@ -323,7 +323,8 @@ def read_headers(
 ) -> tuple[list[SliceHeader], list[tuple[str, str]]]:
     """Header-read many files, collecting failures: ``(image headers, skipped (path, reason))``.
 
-    Files that are not DICOM, are corrupt, or are not images are skipped with their reason.
+    Files that are not DICOM, are corrupt, or are not images are skipped with their reason, and so
+    is a file whose reading kills its worker process.
 
     Args:
         paths: files to read (headers only, ``stop_before_pixels=True``).
@@ -333,13 +334,20 @@ def read_headers(
     """
     path_list = [str(p) for p in paths]
     bar = tqdm(total=len(path_list), desc="reading headers", unit="file", disable=not progress)
-    results = []
+    results: list[SliceHeader | tuple[str, str]] = []
     if workers > 1:
-        with process_pool(workers) as pool:
-            chunk = max(1, len(path_list) // (workers * 16))
-            for r in pool.map(_read_header_or_reason, path_list, chunksize=chunk):
-                results.append(r)
-                bar.update(1)
+        by_position: dict[int, SliceHeader | tuple[str, str]] = {}
+
+        def keep(i: int, result: SliceHeader | tuple[str, str]) -> None:
+            by_position[i] = result
+            bar.update(1)
+
+        run_isolated(
+            _read_header_or_reason, path_list, workers, on_result=keep,
+            on_crash=lambda i: keep(i, (path_list[i], "reading this file killed the worker process (a crash in pydicom or out of memory)")),
+            chunk=max(1, len(path_list) // (workers * 16)),
+        )
+        results = [by_position[i] for i in range(len(path_list))]
     else:
         for p in path_list:
             results.append(_read_header_or_reason(p))

@@ -29,6 +29,7 @@ from pydicom.tag import Tag
 from pydicom.uid import generate_uid
 
 import milgp.data.cache_bag as cache_bag
+import milgp.data.dicom as dicom
 import milgp.data.hounsfield as hounsfield
 from milgp.data.cache import CacheCorruptError, CTCache, build_cache
 from milgp.data.cache_bag import bag_file_stem
@@ -39,7 +40,7 @@ from milgp.data.cache_verify import verify_cache
 from milgp.data.ct_dataset import CTBagDataset
 from milgp.data.ct_index import BagIndex
 from milgp.data.ct_series import load_series
-from milgp.data.dicom import DicomReadError, read_slice_header, walk_files
+from milgp.data.dicom import DicomReadError, read_headers, read_slice_header, walk_files
 from milgp.data.generic_layout import index_generic
 from milgp.data.hounsfield import read_hu, read_slice_values
 from milgp.data.label_rule import LabelRule, parse_label_map
@@ -202,6 +203,26 @@ def test_worker_killed_by_a_signal_costs_only_its_bag(tmp_path: Path, monkeypatc
     report = build_cache(index, tmp_path / "c", CacheParams(size=8), workers=2, progress=False)
     assert [e.bag_id for e in report.failed] == [ds.scans[2].bag_id] and "worker process died" in report.failed[0].reason
     assert sorted(report.done) == sorted(s.bag_id for s in ds.scans if s is not ds.scans[2])
+
+
+def test_header_read_that_kills_its_worker_costs_only_that_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parallel header reading (indexing with --workers) must survive a file whose reading kills the worker: that
+    file is skipped with the reason, every other header is read, in the given order."""
+    ds = _generic(tmp_path / "gen", n_bags=2)
+    paths = [p for s in ds.scans for p in s.paths]
+    deadly = paths[5]
+    parent = os.getpid()
+    real = dicom.read_slice_header
+
+    def crash_on(path):
+        if path == deadly and os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(path)
+
+    monkeypatch.setattr(dicom, "read_slice_header", crash_on)
+    headers, skipped = read_headers(paths, workers=2)
+    assert [h.path for h in headers] == [p for p in paths if p != deadly]
+    assert skipped == [(deadly, "reading this file killed the worker process (a crash in pydicom or out of memory)")]
 
 
 def test_unreadable_file_is_skipped_naming_permission(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
