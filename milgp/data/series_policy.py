@@ -42,8 +42,9 @@ class SeriesPolicy:
             Storage. Their values are then reported in the modality's own units, never as HU.
         allow_non_axial: accept series whose slice normal is more than ``max_tilt_deg`` from the
             patient z axis (sagittal, coronal, strongly tilted).
-        max_tilt_deg: largest angle between the slice normal and z for an axial series (a gantry
-            tilt of up to ~25 degrees is common in head CT).
+        max_tilt_deg: largest angle between the slice normal and z for an axial series. Head CT is
+            often acquired with the gantry tilted by up to ~30 degrees (along the orbitomeatal line),
+            which tilts the normal as much; sagittal and coronal series are at 90 degrees.
         gap_factor: a spacing between neighbouring slices larger than this times the median spacing
             is reported as a gap (missing slices).
         position_tol_mm: positions closer than this are the same position (duplicates).
@@ -51,7 +52,7 @@ class SeriesPolicy:
 
     allow_non_ct: bool = False
     allow_non_axial: bool = False
-    max_tilt_deg: float = 25.0
+    max_tilt_deg: float = 40.0
     gap_factor: float = 1.5
     position_tol_mm: float = 0.01
 

@@ -958,3 +958,15 @@ def test_verify_of_a_folder_that_is_not_a_cache(tmp_path: Path, capsys: pytest.C
     assert main(["verify", str(tmp_path / "empty")]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not a milgp CT cache (no params.json)" in err
+
+
+def test_gantry_tilt_is_still_axial(tmp_path: Path) -> None:
+    """A head CT acquired with a 30 degree gantry tilt (slice normal 30 degrees from z) is an ordinary axial series
+    and must be indexed; refusing it would drop real scans."""
+    ds = _generic(tmp_path / "gen")
+    c, s_ = np.cos(np.radians(30)), np.sin(np.radians(30))
+    for k, path in enumerate(ds.scans[0].paths):
+        _rewrite(path, ImageOrientationPatient=[1, 0, 0, 0, c, -s_], ImagePositionPatient=[-125, -125 + 5.0 * k * s_, 5.0 * k * c])
+    index = index_generic(ds.image_dir, ds.labels_csv)
+    assert index.bag_ids == [s.bag_id for s in ds.scans] and not index.refused
+    assert index.bags[0].slice_paths == ds.scans[0].paths
