@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from milgp.data.atomic import current_umask
 from milgp.data.report_entry import printable
@@ -64,7 +65,7 @@ class CacheLock:
 
     _held: dict[str, "CacheLock"] = {}
 
-    def __init__(self, cache_dir: str | os.PathLike[str], wait_s: float = 0.0, log=None):
+    def __init__(self, cache_dir: str | os.PathLike[str], wait_s: float = 0.0, log: TextIO | None = None):
         self.root = Path(cache_dir)
         self.path = self.root / LOCK_FILE_NAME
         self.wait_s = float(wait_s)

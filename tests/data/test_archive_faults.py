@@ -970,3 +970,17 @@ def test_gantry_tilt_is_still_axial(tmp_path: Path) -> None:
     index = index_generic(ds.image_dir, ds.labels_csv)
     assert index.bag_ids == [s.bag_id for s in ds.scans] and not index.refused
     assert index.bags[0].slice_paths == ds.scans[0].paths
+
+
+def test_cache_without_checksums_is_rebuilt_once(built) -> None:
+    """A cache written before checksums existed cannot be verified: verify must say so, and the next run must
+    rebuild its bags (reported as rebuilt, equal to before) instead of trusting them."""
+    ds, out, clean = built
+    marker = _npy(out, ds.scans[0].bag_id).with_suffix(".json")
+    meta = json.loads(marker.read_text())
+    del meta["sha256"]
+    marker.write_text(json.dumps(meta))
+    assert ["no checksum recorded" in e.reason for e in verify_cache(out).problems] == [True]
+    rc, report = _cache(ds, out)
+    assert [e["bag_id"] for e in report["rebuilt_bags"]] == [ds.scans[0].bag_id]
+    assert np.array_equal(_arrays(out)[ds.scans[0].bag_id], clean[ds.scans[0].bag_id]) and verify_cache(out).ok
