@@ -11,6 +11,10 @@ Everything takes probabilities (or scores) and binary labels as NumPy arrays or 
 * :func:`calibration_curve` — the per-bin points of that reliability diagram;
 * :func:`classification_metrics` — all of them as a dict with a common prefix, the format of the
   ``metrics.json`` files the training system writes (``nan`` is written as JSON ``null``).
+
+Every function refuses a non-finite score or probability (``nan``, ``±inf``) and a label other than
+0/1 with a ``ValueError`` naming the index of the first bad entry: a NaN prediction means something
+upstream broke, and a metric computed around it (or with it silently turned into 0) would hide that.
 """
 from __future__ import annotations
 
@@ -34,12 +38,22 @@ __all__ = [
 
 
 def _as_arrays(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(N,)`` float64 scores and labels, checked: same length, finite scores, labels 0/1.
+
+    Raises:
+        ValueError: naming the index (in flattened order) of the first non-finite score or of the
+            first label that is not 0 or 1.
+    """
     p = np.asarray(probs.detach().cpu() if isinstance(probs, torch.Tensor) else probs, dtype=np.float64).reshape(-1)
     y = np.asarray(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels, dtype=np.float64).reshape(-1)
     if p.shape != y.shape:
         raise ValueError(f"{p.shape[0]} predictions for {y.shape[0]} labels")
-    if not np.isin(y, (0.0, 1.0)).all():
-        raise ValueError("labels must be 0 or 1")
+    bad = np.flatnonzero(~np.isfinite(p))
+    if bad.size:
+        raise ValueError(f"score {int(bad[0])} is {p[bad[0]]} ({bad.size} of {p.size} scores are not finite); metrics need finite scores")
+    bad = np.flatnonzero(~np.isin(y, (0.0, 1.0)))
+    if bad.size:
+        raise ValueError(f"label {int(bad[0])} is {y[bad[0]]} ({bad.size} of {y.size} labels are not 0 or 1); labels must be 0 or 1")
     return p, y
 
 

@@ -57,3 +57,25 @@ def test_classification_metrics_keys() -> None:
     from sklearn.metrics import log_loss
 
     assert out["bag_nll"] == pytest.approx(log_loss([0, 1, 0], [0.2, 0.8, 0.6]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scores_are_refused_naming_the_index(bad: float) -> None:
+    """A NaN or infinite score must stop every metric with a ValueError naming its index. If this fails, an
+    all-NaN evaluation reports AUROC 0.25 (or a NaN turned into 0) as if the model had been scored."""
+    scores = [0.2, 0.9, bad, 0.4]
+    labels = [0, 1, 1, 0]
+    for metric in (metrics.auroc, metrics.accuracy, metrics.f1_score, metrics.log_loss, metrics.expected_calibration_error,
+                   metrics.calibration_curve, metrics.classification_metrics):
+        with pytest.raises(ValueError, match=r"score 2 is .*not finite"):
+            metric(scores, labels)
+    with pytest.raises(ValueError, match=r"score 0 is nan \(4 of 4"):
+        metrics.auroc(torch.full((4,), float("nan")), torch.tensor([0, 1, 0, 1]))
+
+
+def test_non_binary_or_nan_labels_are_refused_naming_the_index() -> None:
+    """A NaN or non-0/1 label must raise naming its index, not be counted as a class."""
+    with pytest.raises(ValueError, match=r"label 1 is nan"):
+        metrics.auroc([0.1, 0.2, 0.3], [0, float("nan"), 1])
+    with pytest.raises(ValueError, match=r"label 2 is 2.0"):
+        metrics.classification_metrics([0.1, 0.2, 0.3], [0, 1, 2])

@@ -6,26 +6,35 @@ Examples::
     milgp-cache cq500 --root CQ500 --reads reads.csv --out cache/cq500
     milgp-cache generic --root my_scans --labels labels.csv --slice-labels slice_labels.csv --out cache/mine
     milgp-cache index --index cache/rsna/index.json --out cache/rsna_128 --size 128
+    milgp-cache verify cache/rsna --repair
     milgp-cache synthetic --layout rsna --out data/synthetic --scans 20
 
-Rerunning an interrupted command resumes it. Also runs as ``python -m milgp.data.cache_cli``.
+Rerunning an interrupted command resumes it. One input never stops a run: what cannot be read or
+written is left out and listed in ``OUT/skipped.json``, with one summary line on stderr. Also runs as
+``python -m milgp.data.cache_cli``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
 
 from milgp.data.atomic import atomic_write_json
 from milgp.data.cache import CacheParams, CacheReport, build_cache, check_cache_params
+from milgp.data.cache_lock import CacheLock, CacheLockedError
+from milgp.data.cache_verify import verify_cache
 from milgp.data.ct_index import BagIndex, split_by_patient
 from milgp.data.cq500 import index_cq500
-from milgp.data.dicom import HEAD_CT_WINDOWS
 from milgp.data.generic_layout import index_generic
+from milgp.data.label_rule import LABEL_TARGETS, LabelRule, parse_label_map
+from milgp.data.report_entry import printable
 from milgp.data.rsna import index_rsna
+from milgp.data.series_policy import SeriesPolicy
 from milgp.data.synthetic import write_cq500_dataset, write_generic_dataset, write_rsna_dataset
+from milgp.data.windows import HEAD_CT_WINDOWS
 
 __all__ = ["build_parser", "main"]
 
@@ -50,6 +59,29 @@ def _fractions(text: str) -> tuple[float, float, float]:
     return values  # type: ignore[return-value]
 
 
+def _label_map(text: str) -> dict[str, float]:
+    try:
+        return parse_label_map(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_wait_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--wait", action="store_true",
+                   help="when another milgp-cache process writes into the cache, wait for it instead of refusing")
+
+
+def _add_index_options(p: argparse.ArgumentParser, aggregate: bool = False) -> None:
+    p.add_argument("--label-map", type=_label_map, default={}, metavar="TEXT=VALUE,...",
+                   help="how other label encodings map to numbers, e.g. yes=1,no=0 (MIL labels must end up 0 or 1)")
+    if aggregate:
+        p.add_argument("--target", choices=LABEL_TARGETS, default="binary",
+                       help="binary: MIL labels 0/1 (default); aggregate: finite non-negative bag targets")
+    p.add_argument("--allow-non-ct", action="store_true",
+                   help="accept non-CT images (MR, ...); their values are recorded in their own units, never as HU")
+    p.add_argument("--allow-non-axial", action="store_true", help="accept sagittal, coronal and strongly tilted series")
+
+
 def _add_cache_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="cache folder (created; an existing one is resumed)")
     p.add_argument("--size", type=int, default=256, help="resize slices to SIZE x SIZE pixels; 0 keeps the native size (default 256)")
@@ -63,6 +95,7 @@ def _add_cache_options(p: argparse.ArgumentParser) -> None:
                    help="also write OUT/splits.json: patient-grouped stratified split of the cached bags with these fractions")
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_wait_option(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,19 +108,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rsna", help="RSNA layout: a folder of ID_*.dcm and stage_2_train.csv")
     p.add_argument("--images", required=True, type=Path, help="folder of ID_*.dcm slices")
     p.add_argument("--labels", required=True, type=Path, help="stage_2_train.csv")
+    _add_index_options(p)
     _add_cache_options(p)
     p = sub.add_parser("cq500", help="CQ500 layout: study folders and reads.csv")
     p.add_argument("--root", required=True, type=Path, help="folder holding the CQ500CT<n> study folders")
     p.add_argument("--reads", required=True, type=Path, help="reads.csv")
+    _add_index_options(p)
     _add_cache_options(p)
     p = sub.add_parser("generic", help="one folder per bag plus a bag_id,label CSV")
     p.add_argument("--root", required=True, type=Path, help="folder holding one sub-folder per bag")
     p.add_argument("--labels", required=True, type=Path, help="CSV with columns bag_id,label[,patient_id]")
     p.add_argument("--slice-labels", type=Path, default=None, help="optional CSV with columns bag_id,file,label")
+    _add_index_options(p, aggregate=True)
     _add_cache_options(p)
     p = sub.add_parser("index", help="cache from a saved bag index (.json or .csv)")
     p.add_argument("--index", required=True, type=Path, help="bag index written by a previous run (OUT/index.json)")
     _add_cache_options(p)
+    p = sub.add_parser("verify", help="check a cache (headers, sizes, checksums, sources, manifest, splits); --repair rebuilds")
+    p.add_argument("cache", type=Path, help="the cache folder")
+    p.add_argument("--repair", action="store_true",
+                   help="rebuild corrupt or stale bags from the recorded sources, drop what cannot be rebuilt from the manifest and splits")
+    p.add_argument("--workers", type=int, default=1, help="worker processes for rebuilding (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_wait_option(p)
     p = sub.add_parser("synthetic", help="write a synthetic head-CT dataset as real DICOM files")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--layout", choices=("rsna", "cq500", "generic"), default="rsna")
@@ -118,18 +161,22 @@ def _synthetic(args: argparse.Namespace) -> int:
 
 def _index(args: argparse.Namespace) -> BagIndex:
     progress = not args.no_progress
+    if args.command == "index":
+        return BagIndex.load(args.index)
+    policy = SeriesPolicy(allow_non_ct=args.allow_non_ct, allow_non_axial=args.allow_non_axial)
+    rule = LabelRule(getattr(args, "target", "binary"), args.label_map)
+    common = dict(workers=args.workers, progress=progress, rule=rule, policy=policy)
     if args.command == "rsna":
-        return index_rsna(args.images, args.labels, workers=args.workers, progress=progress)
+        return index_rsna(args.images, args.labels, **common)
     if args.command == "cq500":
-        return index_cq500(args.root, args.reads, workers=args.workers, progress=progress)
-    if args.command == "generic":
-        return index_generic(args.root, args.labels, args.slice_labels, workers=args.workers, progress=progress)
-    return BagIndex.load(args.index)
+        return index_cq500(args.root, args.reads, **common)
+    return index_generic(args.root, args.labels, args.slice_labels, **common)
 
 
 def _write_splits(index: BagIndex, report: CacheReport, out: Path, fractions: tuple[float, float, float], seed: int) -> None:
     """Write ``out/splits.json`` over the bags this run cached (computed or reused) and say which
-    bags of ``index`` it leaves out (failed ones; ``skipped.json`` has the reasons)."""
+    bags of ``index`` it leaves out (failed ones; ``skipped.json`` has the reasons). Bags the
+    indexer refused never reach ``index``, so no bag is in the splits without being cached."""
     cached = index.subset(report.done + report.reused)
     splits = split_by_patient(cached, fractions, seed=seed)
     atomic_write_json(out / "splits.json", {name: s.bag_ids for name, s in splits.items()})
@@ -139,44 +186,72 @@ def _write_splits(index: BagIndex, report: CacheReport, out: Path, fractions: tu
     dropped = [b for b in index.bag_ids if b not in kept]
     if dropped:
         shown = ", ".join(dropped[:10]) + (f" and {len(dropped) - 10} more" if len(dropped) > 10 else "")
-        print(f"  left out of splits.json: {len(dropped)} bags that were not cached ({shown}); see {out / 'skipped.json'}")
+        print(f"  left out of splits.json: {len(dropped)} bags that were not cached ({printable(shown)}); see {printable(out / 'skipped.json')}")
 
 
 def _warn_stale_splits(path: Path, cached: set[str]) -> None:
     """Warn on stderr when an existing ``splits.json`` (from an earlier run) names bags this cache lacks."""
-    splits = json.loads(path.read_text(encoding="utf-8"))
-    missing = sorted({b for ids in splits.values() for b in ids} - cached)
+    try:
+        splits = json.loads(path.read_text(encoding="utf-8"))
+        listed = {str(b) for ids in splits.values() for b in ids}
+    except (ValueError, AttributeError, TypeError) as err:
+        print(f"milgp-cache: warning: {printable(path)} (from an earlier run) is unreadable ({err}); rerun with --splits to rewrite it",
+              file=sys.stderr)
+        return
+    missing = sorted(listed - cached)
     if missing:
-        print(f"milgp-cache: warning: {path} (from an earlier run) lists {len(missing)} bags not in this cache "
-              f"(e.g. {missing[0]!r}); rerun with --splits to rewrite it", file=sys.stderr)
+        print(f"milgp-cache: warning: {printable(path)} (from an earlier run) lists {len(missing)} bags not in this cache "
+              f"(e.g. {printable(missing[0])!r}); rerun with --splits to rewrite it", file=sys.stderr)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = verify_cache(args.cache, repair=args.repair, wait_s=math.inf if args.wait else 0.0, workers=args.workers,
+                          progress=not args.no_progress)
+    print(report.summary())
+    state = "clean" if not report.problems else ("repaired" if report.ok else "problems remain")
+    print(f"milgp-cache: verify {printable(args.cache)}: {report.checked} bags checked, {len(report.problems)} problems, "
+          f"{state}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _build(args: argparse.Namespace) -> int:
+    params = CacheParams(windows=tuple(args.windows), size=None if args.size == 0 else args.size, dtype=args.dtype)
+    check_cache_params(args.out, params)  # before writing anything: a refused run leaves the cache as it was
+    created = not args.out.exists()
+    try:
+        with CacheLock(args.out, wait_s=math.inf if args.wait else 0.0):  # before indexing: a second writer is refused at once
+            index = _index(args)
+            report = build_cache(index, args.out, params, workers=args.workers, progress=not args.no_progress)
+            cached = len(report.done) + len(report.reused)
+            if args.splits is not None and cached > 0:
+                _write_splits(index, report, args.out, args.splits, args.seed)
+            elif (args.out / "splits.json").is_file():
+                _warn_stale_splits(args.out / "splits.json", set(report.done + report.reused))
+    except BaseException:
+        if created and args.out.is_dir() and not any(args.out.iterdir()):
+            args.out.rmdir()  # a run that wrote nothing leaves no empty cache folder behind
+        raise
+    print(report.summary())
+    print(report.summary_line(), file=sys.stderr)
+    return 0 if cached > 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``milgp-cache``; returns the exit status (0 ok, 1 error or nothing cached, 130 interrupted)."""
+    """Run ``milgp-cache``; returns the exit status (0 ok, 1 error, nothing cached or a cache with
+    problems left, 130 interrupted)."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "synthetic":
             return _synthetic(args)
-        index = _index(args)
-        params = CacheParams(windows=tuple(args.windows), size=None if args.size == 0 else args.size, dtype=args.dtype)
-        check_cache_params(args.out, params)  # before writing anything: a refused run leaves the cache as it was
-        args.out.mkdir(parents=True, exist_ok=True)
-        if args.command != "index":
-            index.save(args.out / "index.json")
-        report = build_cache(index, args.out, params, workers=args.workers, progress=not args.no_progress)
-        cached = len(report.done) + len(report.reused)
-        if args.splits is not None and cached > 0:
-            _write_splits(index, report, args.out, args.splits, args.seed)
-        elif (args.out / "splits.json").is_file():
-            _warn_stale_splits(args.out / "splits.json", set(report.done + report.reused))
-        print(report.summary())
+        if args.command == "verify":
+            return _verify(args)
+        return _build(args)
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume (finished bags are kept)", file=sys.stderr)
         return 130
-    except (ValueError, KeyError, OSError) as err:
-        print(f"milgp-cache: error: {err}", file=sys.stderr)
+    except (ValueError, KeyError, OSError, CacheLockedError) as err:
+        print(f"milgp-cache: error: {printable(str(err))}", file=sys.stderr)
         return 1
-    return 0 if cached > 0 else 1
 
 
 if __name__ == "__main__":

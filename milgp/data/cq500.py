@@ -19,7 +19,6 @@ Series selection rule (:func:`choose_series`), applied to the series of one stud
 """
 from __future__ import annotations
 
-import csv
 import os
 import re
 from dataclasses import dataclass
@@ -28,8 +27,13 @@ from typing import Sequence
 
 import numpy as np
 
-from milgp.data.ct_index import BagIndex, BagRecord, bag_from_headers
-from milgp.data.dicom import SliceHeader, list_files, read_headers, slice_normal
+from milgp.data.csv_table import read_csv_rows
+from milgp.data.ct_index import BagIndex
+from milgp.data.dicom import SliceHeader, read_headers, walk_files
+from milgp.data.label_rule import LabelRule
+from milgp.data.report_entry import ReportEntry, printable
+from milgp.data.series_check import slice_normal
+from milgp.data.series_policy import SeriesPolicy
 
 __all__ = [
     "CQ500_READERS",
@@ -65,35 +69,45 @@ def cq500_number(name: str) -> int:
     return int(m.group(1))
 
 
-def read_cq500_labels(reads_csv: str | os.PathLike[str]) -> dict[int, tuple[str, float]]:
+def read_cq500_labels(
+    reads_csv: str | os.PathLike[str], rule: LabelRule = LabelRule()
+) -> tuple[dict[int, tuple[str, float]], dict[int, str], list[str]]:
     """Majority-vote ICH labels from CQ500 ``reads.csv``.
 
     Returns:
-        ``{study number: (name as in the file, label 0.0/1.0)}``; label = 1 when at least two of
-        :data:`CQ500_READERS` say 1.
+        ``(labels, invalid, unattributed)``: ``{study number: (name as in the file, label
+        0.0/1.0)}`` with label = 1 when at least two of :data:`CQ500_READERS` say 1; ``{study
+        number: reason}`` for studies whose reads ``rule`` refuses or that are listed twice with
+        different reads; reasons for rows whose name is not a CQ500 study. Reasons name the file
+        and line.
 
     Raises:
-        ValueError: naming the file and line for missing columns, unparsable names, reads other
-            than 0/1, or the same study listed twice.
+        ValueError: naming the file when it cannot be read or lacks a column.
     """
+    if rule.target != "binary":
+        raise ValueError(f"CQ500 reads are binary, not {rule.target!r} targets")
+    name = printable(reads_csv)
     out: dict[int, tuple[str, float]] = {}
-    with open(reads_csv, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        missing = {"name", *CQ500_READERS} - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{reads_csv}: missing columns {sorted(missing)}")
-        for line, row in enumerate(reader, start=2):
-            try:
-                number = cq500_number(row["name"])
-                votes = [int(float(row[r])) for r in CQ500_READERS]
-            except ValueError as err:
-                raise ValueError(f"{reads_csv}, line {line}: {err}") from err
-            if any(v not in (0, 1) for v in votes):
-                raise ValueError(f"{reads_csv}, line {line}: reads {votes} for {row['name']} are not 0/1")
-            if number in out:
-                raise ValueError(f"{reads_csv}, line {line}: study {row['name']} is listed twice")
-            out[number] = (row["name"].strip(), float(sum(votes) >= 2))
-    return out
+    line_of: dict[int, int] = {}
+    invalid: dict[int, str] = {}
+    unattributed: list[str] = []
+    for line, row in read_csv_rows(reads_csv, ("name", *CQ500_READERS)):
+        try:
+            number = cq500_number(row["name"])
+        except ValueError as err:
+            unattributed.append(f"{name}, line {line}: {err}")
+            continue
+        try:
+            votes = [rule.parse(row[r]) for r in CQ500_READERS]
+        except ValueError as err:
+            invalid.setdefault(number, f"{name}, line {line}: study {row['name']}: {err}")
+            continue
+        entry = (row["name"], float(sum(votes) >= 2))
+        if number in out and out[number][1] != entry[1]:
+            invalid.setdefault(number, f"{name}: study {row['name']} is listed twice with different reads (lines {line_of[number]} and {line})")
+        line_of.setdefault(number, line)
+        out.setdefault(number, entry)
+    return {k: v for k, v in out.items() if k not in invalid}, invalid, unattributed
 
 
 def is_contrast_series(description: str, contrast_agent: str) -> bool:
@@ -153,8 +167,10 @@ def index_cq500(
     reads_csv: str | os.PathLike[str],
     workers: int = 0,
     progress: bool = False,
+    rule: LabelRule = LabelRule(),
+    policy: SeriesPolicy = SeriesPolicy(),
 ) -> BagIndex:
-    """Index a CQ500 download: one bag per study that has a label and an eligible series.
+    """Index a CQ500 download: one bag per study that has a valid label and an eligible series.
 
     Args:
         root: folder holding the study folders (``CQ500CT<n> CQ500CT<n>/...``, searched
@@ -162,52 +178,66 @@ def index_cq500(
         reads_csv: the ``reads.csv`` file (:func:`read_cq500_labels`).
         workers: processes for header reading.
         progress: show a progress bar while reading headers.
+        rule: read validation (a mapping for other encodings).
+        policy: what a series may contain; files it refuses (non-CT, localizers) are left out
+            before a series is chosen.
 
     Returns:
         A :class:`BagIndex` with ``bag_id`` = the ``reads.csv`` name (``CQ500-CT-1``),
         ``patient_id`` = the same (one study per patient), slices of the chosen series
-        (:func:`choose_series`) ordered along the scan axis, ``slice_labels = None``. Studies
-        without a ``reads.csv`` row or without an eligible series, and unreadable files, are listed
-        in ``skipped``.
+        (:func:`choose_series`) ordered along the scan axis, ``slice_labels = None``. Unreadable
+        and refused files are listed in ``skipped``; studies without a valid ``reads.csv`` row or
+        without an eligible series in ``refused``.
 
     Raises:
-        ValueError: when ``root`` holds no CQ500 study folder, or for ``reads.csv`` errors.
+        ValueError: when ``root`` holds no CQ500 study folder, or ``reads.csv`` cannot be read.
     """
     if not Path(root).is_dir():
-        raise ValueError(f"{root}: not a folder")
-    labels = read_cq500_labels(reads_csv)
+        raise ValueError(f"{printable(root)}: not a folder")
+    labels, invalid, unattributed = read_cq500_labels(reads_csv, rule)
     studies: dict[int, Path] = {}
+    ambiguous: set[int] = set()
+    refused: list[ReportEntry] = []
     for d in sorted(Path(root).iterdir()):
         if d.is_dir() and _NAME_RE.search(d.name):
             number = cq500_number(d.name)
             if number in studies:
-                raise ValueError(f"{root}: study CQ500-CT-{number} has two folders, {studies[number]} and {d}")
+                ambiguous.add(number)
+                refused.append(ReportEntry(f"CQ500-CT-{number}", str(d), f"study has two folders, {printable(studies[number])} and this one; neither used"))
             studies[number] = d
     if not studies:
-        raise ValueError(f"{root}: no CQ500 study folders (expected names like 'CQ500CT1 CQ500CT1')")
-    skipped: list[tuple[str, str]] = []
+        raise ValueError(f"{printable(root)}: no CQ500 study folders (expected names like 'CQ500CT1 CQ500CT1')")
+    skipped = [ReportEntry("", str(reads_csv), r) for r in unattributed]
     files_of: dict[int, list[str]] = {}
     for number, folder in sorted(studies.items()):
-        if number not in labels:
-            skipped.append((str(folder), f"study CQ500-CT-{number} has no row in {reads_csv}"))
+        bag = labels[number][0] if number in labels else f"CQ500-CT-{number}"
+        if number in ambiguous:
+            continue
+        if number in invalid:
+            refused.append(ReportEntry(bag, str(folder), f"study left out: {invalid[number]}"))
+        elif number not in labels:
+            refused.append(ReportEntry(bag, str(folder), f"study CQ500-CT-{number} has no row in {printable(reads_csv)}"))
         else:
-            files_of[number] = list_files(folder)
+            files, problems = walk_files(folder)
+            skipped += [ReportEntry(bag, e.path, e.reason) for e in problems]
+            files_of[number] = files
     study_of = {f: number for number, files in files_of.items() for f in files}
     headers, bad = read_headers(list(study_of), workers=workers, progress=progress)
-    skipped.extend(bad)
+    skipped += [ReportEntry(labels[study_of[p]][0], p, r) for p, r in bad]
     by_study: dict[int, dict[str, list[SliceHeader]]] = {number: {} for number in files_of}
     for h in headers:
-        by_study[study_of[h.path]].setdefault(h.series_uid, []).append(h)
-    bags: list[BagRecord] = []
+        problem = policy.slice_problem(h)
+        if problem:
+            skipped.append(ReportEntry(labels[study_of[h.path]][0], h.path, problem))
+        else:
+            by_study[study_of[h.path]].setdefault(h.series_uid, []).append(h)
+    index = BagIndex([], skipped, refused)
     for number, by_series in by_study.items():
         name, label = labels[number]
         folder = studies[number]
         chosen = choose_series([SeriesSummary.from_headers(hs) for hs in by_series.values()])
         if chosen is None:
-            skipped.append((str(folder), f"study {name}: no axial non-contrast series among {len(by_series)}"))
+            index.refused.append(ReportEntry(name, str(folder), f"study {name}: no axial non-contrast CT series among {len(by_series)}"))
             continue
-        try:
-            bags.append(bag_from_headers(name, by_series[chosen.series_uid], label, None, patient_id=name))
-        except ValueError as err:
-            skipped.append((str(folder), f"study {name} left out: {err}"))
-    return BagIndex(bags, skipped)
+        index.add_series(name, by_series[chosen.series_uid], label, None, name, policy, str(folder))
+    return index

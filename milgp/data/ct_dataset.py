@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from milgp.data.augment import BagAugment
-from milgp.data.cache import CacheParams, CTCache
+from milgp.data.cache import CacheCorruptError, CacheParams, CTCache, repair_hint
+from milgp.data.report_entry import printable
 
 __all__ = ["CTBagDataset", "uniform_subsample"]
 
@@ -63,7 +64,7 @@ class CTBagDataset(torch.utils.data.Dataset):
         self.cache = CTCache(cache_dir, expected_params=expected_params)
         self.bag_ids: list[str] = list(self.cache.bag_ids if bag_ids is None else bag_ids)
         for b in self.bag_ids:
-            self.cache.entry(b)
+            self.cache.entry(b)  # KeyError naming the bag and the cache
         if max_slices is not None and max_slices < 1:
             raise ValueError(f"max_slices must be at least 1, got {max_slices}")
         self.max_slices = max_slices
@@ -76,11 +77,14 @@ class CTBagDataset(torch.utils.data.Dataset):
     def from_split(cls, cache_dir: str | os.PathLike[str], split: str, **kwargs) -> "CTBagDataset":
         """The bags of one split from ``cache_dir/splits.json`` (written by ``milgp-cache --splits``)."""
         path = os.path.join(cache_dir, "splits.json")
-        with open(path, encoding="utf-8") as fh:
-            splits = json.load(fh)
-        if split not in splits:
-            raise KeyError(f"{path} has no split {split!r} (it has {sorted(splits)})")
-        return cls(cache_dir, bag_ids=splits[split], **kwargs)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                splits = json.load(fh)
+        except ValueError as err:
+            raise ValueError(f"{printable(path)}: unreadable splits file ({err}); rerun milgp-cache with --splits") from None
+        if not isinstance(splits, dict) or split not in splits:
+            raise KeyError(f"{printable(path)} has no split {split!r} (it has {sorted(splits) if isinstance(splits, dict) else 'no splits'})")
+        return cls(cache_dir, bag_ids=[str(b) for b in splits[split]], **kwargs)
 
     def __len__(self) -> int:
         return len(self.bag_ids)
@@ -125,12 +129,18 @@ class CTBagDataset(torch.utils.data.Dataset):
         return np.concatenate(per_bag), np.repeat(np.arange(len(per_bag)), sizes)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor | None, float, str]:
+        """Item ``i``; a damaged cache file (truncated, another shape or dtype, non-finite values) raises
+        :class:`milgp.data.cache.CacheCorruptError` naming the bag and the file."""
         if not 0 <= i < len(self):
             raise IndexError(f"bag index {i} out of range for {len(self)} bags")
         bag_id = self.bag_ids[i]
         entry = self.cache.entry(bag_id)
         stored = self.cache.load(bag_id)
         x = torch.from_numpy(self.cache.params.decode(np.asarray(stored[self.slice_indices(i)])))
+        if not torch.isfinite(x).all():  # float16 caches only: uint8 values are always finite
+            raise CacheCorruptError(
+                f"cached bag {bag_id!r}: {printable(self.cache.path(bag_id))} holds non-finite values; {repair_hint(self.cache.root)}"
+            )
         if self.augment is not None:
             state = np.random.SeedSequence([self.seed, self.epoch, i]).generate_state(1, dtype=np.uint64)[0]
             generator = torch.Generator().manual_seed(int(state) & 0x7FFF_FFFF_FFFF_FFFF)

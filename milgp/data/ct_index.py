@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,14 +18,19 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from milgp.data.atomic import atomic_write_json, atomic_write_text
-from milgp.data.dicom import SliceHeader, check_single_series, order_slices
+from milgp.data.atomic import atomic_open, atomic_write_json
+from milgp.data.csv_table import read_csv_rows
+from milgp.data.dicom import SliceHeader
+from milgp.data.report_entry import ReportEntry, printable
+from milgp.data.series_check import check_series
+from milgp.data.series_policy import SeriesPolicy
 
 __all__ = ["BagIndex", "BagRecord", "INDEX_FORMAT_VERSION", "bag_from_headers", "split_by_patient"]
 
 #: Version of the JSON index format written by :meth:`BagIndex.save`.
 INDEX_FORMAT_VERSION = 1
-_CSV_COLUMNS = ["bag_id", "patient_id", "bag_label", "slice_index", "path", "slice_label", "series_uid", "ordering"]
+_CSV_COLUMNS = ["bag_id", "patient_id", "bag_label", "slice_index", "path", "slice_label", "series_uid", "ordering", "modality"]
+_CSV_REQUIRED = _CSV_COLUMNS[:-1]  # indexes saved before "modality" existed are CT
 
 
 @dataclass(frozen=True)
@@ -35,11 +41,13 @@ class BagRecord:
         bag_id: unique identifier (SeriesInstanceUID for RSNA, ``CQ500-CT-<n>`` for CQ500, the
             folder name for the generic layout).
         patient_id: the patient, for patient-grouped splits.
-        bag_label: bag target (``0.0``/``1.0`` for hemorrhage).
+        bag_label: bag target (``0.0``/``1.0`` for hemorrhage; a finite number in any case).
         slice_paths: ``S`` files ordered along the scan axis.
         slice_labels: ``S`` per-slice labels (``0``/``1``) or ``None`` when unknown.
         series_uid: SeriesInstanceUID of the slices (empty when unknown).
-        ordering: ``"geometry"`` or ``"instance_number"`` (see :func:`milgp.data.dicom.order_slices`).
+        ordering: ``"geometry"`` or ``"instance_number"`` (see :func:`milgp.data.series_check.order_slices`).
+        modality: the slices' Modality; anything but ``"CT"`` was accepted explicitly
+            (``allow_non_ct``) and its values are not Hounsfield units.
     """
 
     bag_id: str
@@ -49,14 +57,21 @@ class BagRecord:
     slice_labels: tuple[int, ...] | None = None
     series_uid: str = ""
     ordering: str = "geometry"
+    modality: str = "CT"
 
     def __post_init__(self) -> None:
         if not self.slice_paths:
             raise ValueError(f"bag {self.bag_id!r} has no slices")
-        if self.slice_labels is not None and len(self.slice_labels) != len(self.slice_paths):
-            raise ValueError(
-                f"bag {self.bag_id!r}: {len(self.slice_labels)} slice labels for {len(self.slice_paths)} slices"
-            )
+        if not math.isfinite(self.bag_label):
+            raise ValueError(f"bag {self.bag_id!r}: bag label {self.bag_label} is not a finite number")
+        if self.slice_labels is not None:
+            if len(self.slice_labels) != len(self.slice_paths):
+                raise ValueError(
+                    f"bag {self.bag_id!r}: {len(self.slice_labels)} slice labels for {len(self.slice_paths)} slices"
+                )
+            bad = next((v for v in self.slice_labels if v not in (0, 1)), None)
+            if bad is not None:
+                raise ValueError(f"bag {self.bag_id!r}: slice label {bad!r} is not 0 or 1")
 
     @property
     def num_slices(self) -> int:
@@ -65,15 +80,19 @@ class BagRecord:
 
 @dataclass
 class BagIndex:
-    """A table of bags plus the files that were skipped while building it.
+    """A table of bags plus what was left out while building it.
 
     Attributes:
         bags: the :class:`BagRecord` rows, bag ids unique.
-        skipped: ``(path, reason)`` for files left out while indexing.
+        skipped: files left out of their bag (unreadable, not CT, duplicates, unlisted), with reasons.
+        refused: bags left out whole (invalid label, refused series, no readable slice), with reasons.
+        warnings: findings about indexed bags (gaps in a series).
     """
 
     bags: list[BagRecord]
-    skipped: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[ReportEntry] = field(default_factory=list)
+    refused: list[ReportEntry] = field(default_factory=list)
+    warnings: list[ReportEntry] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -84,6 +103,37 @@ class BagIndex:
 
     def __len__(self) -> int:
         return len(self.bags)
+
+    def add_series(
+        self,
+        bag_id: str,
+        headers: Sequence[SliceHeader],
+        bag_label: float | None,
+        slice_labels_by_path: dict[str, int] | None,
+        patient_id: str | None,
+        policy: SeriesPolicy,
+        where: str,
+    ) -> None:
+        """Index one series as a bag (:func:`bag_from_headers`), or list it in ``refused`` (at ``where``,
+        a file or folder) with the reason when it cannot be one, or when an indexed bag already holds
+        the same series (a duplicate export); its left-out files and warnings are kept."""
+        try:
+            record, dropped, notes = bag_from_headers(bag_id, headers, bag_label, slice_labels_by_path, patient_id, policy)
+        except ValueError as err:
+            self.refused.append(ReportEntry(bag_id, where, f"left out: {err}"))
+            return
+        if any(b.bag_id == bag_id for b in self.bags):
+            raise ValueError(f"bag id {bag_id!r} appears twice in the index")
+        twin = next((b for b in self.bags if record.series_uid and b.series_uid == record.series_uid), None)
+        if twin is not None:
+            self.refused.append(ReportEntry(
+                bag_id, where, f"left out: the same series (SeriesInstanceUID {record.series_uid}) as bag {twin.bag_id!r}, "
+                "a duplicate export; keeping both would count the scan twice and could put it in two splits",
+            ))
+            return
+        self.bags.append(record)
+        self.skipped += dropped
+        self.warnings += notes
 
     @property
     def bag_ids(self) -> list[str]:
@@ -100,7 +150,7 @@ class BagIndex:
         missing = wanted - set(self.bag_ids)
         if missing:
             raise KeyError(f"bag id {sorted(missing)[0]!r} is not in the index")
-        return BagIndex([b for b in self.bags if b.bag_id in wanted], list(self.skipped))
+        return BagIndex([b for b in self.bags if b.bag_id in wanted], list(self.skipped), list(self.refused), list(self.warnings))
 
     def to_json_dict(self) -> dict:
         """A JSON-serialisable dict (the :meth:`save` format)."""
@@ -108,18 +158,25 @@ class BagIndex:
             "format": "milgp-bag-index",
             "version": INDEX_FORMAT_VERSION,
             "bags": [asdict(b) for b in self.bags],
-            "skipped": [{"path": p, "reason": r} for p, r in self.skipped],
+            "skipped": [e.to_json_dict() for e in self.skipped],
+            "refused": [e.to_json_dict() for e in self.refused],
+            "warnings": [e.to_json_dict() for e in self.warnings],
         }
 
     @classmethod
     def from_json_dict(cls, obj: dict, source: str = "<dict>") -> "BagIndex":
-        """Inverse of :meth:`to_json_dict`; ``source`` names the file in errors."""
+        """Inverse of :meth:`to_json_dict`; ``source`` names the file in errors.
+
+        A malformed bag entry (e.g. a label edited to ``NaN``) is left out and listed in ``refused``;
+        a file that is not an index at all raises ``ValueError`` naming ``source``.
+        """
         if obj.get("format") != "milgp-bag-index":
             raise ValueError(f"{source}: not a milgp bag index (format field is {obj.get('format')!r})")
         if obj.get("version") != INDEX_FORMAT_VERSION:
             raise ValueError(f"{source}: bag index version {obj.get('version')}, this milgp reads {INDEX_FORMAT_VERSION}")
         bags = []
-        for i, b in enumerate(obj["bags"]):
+        refused = []
+        for i, b in enumerate(obj.get("bags", [])):
             try:
                 bags.append(
                     BagRecord(
@@ -130,19 +187,28 @@ class BagIndex:
                         slice_labels=None if b.get("slice_labels") is None else tuple(int(v) for v in b["slice_labels"]),
                         series_uid=str(b.get("series_uid", "")),
                         ordering=str(b.get("ordering", "geometry")),
+                        modality=str(b.get("modality", "CT")),
                     )
                 )
-            except (KeyError, TypeError, ValueError) as err:
-                raise ValueError(f"{source}: bag entry {i} is malformed: {err}") from err
-        skipped = [(str(s["path"]), str(s["reason"])) for s in obj.get("skipped", [])]
-        return cls(bags, skipped)
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                name = str(b.get("bag_id", f"entry {i}")) if isinstance(b, dict) else f"entry {i}"
+                refused.append(ReportEntry(name, source, f"bag entry {i} of the saved index is malformed ({err}); left out"))
+        try:
+            lists = {k: [ReportEntry.from_json_dict(e) for e in obj.get(k, [])] for k in ("skipped", "refused", "warnings")}
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"{source}: malformed report entry: {err!r}") from err
+        lists["refused"] += refused
+        try:
+            return cls(bags, **lists)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Save atomically; the format follows the suffix: ``.json`` (lossless) or ``.csv``.
 
         The CSV has one row per slice (columns ``bag_id, patient_id, bag_label, slice_index, path,
-        slice_label, series_uid, ordering``; ``slice_label`` empty when unknown) and does not
-        keep the skipped-file list.
+        slice_label, series_uid, ordering, modality``; ``slice_label`` empty when unknown) and does
+        not keep the report lists (skipped, refused, warnings).
         """
         suffix = Path(path).suffix.lower()
         if suffix == ".json":
@@ -154,36 +220,38 @@ class BagIndex:
             for b in self.bags:
                 for i, p in enumerate(b.slice_paths):
                     label = "" if b.slice_labels is None else b.slice_labels[i]
-                    writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering])
-            atomic_write_text(path, buf.getvalue())
+                    writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering, b.modality])
+            with atomic_open(path, "w", errors="surrogateescape") as fh:  # undecodable file names round-trip
+                fh.write(buf.getvalue())
         else:
             raise ValueError(f"{path}: bag index files must end in .json or .csv")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "BagIndex":
-        """Load an index written by :meth:`save` (format from the suffix)."""
+        """Load an index written by :meth:`save` (format from the suffix).
+
+        Raises:
+            ValueError: one line naming the file when it is not a readable index.
+        """
         suffix = Path(path).suffix.lower()
         if suffix == ".json":
-            with open(path, encoding="utf-8") as fh:
-                try:
+            try:
+                with open(path, encoding="utf-8") as fh:
                     obj = json.load(fh)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}: not valid JSON ({err})") from err
-            return cls.from_json_dict(obj, source=str(path))
+            except ValueError as err:
+                raise ValueError(f"{printable(path)}: not a valid JSON bag index ({err})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{printable(path)}: not a milgp bag index (a JSON {type(obj).__name__})")
+            return cls.from_json_dict(obj, source=printable(path))
         if suffix == ".csv":
             return cls._load_csv(path)
-        raise ValueError(f"{path}: bag index files must end in .json or .csv")
+        raise ValueError(f"{printable(path)}: bag index files must end in .json or .csv")
 
     @classmethod
     def _load_csv(cls, path: str | os.PathLike[str]) -> "BagIndex":
         rows: dict[str, list[dict[str, str]]] = {}
-        with open(path, newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            missing = set(_CSV_COLUMNS) - set(reader.fieldnames or [])
-            if missing:
-                raise ValueError(f"{path}: bag index CSV lacks columns {sorted(missing)}")
-            for row in reader:
-                rows.setdefault(row["bag_id"], []).append(row)
+        for _, row in read_csv_rows(path, _CSV_REQUIRED, errors="surrogateescape"):
+            rows.setdefault(row["bag_id"], []).append(row)
         bags = []
         for bag_id, bag_rows in rows.items():
             try:
@@ -201,45 +269,68 @@ class BagIndex:
                         slice_labels=tuple(int(v) for v in labels) if has_labels else None,
                         series_uid=bag_rows[0]["series_uid"],
                         ordering=bag_rows[0]["ordering"],
+                        modality=bag_rows[0].get("modality") or "CT",
                     )
                 )
             except ValueError as err:
-                raise ValueError(f"{path}: bag {bag_id!r}: {err}") from err
+                raise ValueError(f"{printable(path)}: bag {bag_id!r}: {err}") from err
         return cls(bags)
 
 
 def bag_from_headers(
     bag_id: str,
     headers: Sequence[SliceHeader],
-    bag_label: float,
+    bag_label: float | None,
     slice_labels_by_path: dict[str, int] | None = None,
     patient_id: str | None = None,
-) -> BagRecord:
-    """A :class:`BagRecord` from the headers of one series, slices ordered by geometry.
+    policy: SeriesPolicy = SeriesPolicy(),
+) -> tuple[BagRecord, list[ReportEntry], list[ReportEntry]]:
+    """A :class:`BagRecord` from the headers of one series, checked and ordered by
+    :func:`milgp.data.series_check.check_series`.
 
     Args:
         bag_id: the bag's id (also names the bag in errors).
         headers: the series' slice headers, any order.
-        bag_label: the bag target.
-        slice_labels_by_path: label per slice path, or ``None`` when slice labels are unknown.
+        bag_label: the bag target; ``None``: the maximum of the kept slices' labels.
+        slice_labels_by_path: label per slice path (every slice the check keeps needs one), or
+            ``None`` when slice labels are unknown.
         patient_id: defaults to the first slice's PatientID.
+        policy: what the series may contain.
+
+    Returns:
+        ``(record, skipped files, warnings)``.
 
     Raises:
-        ValueError: naming the bag for mixed series or image sizes.
+        ValueError: naming the bag and files when the series is refused
+            (:class:`~milgp.data.series_check.SeriesRefused`) or a kept slice has no label.
     """
-    check_single_series(headers, f"bag {bag_id!r}")
-    order, _, ordering = order_slices(headers, series_name=bag_id)
-    paths = tuple(headers[i].path for i in order)
-    labels = None if slice_labels_by_path is None else tuple(int(slice_labels_by_path[p]) for p in paths)
-    return BagRecord(
+    checked = check_series(headers, bag_id, policy)
+    paths = tuple(h.path for h in checked.headers)
+    labels = None
+    if slice_labels_by_path is not None:
+        missing = [p for p in paths if p not in slice_labels_by_path]
+        if missing:
+            raise ValueError(
+                f"bag {printable(bag_id)}: slice {printable(missing[0])} has no slice label "
+                f"({len(missing)} of {len(paths)} slices lack one)"
+            )
+        labels = tuple(int(slice_labels_by_path[p]) for p in paths)
+    if bag_label is None:
+        if labels is None:
+            raise ValueError(f"bag {printable(bag_id)}: no bag label and no slice labels to take the maximum of")
+        bag_label = float(max(labels))
+    first = checked.headers[0]
+    record = BagRecord(
         bag_id=bag_id,
-        patient_id=headers[order[0]].patient_id if patient_id is None else patient_id,
+        patient_id=first.patient_id if patient_id is None else patient_id,
         bag_label=float(bag_label),
         slice_paths=paths,
         slice_labels=labels,
-        series_uid=headers[order[0]].series_uid,
-        ordering=ordering,
+        series_uid=first.series_uid,
+        ordering=checked.ordering,
+        modality=first.modality or "CT",
     )
+    return record, checked.skipped, checked.warnings
 
 
 def _allocate(n: int, fractions: np.ndarray) -> np.ndarray:
@@ -292,6 +383,6 @@ def split_by_patient(
         split_ids = np.repeat(np.arange(len(frac)), counts)
         split_of.update(zip(patients, (int(s) for s in split_ids)))
     return {
-        name: BagIndex([b for b in index.bags if split_of[b.patient_id] == k], list(index.skipped))
+        name: BagIndex([b for b in index.bags if split_of[b.patient_id] == k], list(index.skipped), list(index.refused), list(index.warnings))
         for k, name in enumerate(names)
     }

@@ -6,69 +6,92 @@ Layout::
     labels.csv                     bag_id,label[,patient_id]
     slice_labels.csv (optional)    bag_id,file,label   (file: path relative to root/<bag_id>)
 
-Slices are ordered by geometry (:func:`milgp.data.dicom.order_slices`). Without ``patient_id``
-each bag is its own patient.
+Slices are checked and ordered by :func:`milgp.data.series_check.check_series`. Without
+``patient_id`` each bag is its own patient. Labels are validated by a
+:class:`~milgp.data.label_rule.LabelRule`: 0/1 for MIL (a mapping for other encodings), or finite
+non-negative numbers for aggregate targets. A listed bag that cannot be indexed (no folder, invalid
+or conflicting label, no readable slice, a slice without a label, a refused series) is left out
+whole and reported in ``BagIndex.refused``.
 """
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
 
-from milgp.data.ct_index import BagIndex, BagRecord, bag_from_headers
-from milgp.data.dicom import SliceHeader, list_files, read_headers
+from milgp.data.csv_table import read_csv_rows
+from milgp.data.ct_index import BagIndex
+from milgp.data.dicom import SliceHeader, read_headers, walk_files
+from milgp.data.label_rule import LabelRule
+from milgp.data.report_entry import ReportEntry, printable
+from milgp.data.series_policy import SeriesPolicy
 
 __all__ = ["index_generic", "read_bag_labels", "read_slice_labels"]
 
 
-def read_bag_labels(labels_csv: str | os.PathLike[str]) -> dict[str, tuple[float, str | None]]:
-    """``{bag_id: (label, patient_id or None)}`` from a ``bag_id,label[,patient_id]`` CSV.
+def read_bag_labels(
+    labels_csv: str | os.PathLike[str], rule: LabelRule = LabelRule()
+) -> tuple[dict[str, tuple[float, str | None]], dict[str, str], list[str]]:
+    """Bag labels from a ``bag_id,label[,patient_id]`` CSV.
+
+    Identical duplicate rows are merged; a bag whose label ``rule`` refuses, or that is listed twice
+    with different labels or patients, is invalid.
+
+    Returns:
+        ``(labels, invalid, unattributed)``: ``{bag_id: (label, patient_id or None)}`` for valid
+        bags, ``{bag_id: reason}`` for invalid ones, and reasons for rows without a bag id.
+        Reasons name the file and line.
 
     Raises:
-        ValueError: naming the file and line for missing columns, non-numeric labels or a bag
-            listed twice.
+        ValueError: naming the file when it cannot be read or lacks the ``bag_id``/``label`` columns.
     """
+    name = printable(labels_csv)
     out: dict[str, tuple[float, str | None]] = {}
-    with open(labels_csv, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        missing = {"bag_id", "label"} - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{labels_csv}: missing columns {sorted(missing)}")
-        for line, row in enumerate(reader, start=2):
-            bag_id = row["bag_id"].strip()
-            try:
-                label = float(row["label"])
-            except ValueError:
-                raise ValueError(f"{labels_csv}, line {line}: label {row['label']!r} of bag {bag_id!r} is not a number") from None
-            if bag_id in out:
-                raise ValueError(f"{labels_csv}, line {line}: bag {bag_id!r} is listed twice")
-            patient = (row.get("patient_id") or "").strip() or None
-            out[bag_id] = (label, patient)
-    return out
+    line_of: dict[str, int] = {}
+    invalid: dict[str, str] = {}
+    unattributed: list[str] = []
+    for line, row in read_csv_rows(labels_csv, ("bag_id", "label")):
+        bag_id = row["bag_id"]
+        if not bag_id:
+            unattributed.append(f"{name}, line {line}: empty bag_id")
+            continue
+        try:
+            label = rule.parse(row["label"])
+        except ValueError as err:
+            invalid.setdefault(bag_id, f"{name}, line {line}: bag {bag_id!r}: {err}")
+            continue
+        entry = (label, row.get("patient_id") or None)
+        if bag_id in out and out[bag_id] != entry:
+            invalid.setdefault(
+                bag_id, f"{name}: bag {bag_id!r} is listed twice with different values (lines {line_of[bag_id]} and {line})"
+            )
+        line_of.setdefault(bag_id, line)
+        out[bag_id] = entry
+    return {k: v for k, v in out.items() if k not in invalid}, invalid, unattributed
 
 
-def read_slice_labels(slice_labels_csv: str | os.PathLike[str]) -> dict[str, dict[str, int]]:
-    """``{bag_id: {file: 0/1}}`` from a ``bag_id,file,label`` CSV (``file`` relative to the bag folder).
+def read_slice_labels(slice_labels_csv: str | os.PathLike[str]) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+    """Slice labels from a ``bag_id,file,label`` CSV (``file`` relative to the bag folder).
+
+    Returns:
+        ``({bag_id: {file: 0/1}}, {bag_id: reason})``: a bag with a label other than 0/1 or
+        conflicting duplicate rows is invalid (the reason names the file and line).
 
     Raises:
-        ValueError: naming the file and line for missing columns, labels other than 0/1, or
-            conflicting duplicate rows.
+        ValueError: naming the file when it cannot be read or lacks a column.
     """
+    name = printable(slice_labels_csv)
     out: dict[str, dict[str, int]] = {}
-    with open(slice_labels_csv, newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        missing = {"bag_id", "file", "label"} - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{slice_labels_csv}: missing columns {sorted(missing)}")
-        for line, row in enumerate(reader, start=2):
-            bag_id, name, value = row["bag_id"].strip(), Path(row["file"].strip()).as_posix(), row["label"].strip()
-            if value not in ("0", "1"):
-                raise ValueError(f"{slice_labels_csv}, line {line}: label {value!r} of {bag_id}/{name} is not 0 or 1")
-            per_bag = out.setdefault(bag_id, {})
-            if name in per_bag and per_bag[name] != int(value):
-                raise ValueError(f"{slice_labels_csv}, line {line}: conflicting labels for slice {bag_id}/{name}")
-            per_bag[name] = int(value)
-    return out
+    invalid: dict[str, str] = {}
+    for line, row in read_csv_rows(slice_labels_csv, ("bag_id", "file", "label")):
+        bag_id, file, value = row["bag_id"], Path(row["file"]).as_posix(), row["label"]
+        if value not in ("0", "1"):
+            invalid.setdefault(bag_id, f"{name}, line {line}: slice label {value!r} of {bag_id}/{file} is not 0 or 1")
+            continue
+        per_bag = out.setdefault(bag_id, {})
+        if file in per_bag and per_bag[file] != int(value):
+            invalid.setdefault(bag_id, f"{name}, line {line}: conflicting labels for slice {bag_id}/{file}")
+        per_bag[file] = int(value)
+    return out, invalid
 
 
 def index_generic(
@@ -77,62 +100,73 @@ def index_generic(
     slice_labels_csv: str | os.PathLike[str] | None = None,
     workers: int = 0,
     progress: bool = False,
+    rule: LabelRule = LabelRule(),
+    policy: SeriesPolicy = SeriesPolicy(),
 ) -> BagIndex:
     """Index a folder-per-bag layout.
 
     Args:
         root: folder holding one sub-folder per bag.
-        labels_csv: bag labels (:func:`read_bag_labels`); every listed bag must have a folder.
+        labels_csv: bag labels (:func:`read_bag_labels`).
         slice_labels_csv: optional slice labels (:func:`read_slice_labels`); when given, every
-            readable slice of every bag needs a row.
+            kept slice of a bag needs a row.
         workers: processes for header reading.
         progress: show a progress bar while reading headers.
+        rule: bag-label validation (``LabelRule("aggregate")`` for aggregate targets).
+        policy: what a series may contain.
 
     Returns:
         A :class:`BagIndex` in ``labels_csv`` order. Folders not listed in ``labels_csv``,
-        unreadable files and bags that cannot be ordered are listed in ``skipped``.
+        unreadable files and duplicates are in ``skipped``; bags left out whole in ``refused``.
 
     Raises:
-        ValueError: naming the bag for a listed bag without a folder (or without any readable
-            slice), and naming the slice for a missing slice label.
+        ValueError: naming the file or folder when ``root`` is not a folder or a label file cannot
+            be read at all.
     """
     root_path = Path(root)
     if not root_path.is_dir():
-        raise ValueError(f"{root}: not a folder")
-    bag_labels = read_bag_labels(labels_csv)
-    slice_labels = read_slice_labels(slice_labels_csv) if slice_labels_csv is not None else None
-    skipped: list[tuple[str, str]] = [
-        (str(d), f"folder {d.name!r} is not listed in {labels_csv}")
+        raise ValueError(f"{printable(root)}: not a folder")
+    bag_labels, invalid, unattributed = read_bag_labels(labels_csv, rule)
+    slice_labels, invalid_slices = read_slice_labels(slice_labels_csv) if slice_labels_csv is not None else (None, {})
+    listed = set(bag_labels) | set(invalid)
+    skipped = [ReportEntry("", str(labels_csv), r) for r in unattributed]
+    skipped += [
+        ReportEntry(d.name, str(d), f"folder {d.name!r} is not listed in {printable(labels_csv)}")
         for d in sorted(root_path.iterdir())
-        if d.is_dir() and d.name not in bag_labels
+        if d.is_dir() and d.name not in listed
     ]
+    refused = [ReportEntry(b, str(labels_csv), f"bag left out: {why}") for b, why in invalid.items()]
     bag_of: dict[str, str] = {}
+    walked: set[str] = set()
     for bag_id in bag_labels:
         folder = root_path / bag_id
-        if not folder.is_dir():
-            raise ValueError(f"bag {bag_id!r} is listed in {labels_csv} but {folder} is not a folder")
-        bag_of.update({f: bag_id for f in list_files(folder)})
-    headers, bad = read_headers(list(bag_of), workers=workers, progress=progress)
-    skipped.extend(bad)
-    by_bag: dict[str, list[SliceHeader]] = {bag_id: [] for bag_id in bag_labels}
+        if bag_id in invalid_slices:
+            refused.append(ReportEntry(bag_id, str(slice_labels_csv), f"bag left out: {invalid_slices[bag_id]}"))
+        elif not folder.is_dir():
+            refused.append(ReportEntry(bag_id, str(folder), f"bag left out: listed in {printable(labels_csv)} but not a folder"))
+        else:
+            files, problems = walk_files(folder)
+            skipped += [ReportEntry(bag_id, e.path, e.reason) for e in problems]
+            bag_of.update({f: bag_id for f in files})
+            walked.add(bag_id)
+    headers, unread = read_headers(list(bag_of), workers=workers, progress=progress)
+    skipped += [ReportEntry(bag_of[p], p, r) for p, r in unread]
+    by_bag: dict[str, list[SliceHeader]] = {}
     for h in headers:
-        by_bag[bag_of[h.path]].append(h)
-    bags: list[BagRecord] = []
+        by_bag.setdefault(bag_of[h.path], []).append(h)
+    index = BagIndex([], skipped, refused)
     for bag_id, (label, patient) in bag_labels.items():
-        series = by_bag[bag_id]
+        if bag_id not in walked:
+            continue
+        folder = root_path / bag_id
+        series = by_bag.get(bag_id, [])
         if not series:
-            raise ValueError(f"bag {bag_id!r}: no readable DICOM image in {root_path / bag_id}")
+            why = next((f" (e.g. {printable(e.path)}: {e.reason})" for e in skipped if e.bag_id == bag_id), " (it holds no file)")
+            index.refused.append(ReportEntry(bag_id, str(folder), f"bag left out: no readable DICOM image in its folder{why}"))
+            continue
         labels_by_path = None
         if slice_labels is not None:
             given = slice_labels.get(bag_id, {})
-            labels_by_path = {}
-            for h in series:
-                rel = Path(h.path).relative_to(root_path / bag_id).as_posix()
-                if rel not in given:
-                    raise ValueError(f"bag {bag_id!r}: slice {rel!r} has no row in {slice_labels_csv}")
-                labels_by_path[h.path] = given[rel]
-        try:
-            bags.append(bag_from_headers(bag_id, series, label, labels_by_path, patient_id=patient or bag_id))
-        except ValueError as err:
-            skipped.append((str(root_path / bag_id), f"bag {bag_id!r} left out: {err}"))
-    return BagIndex(bags, skipped)
+            labels_by_path = {h.path: given[rel] for h in series if (rel := Path(h.path).relative_to(folder).as_posix()) in given}
+        index.add_series(bag_id, series, label, labels_by_path, patient or bag_id, policy, str(folder))
+    return index

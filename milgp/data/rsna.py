@@ -8,12 +8,15 @@ the maximum over its slices.
 """
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
 
-from milgp.data.ct_index import BagIndex, BagRecord, bag_from_headers
+from milgp.data.csv_table import read_csv_rows
+from milgp.data.ct_index import BagIndex
 from milgp.data.dicom import SliceHeader, read_headers
+from milgp.data.label_rule import LabelRule
+from milgp.data.report_entry import ReportEntry, printable
+from milgp.data.series_policy import SeriesPolicy
 
 __all__ = ["RSNA_SUBTYPES", "index_rsna", "read_rsna_labels"]
 
@@ -28,51 +31,61 @@ RSNA_SUBTYPES: tuple[str, ...] = (
 )
 
 
-def read_rsna_labels(csv_path: str | os.PathLike[str]) -> dict[str, dict[str, int]]:
+def read_rsna_labels(
+    csv_path: str | os.PathLike[str], rule: LabelRule = LabelRule()
+) -> tuple[dict[str, dict[str, int]], dict[str, str], list[str]]:
     """Per-image subtype labels from an RSNA ``stage_2_train.csv``.
 
-    Duplicate rows with the same label (the real file has some) are merged.
+    Duplicate rows with the same label (the real file has some) are merged. A row that is wrong for
+    one image (unknown subtype, a label ``rule`` refuses, a conflicting duplicate) marks that image
+    invalid instead of failing the whole file, and so does a missing ``any`` row.
+
+    Args:
+        csv_path: the label file (columns ``ID,Label``).
+        rule: label validation (binary; a mapping for other encodings).
 
     Returns:
-        ``{image_id: {subtype: 0 or 1}}`` with ``image_id`` like ``"ID_63eb1e259"``.
+        ``(labels, invalid, unattributed)``: ``{image_id: {subtype: 0 or 1}}`` for valid images
+        (``image_id`` like ``"ID_63eb1e259"``), ``{image_id: reason}`` for invalid ones, and the
+        reasons for rows that name no image (a malformed ID). Reasons name the file and line.
 
     Raises:
-        ValueError: naming the file and line for a bad header, a malformed ID, an unknown subtype,
-            or a label other than 0/1; naming the image for conflicting duplicate rows or an image
-            without its ``any`` row.
+        ValueError: naming the file when it cannot be read or lacks the ``ID``/``Label`` columns.
     """
+    if rule.target != "binary":
+        raise ValueError(f"RSNA labels are binary slice labels, not {rule.target!r} targets")
+    name = printable(csv_path)
     labels: dict[str, dict[str, int]] = {}
     first_line: dict[tuple[str, str], int] = {}
-    with open(csv_path, newline="", encoding="utf-8") as fh:
-        reader = csv.reader(fh)
-        header = next(reader, None)
-        if header is None or [h.strip() for h in header[:2]] != ["ID", "Label"]:
-            raise ValueError(f"{csv_path}: expected header 'ID,Label', got {header!r}")
-        for line, row in enumerate(reader, start=2):
-            if not row or all(not c.strip() for c in row):
-                continue
-            if len(row) < 2:
-                raise ValueError(f"{csv_path}, line {line}: expected 'ID,Label', got {row!r}")
-            key, value = row[0].strip(), row[1].strip()
-            image_id, sep, subtype = key.rpartition("_")
-            if not sep or not image_id.startswith("ID_"):
-                raise ValueError(f"{csv_path}, line {line}: ID {key!r} is not of the form ID_<image>_<subtype>")
-            if subtype not in RSNA_SUBTYPES:
-                raise ValueError(f"{csv_path}, line {line}: unknown subtype {subtype!r} in {key!r}")
-            if value not in ("0", "1"):
-                raise ValueError(f"{csv_path}, line {line}: label {value!r} for {key!r} is not 0 or 1")
-            per_image = labels.setdefault(image_id, {})
-            if subtype in per_image and per_image[subtype] != int(value):
-                raise ValueError(
-                    f"{csv_path}: conflicting duplicate rows for image {image_id}, subtype {subtype}: "
-                    f"label {per_image[subtype]} on line {first_line[(image_id, subtype)]}, {value} on line {line}"
-                )
-            first_line.setdefault((image_id, subtype), line)
-            per_image[subtype] = int(value)
+    invalid: dict[str, str] = {}
+    unattributed: list[str] = []
+    for line, row in read_csv_rows(csv_path, ("ID", "Label")):
+        key = row["ID"]
+        image_id, sep, subtype = key.rpartition("_")
+        if not sep or not image_id.startswith("ID_"):
+            unattributed.append(f"{name}, line {line}: ID {key!r} is not of the form ID_<image>_<subtype>")
+            continue
+        if subtype not in RSNA_SUBTYPES:
+            invalid.setdefault(image_id, f"{name}, line {line}: unknown subtype {subtype!r} in {key!r}")
+            continue
+        try:
+            value = int(rule.parse(row["Label"]))
+        except ValueError as err:
+            invalid.setdefault(image_id, f"{name}, line {line}: {key}: {err}")
+            continue
+        per_image = labels.setdefault(image_id, {})
+        if subtype in per_image and per_image[subtype] != value:
+            invalid.setdefault(
+                image_id,
+                f"{name}: conflicting duplicate rows for image {image_id}, subtype {subtype}: "
+                f"label {per_image[subtype]} on line {first_line[(image_id, subtype)]}, {value} on line {line}",
+            )
+        first_line.setdefault((image_id, subtype), line)
+        per_image[subtype] = value
     for image_id, per_image in labels.items():
         if "any" not in per_image:
-            raise ValueError(f"{csv_path}: image {image_id} has no '{image_id}_any' row (the slice label)")
-    return labels
+            invalid.setdefault(image_id, f"{name}: image {image_id} has no '{image_id}_any' row (the slice label)")
+    return {k: v for k, v in labels.items() if k not in invalid}, invalid, unattributed
 
 
 def index_rsna(
@@ -80,6 +93,8 @@ def index_rsna(
     labels_csv: str | os.PathLike[str],
     workers: int = 0,
     progress: bool = False,
+    rule: LabelRule = LabelRule(),
+    policy: SeriesPolicy = SeriesPolicy(),
 ) -> BagIndex:
     """Index an RSNA-layout folder into one bag per series.
 
@@ -88,47 +103,45 @@ def index_rsna(
         labels_csv: the ``stage_2_train.csv`` label file (:func:`read_rsna_labels`).
         workers: processes for header reading (see :func:`milgp.data.dicom.read_headers`).
         progress: show a progress bar while reading headers.
+        rule: label validation (a mapping for other label encodings).
+        policy: what a series may contain (:class:`milgp.data.series_policy.SeriesPolicy`).
 
     Returns:
         A :class:`BagIndex`: ``bag_id`` = SeriesInstanceUID, ``patient_id`` = PatientID, slices
         ordered along the scan axis, slice labels = ``any``, bag label = max of slice labels.
-        Unreadable files and series that cannot be one bag (mixed image sizes, unorderable) are
-        left out and listed in ``skipped``.
+        Unreadable files are listed in ``skipped``; a series with an image whose label is invalid
+        or missing, or that :func:`milgp.data.series_check.check_series` refuses, is left out whole
+        and listed in ``refused``, so that no bag is ever half present.
 
     Raises:
-        ValueError: for an empty folder, for label-file errors, and naming the image for a
-            ``.dcm`` file that has no rows in the label file.
+        ValueError: for a missing or empty folder, and for a label file that cannot be read at all.
     """
     if not Path(image_dir).is_dir():
-        raise ValueError(f"{image_dir}: not a folder")
+        raise ValueError(f"{printable(image_dir)}: not a folder")
     files = sorted(Path(image_dir).glob("ID_*.dcm"))
     if not files:
-        raise ValueError(f"{image_dir}: no ID_*.dcm files (expected the RSNA stage_2_train layout)")
-    labels = read_rsna_labels(labels_csv)
-    for f in files:
-        if f.stem not in labels:
-            raise ValueError(f"image {f.stem} ({f}) has no rows in the label file {labels_csv}")
-    headers, skipped = read_headers(files, workers=workers, progress=progress)
+        raise ValueError(f"{printable(image_dir)}: no ID_*.dcm files (expected the RSNA stage_2_train layout)")
+    labels, invalid, unattributed = read_rsna_labels(labels_csv, rule)
+    headers, unread = read_headers(files, workers=workers, progress=progress)
+    skipped = [ReportEntry("", p, r) for p, r in unread] + [ReportEntry("", str(labels_csv), r) for r in unattributed]
     by_series: dict[str, list[SliceHeader]] = {}
     for h in headers:
         if not h.series_uid:
-            skipped.append((h.path, "no SeriesInstanceUID: cannot tell which scan the slice belongs to"))
+            skipped.append(ReportEntry("", h.path, "no SeriesInstanceUID: cannot tell which scan the slice belongs to"))
             continue
         by_series.setdefault(h.series_uid, []).append(h)
-    bags: list[BagRecord] = []
+    index = BagIndex([], skipped)
     for series_uid in sorted(by_series):
         series = by_series[series_uid]
+        unlabelled = [h for h in series if Path(h.path).stem not in labels]
+        if unlabelled:
+            stem = Path(unlabelled[0].path).stem
+            why = invalid.get(stem, f"image {stem} has no rows in the label file {printable(labels_csv)}")
+            index.refused.append(ReportEntry(
+                series_uid, unlabelled[0].path,
+                f"series left out: {len(unlabelled)} of its {len(series)} slices have no valid label (e.g. {why})",
+            ))
+            continue
         slice_labels = {h.path: labels[Path(h.path).stem]["any"] for h in series}
-        try:
-            bags.append(
-                bag_from_headers(
-                    bag_id=series_uid,
-                    headers=series,
-                    bag_label=float(max(slice_labels.values())),
-                    slice_labels_by_path=slice_labels,
-                    patient_id=series[0].patient_id or series[0].study_uid,
-                )
-            )
-        except ValueError as err:
-            skipped.append((series[0].path, f"series {series_uid} left out: {err}"))
-    return BagIndex(bags, skipped)
+        index.add_series(series_uid, series, None, slice_labels, series[0].patient_id or series[0].study_uid, policy, series[0].path)
+    return index

@@ -10,11 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import milgp.data.cache as cache_mod
-from milgp.data.cache import CacheParams, CacheParamsMismatch, CTCache, bag_file_stem, build_cache
+import milgp.data.cache_bag as cache_bag
+import milgp.data.hounsfield as hounsfield
+from milgp.data.atomic import atomic_open
+from milgp.data.cache import CacheParams, CacheParamsMismatch, CTCache, build_cache
+from milgp.data.cache_bag import bag_file_stem
 from milgp.data.cache_cli import main
 from milgp.data.ct_index import BagIndex, BagRecord
-from milgp.data.dicom import ct_channels, read_hu
+from milgp.data.hounsfield import read_hu
+from milgp.data.windows import ct_channels
 from milgp.data.rsna import index_rsna
 from milgp.data.synthetic import SyntheticDataset
 
@@ -59,8 +63,8 @@ def test_resume_after_interruption_does_not_redo_finished_bags(rsna_copy: Synthe
     mtimes = {b: (cache_dir / "bags" / f"{bag_file_stem(b)}.npy").stat().st_mtime_ns for b in seen}
 
     reads: list[str] = []
-    real_read_hu = cache_mod.read_hu
-    monkeypatch.setattr(cache_mod, "read_hu", lambda p: reads.append(p) or real_read_hu(p))
+    real_read = hounsfield.read_slice_values
+    monkeypatch.setattr(hounsfield, "read_slice_values", lambda p, allow_non_ct: reads.append(p) or real_read(p, allow_non_ct))
     report = build_cache(index, cache_dir, PARAMS, workers=0, progress=False)
     assert sorted(report.reused) == sorted(seen) and len(report.done) == len(index) - 3
     assert {b: (cache_dir / "bags" / f"{bag_file_stem(b)}.npy").stat().st_mtime_ns for b in seen} == mtimes
@@ -104,7 +108,7 @@ def test_skipped_file_report_lists_planted_corrupt_file(rsna_copy: SyntheticData
     report = build_cache(index, tmp_path, PARAMS, workers=0, progress=False)
     skipped = json.loads((tmp_path / "skipped.json").read_text())
     assert {"bag_id": scan0.bag_id, "path": scan0.paths[2]} in [{k: s[k] for k in ("bag_id", "path")} for s in skipped["skipped_files"]]
-    assert [f["bag_id"] for f in skipped["failed_bags"]] == [scan1.bag_id] == [b for b, _ in report.failed]
+    assert [f["bag_id"] for f in skipped["failed_bags"]] == [scan1.bag_id] == [e.bag_id for e in report.failed]
     entry = CTCache(tmp_path).entry(scan0.bag_id)
     assert entry.num_slices == len(scan0.paths) - 1
     assert entry.slice_labels == scan0.slice_labels[:2] + scan0.slice_labels[3:]
@@ -112,24 +116,25 @@ def test_skipped_file_report_lists_planted_corrupt_file(rsna_copy: SyntheticData
 
 
 def test_failed_write_leaves_no_partial_files(rsna_synth: SyntheticDataset, tmp_path: Path, monkeypatch) -> None:
-    """If writing a bag dies half-way, neither a .npy, a temporary file nor a done marker may remain."""
-    index = BagIndex(_index(rsna_synth).bags[:1])
+    """If writing a bag dies half-way (disk full), that bag must be reported failed with the reason and nothing
+    of it may remain (no .npy, no temporary file, no marker); the build goes on with the other bags."""
+    index = BagIndex(_index(rsna_synth).bags[:2])
+    first = index.bags[0].bag_id
+    real_save = cache_bag.atomic_save_npy
 
-    def broken_save(fh, array, allow_pickle=False) -> None:
-        fh.write(b"\x93NUMPY partial")
-        raise OSError("disk full")
+    def full_disk_for_first(path, array) -> None:
+        if bag_file_stem(first) in str(path):
+            with atomic_open(path, "wb") as fh:
+                fh.write(b"\x93NUMPY partial")
+                raise OSError(28, "No space left on device", str(path))
+        real_save(path, array)
 
-    monkeypatch.setattr(cache_mod, "atomic_save_npy", lambda path, arr: _atomic_broken(path, arr, broken_save))
-    with pytest.raises(OSError, match="disk full"):
-        build_cache(index, tmp_path, PARAMS, workers=0, progress=False)
-    assert os.listdir(tmp_path / "bags") == []
-
-
-def _atomic_broken(path, array, save) -> None:
-    from milgp.data.atomic import atomic_open
-
-    with atomic_open(path, "wb") as fh:
-        save(fh, array)
+    monkeypatch.setattr(cache_bag, "atomic_save_npy", full_disk_for_first)
+    report = build_cache(index, tmp_path, PARAMS, workers=0, progress=False)
+    [failed] = report.failed
+    assert failed.bag_id == first and "No space left on device" in failed.reason and bag_file_stem(first) in failed.path
+    assert report.done == [index.bags[1].bag_id]
+    assert sorted(os.listdir(tmp_path / "bags")) == sorted(f"{bag_file_stem(index.bags[1].bag_id)}{x}" for x in (".json", ".npy"))
 
 
 def test_stale_temporaries_are_removed(rsna_synth: SyntheticDataset, tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import torch
 from milgp.data.augment import AugmentParams, BagAugment
 from milgp.data.bags import collate_bags
 from milgp.data.ct_dataset import CTBagDataset, uniform_subsample
-from milgp.data.dicom import ct_channels, read_hu
+from milgp.data.hounsfield import read_hu
+from milgp.data.windows import ct_channels
 from milgp.data.synthetic import SyntheticDataset
 
 
@@ -32,7 +33,7 @@ def test_round_trip_synthetic_to_dataset(rsna_synth: SyntheticDataset, rsna_cach
 
 
 def test_collate_into_a_bag_batch(rsna_cache: str) -> None:
-    """Dataset items must collate with milgp.data.bags.collate_bags into the flat representation (DESIGN §2)."""
+    """Dataset items must collate with milgp.data.bags.collate_bags into the flat representation (flat instances plus a bag index)."""
     ds = CTBagDataset(rsna_cache)
     batch = collate_bags([ds[0], ds[1], ds[2]])
     sizes = [ds[i][0].shape[0] for i in range(3)]

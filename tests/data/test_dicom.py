@@ -1,4 +1,5 @@
-"""milgp.data.dicom: HU conversion, windows, series ordering and every bad-input path."""
+"""milgp.data.dicom, hounsfield, windows, series_check, ct_series: HU conversion, windows, series ordering and
+every bad-input path."""
 from __future__ import annotations
 
 import os
@@ -11,20 +12,10 @@ import pytest
 from pydicom.pixels import get_decoder
 from pydicom.uid import JPEGLSLossless
 
-from milgp.data.dicom import (
-    HEAD_CT_WINDOWS,
-    DicomReadError,
-    apply_window,
-    ct_channels,
-    header_window,
-    load_series,
-    needs_rsna_12bit_repair,
-    read_headers,
-    read_hu,
-    read_slice_header,
-    repair_rsna_12bit_fault,
-    resize_images,
-)
+from milgp.data.ct_series import load_series
+from milgp.data.dicom import DicomReadError, header_window, read_headers, read_slice_header
+from milgp.data.hounsfield import needs_rsna_12bit_repair, read_hu, read_slice_values, repair_rsna_12bit_fault
+from milgp.data.windows import HEAD_CT_WINDOWS, apply_window, ct_channels, resize_images
 
 
 def test_read_hu_ct_small_matches_rescale_tags(ct_small_path: str) -> None:
@@ -50,7 +41,8 @@ def test_brain_window_anchor_points() -> None:
 
 def test_ct_channels_stacks_the_three_head_windows(ct_small_path: str) -> None:
     """Channels must be brain, subdural, soft tissue in that order, each in [0, 1]; resizing must give the
-    requested size and keep values in [0, 1]. Failing means channel order or scaling differs from DESIGN §6."""
+    requested size and keep values in [0, 1]. Failing means channel order or scaling differs from the
+    three-window pipeline of Castro-Macias et al. (2024)."""
     assert HEAD_CT_WINDOWS == ((40.0, 80.0), (80.0, 200.0), (40.0, 380.0))
     hu = read_hu(ct_small_path)
     ch = ct_channels(hu)
@@ -110,9 +102,12 @@ def test_truncated_file_raises_naming_it(ct_small_path: str, tmp_path: Path, kee
 
 
 def test_pydicom_truncated_example_raises(bundled) -> None:
-    """pydicom's own MR_truncated.dcm (pixel data short) must be refused with the file named."""
-    with pytest.raises(DicomReadError, match="MR_truncated.dcm.*cannot be decoded"):
+    """pydicom's own MR_truncated.dcm (pixel data short) must be refused with the file named: as MR by read_hu
+    (its values are not HU), as undecodable when non-CT images are allowed."""
+    with pytest.raises(DicomReadError, match="MR_truncated.dcm.*Modality 'MR', not CT"):
         read_hu(bundled("MR_truncated.dcm"))
+    with pytest.raises(DicomReadError, match="MR_truncated.dcm.*cannot be decoded"):
+        read_slice_values(bundled("MR_truncated.dcm"), allow_non_ct=True)
 
 
 def test_dicom_without_pixel_data_is_refused(ct_small_path: str, tmp_path: Path, bundled) -> None:
@@ -146,18 +141,20 @@ def test_rsna_12bit_fault_is_repaired(ct_small_path: str, tmp_path: Path) -> Non
     np.testing.assert_array_equal(read_hu(path), true_hu.astype(np.float32))
     assert needs_rsna_12bit_repair(12, 0, 0.0) and not needs_rsna_12bit_repair(12, 0, -1024.0)
     assert not needs_rsna_12bit_repair(16, 0, 0.0) and not needs_rsna_12bit_repair(12, 1, 0.0)
-    fixed, intercept = repair_rsna_12bit_fault(np.array([0, 3095, 3096, 4095]))
-    assert intercept == -1000.0 and (fixed + intercept).tolist() == [0, 3095, -1000, -1]
+    fixed, intercept, clamped = repair_rsna_12bit_fault(np.array([0, 2999, 3000, 3095, 3096, 4095]))
+    assert intercept == -1000.0 and (fixed + intercept).tolist() == [0, 2999, -1000, -1000, -1000, -1] and clamped == 2
 
 
 def test_missing_rescale_tags_mean_identity(ct_small_path: str, tmp_path: Path) -> None:
-    """Without RescaleSlope/RescaleIntercept the HU are the stored values (slope 1, intercept 0)."""
+    """Without RescaleSlope/RescaleIntercept the HU are the stored values (slope 1, intercept 0), and the
+    assumption is announced with a warning naming the file."""
     ds = pydicom.dcmread(ct_small_path)
     raw = ds.pixel_array.astype(np.float32)
     del ds.RescaleSlope, ds.RescaleIntercept
     path = tmp_path / "norescale.dcm"
     ds.save_as(path)
-    np.testing.assert_array_equal(read_hu(path), raw)
+    with pytest.warns(UserWarning, match="norescale.dcm: RescaleSlope/RescaleIntercept missing.*assumed slope 1, intercept 0"):
+        np.testing.assert_array_equal(read_hu(path), raw)
 
 
 def test_multivalue_window_tags_take_the_first(ct_small_path: str) -> None:
@@ -231,20 +228,23 @@ def test_corrupt_file_in_series_is_skipped_and_reported(write_series) -> None:
     bad = os.path.join(os.path.dirname(paths[0]), "zz_bad.dcm")
     Path(bad).write_bytes(b"\x00" * 300)
     series = load_series(os.path.dirname(paths[0]))
-    assert series.paths == paths and series.skipped and series.skipped[0][0] == bad
+    assert series.paths == paths and series.skipped and series.skipped[0].path == bad
 
 
 def test_compressed_pixel_data_is_decoded_or_refused_clearly(bundled, tmp_path) -> None:
     """RLE and JPEG-LS lossless (the pylibjpeg plugins milgp installs) must decode to exactly the
     pixels of the uncompressed original; a transfer syntax no installed handler decodes must raise
     DicomReadError naming the file and the transfer syntax, never return garbage."""
-    reference = read_hu(bundled("MR_small.dcm"))
-    np.testing.assert_array_equal(read_hu(bundled("MR_small_RLE.dcm")), reference)
+    def read(name: str) -> np.ndarray:
+        return read_slice_values(bundled(name), allow_non_ct=True).values
+
+    reference = read("MR_small.dcm")
+    np.testing.assert_array_equal(read("MR_small_RLE.dcm"), reference)
     assert get_decoder(JPEGLSLossless).is_available, "pylibjpeg-libjpeg should be installed by pyproject"
-    np.testing.assert_array_equal(read_hu(bundled("MR_small_jpeg_ls_lossless.dcm")), reference)
+    np.testing.assert_array_equal(read("MR_small_jpeg_ls_lossless.dcm"), reference)
     ds = pydicom.dcmread(bundled("MR_small_jpeg_ls_lossless.dcm"))
     ds.file_meta.TransferSyntaxUID = pydicom.uid.MPEG2MPML  # video: no installed decoder
     odd = tmp_path / "mpeg2.dcm"
     ds.save_as(odd, enforce_file_format=True)
     with pytest.raises(DicomReadError, match=r"mpeg2\.dcm.*MPEG2.*1\.2\.840\.10008\.1\.2\.4\.100"):
-        read_hu(odd)
+        read_slice_values(odd, allow_non_ct=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,41 +36,48 @@ def _write_labels(path: Path, rows: list[str]) -> Path:
 def test_rsna_duplicate_identical_rows_are_accepted(tmp_path: Path) -> None:
     """Identical duplicate rows (present in the real file) must be merged silently."""
     rows = [f"ID_abc_{s},0" for s in ("epidural", "subdural", "any")]
-    labels = read_rsna_labels(_write_labels(tmp_path / "l.csv", rows + rows[:2]))
-    assert labels == {"ID_abc": {"epidural": 0, "subdural": 0, "any": 0}}
+    labels, invalid, unattributed = read_rsna_labels(_write_labels(tmp_path / "l.csv", rows + rows[:2]))
+    assert labels == {"ID_abc": {"epidural": 0, "subdural": 0, "any": 0}} and not invalid and not unattributed
 
 
 def test_rsna_conflicting_duplicate_rows_name_the_image(tmp_path: Path) -> None:
-    """Two rows for the same image/subtype with different labels must raise an error naming the image and lines."""
+    """Two rows for the same image/subtype with different labels must make that image invalid, the reason naming
+    the image and both lines; the other image stays valid."""
     path = _write_labels(tmp_path / "l.csv", ["ID_abc_any,0", "ID_def_any,1", "ID_abc_any,1"])
-    with pytest.raises(ValueError, match=r"conflicting duplicate rows for image ID_abc, subtype any.*line 2.*line 4"):
-        read_rsna_labels(path)
+    labels, invalid, _ = read_rsna_labels(path)
+    assert labels == {"ID_def": {"any": 1}}
+    assert re.search(r"conflicting duplicate rows for image ID_abc, subtype any.*line 2.*line 4", invalid["ID_abc"])
 
 
 def test_rsna_missing_any_row_names_the_image(tmp_path: Path) -> None:
-    """An image with subtype rows but no 'any' row has no slice label: the error must name it."""
+    """An image with subtype rows but no 'any' row has no slice label: it must be invalid, the reason naming it."""
     path = _write_labels(tmp_path / "l.csv", ["ID_abc_any,0", "ID_def_epidural,1"])
-    with pytest.raises(ValueError, match="image ID_def has no 'ID_def_any' row"):
-        read_rsna_labels(path)
+    labels, invalid, _ = read_rsna_labels(path)
+    assert list(labels) == ["ID_abc"] and "image ID_def has no 'ID_def_any' row" in invalid["ID_def"]
 
 
 def test_rsna_malformed_label_files(tmp_path: Path) -> None:
-    """A wrong header, an unknown subtype or a label other than 0/1 must be refused with the line named."""
+    """A file without the ID/Label columns is refused whole naming the file; an unknown subtype or a label other
+    than 0/1 invalidates only that image, with the line named; a malformed ID is reported as unattributed."""
     bad_header = tmp_path / "h.csv"
     bad_header.write_text("Image,Target\nID_a_any,0\n")
-    with pytest.raises(ValueError, match="expected header 'ID,Label'"):
+    with pytest.raises(ValueError, match=r"h\.csv: missing columns \['ID', 'Label'\]"):
         read_rsna_labels(bad_header)
-    with pytest.raises(ValueError, match="line 2: unknown subtype 'foo'"):
-        read_rsna_labels(_write_labels(tmp_path / "s.csv", ["ID_a_foo,0"]))
-    with pytest.raises(ValueError, match="line 3: label '2'"):
-        read_rsna_labels(_write_labels(tmp_path / "v.csv", ["ID_a_any,0", "ID_b_any,2"]))
+    _, invalid, _ = read_rsna_labels(_write_labels(tmp_path / "s.csv", ["ID_a_foo,0"]))
+    assert "line 2: unknown subtype 'foo'" in invalid["ID_a"]
+    labels, invalid, unattributed = read_rsna_labels(_write_labels(tmp_path / "v.csv", ["ID_a_any,0", "ID_b_any,2", "junk,1"]))
+    assert list(labels) == ["ID_a"] and "line 3: ID_b_any: label '2'" in invalid["ID_b"]
+    assert unattributed and "line 4: ID 'junk'" in unattributed[0]
 
 
-def test_rsna_image_without_label_rows_is_an_error(rsna_copy: SyntheticDataset) -> None:
-    """A .dcm file absent from the label file must raise an error naming the image."""
+def test_rsna_image_without_label_rows_refuses_its_series(rsna_copy: SyntheticDataset) -> None:
+    """A .dcm file absent from the label file must leave its whole series out (its bag label is unknown), the
+    reason naming the image; every other series is indexed."""
     shutil.copy(rsna_copy.scans[0].paths[0], Path(rsna_copy.image_dir) / "ID_ffffffff0.dcm")
-    with pytest.raises(ValueError, match="image ID_ffffffff0 .* has no rows in the label file"):
-        index_rsna(rsna_copy.image_dir, rsna_copy.labels_csv)
+    index = index_rsna(rsna_copy.image_dir, rsna_copy.labels_csv)
+    assert sorted(index.bag_ids) == sorted(s.bag_id for s in rsna_copy.scans[1:])
+    [refused] = index.refused
+    assert refused.bag_id == rsna_copy.scans[0].bag_id and "image ID_ffffffff0 has no rows in the label file" in refused.reason
 
 
 def test_rsna_corrupt_file_is_skipped_and_reported(rsna_copy: SyntheticDataset) -> None:
@@ -77,7 +85,7 @@ def test_rsna_corrupt_file_is_skipped_and_reported(rsna_copy: SyntheticDataset) 
     victim = rsna_copy.scans[0].paths[1]
     Path(victim).write_text("garbage")
     index = index_rsna(rsna_copy.image_dir, rsna_copy.labels_csv)
-    assert [p for p, _ in index.skipped] == [victim]
+    assert [e.path for e in index.skipped] == [victim]
     bag = next(b for b in index.bags if b.bag_id == rsna_copy.scans[0].bag_id)
     assert victim not in bag.slice_paths and len(bag.slice_paths) == len(rsna_copy.scans[0].paths) - 1
 
@@ -154,7 +162,7 @@ def test_cq500_unlabelled_study_is_reported(tmp_path: Path) -> None:
     Path(ds.labels_csv).write_text("\n".join(Path(ds.labels_csv).read_text().splitlines()[:2]) + "\n")
     index = index_cq500(ds.image_dir, ds.labels_csv)
     assert [b.bag_id for b in index.bags] == ["CQ500-CT-0"]
-    assert "CQ500-CT-1 has no row" in index.skipped[0][1]
+    assert index.refused[0].bag_id == "CQ500-CT-1" and "CQ500-CT-1 has no row" in index.refused[0].reason
 
 
 def test_cq500_name_mapping_and_series_rule() -> None:
@@ -190,18 +198,20 @@ def test_generic_layout_matches_ground_truth(tmp_path: Path) -> None:
 
 def test_generic_layout_errors_name_the_bag_or_slice(tmp_path: Path) -> None:
     """A missing slice-label row, a listed bag without folder, and an unlisted folder must each be reported
-    with the bag/slice named."""
+    with the bag/slice named, and never stop the other bags from being indexed."""
     ds = write_generic_dataset(tmp_path / "gen", n_bags=2, slices=(3, 3), size=16, seed=4)
     lines = Path(ds.slice_labels_csv).read_text().splitlines()
     short = tmp_path / "short.csv"
     short.write_text("\n".join(lines[:-1]) + "\n")
     missing_name = Path(lines[-1].split(",")[1]).name
-    with pytest.raises(ValueError, match=f"bag 'scan_001': slice '{missing_name}' has no row"):
-        index_generic(ds.image_dir, ds.labels_csv, short)
+    index = index_generic(ds.image_dir, ds.labels_csv, short)
+    assert index.bag_ids == ["scan_000"]
+    assert index.refused[0].bag_id == "scan_001" and f"{missing_name} has no slice label" in index.refused[0].reason
     extra = tmp_path / "extra.csv"
     extra.write_text(Path(ds.labels_csv).read_text() + "ghost,1,p\n")
-    with pytest.raises(ValueError, match="bag 'ghost' is listed"):
-        index_generic(ds.image_dir, extra)
+    index = index_generic(ds.image_dir, extra)
+    assert index.bag_ids == ["scan_000", "scan_001"]
+    assert [(e.bag_id, "but not a folder" in e.reason) for e in index.refused] == [("ghost", True)]
     (Path(ds.image_dir) / "unlisted").mkdir()
     index = index_generic(ds.image_dir, ds.labels_csv)
-    assert any("'unlisted' is not listed" in r for _, r in index.skipped)
+    assert any("'unlisted' is not listed" in e.reason for e in index.skipped)

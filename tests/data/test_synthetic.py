@@ -10,7 +10,7 @@ import numpy as np
 import pydicom
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian
 
-from milgp.data.dicom import read_hu
+from milgp.data.hounsfield import read_hu
 from milgp.data.synthetic import SyntheticDataset, write_rsna_dataset
 
 

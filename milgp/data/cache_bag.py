@@ -1,0 +1,283 @@
+"""One bag of the CT cache: compute it, or decide that the copy on disk can be reused.
+
+A cached bag is two files in ``cache/bags/``: ``<stem>.npy`` (``(S, C, H, W)`` slices in scan
+order) and ``<stem>.json``, its marker, written after the array. The marker records what the bag
+was made from and what was written: the index's slice list and labels, the source files' identity
+(size and modification time in nanoseconds), the array's shape, dtype, size and SHA-256.
+
+A rerun reuses a bag only when all of that still holds (:func:`cached_bag_problem`): the same slices
+and labels, source files unchanged, and an array file whose header, size and checksum match.
+Anything else -- a truncated, emptied, overwritten or swapped array, an edited source file, a
+damaged marker -- makes the bag be computed again and reported as rebuilt, with the reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from milgp.data.atomic import atomic_save_npy, atomic_write_json, file_sha256
+from milgp.data.bag_array_file import array_file_problem
+from milgp.data.cache_params import CacheParams
+from milgp.data.ct_index import BagRecord
+from milgp.data.hounsfield import read_series_values
+from milgp.data.report_entry import ReportEntry, printable
+from milgp.data.windows import ct_channels
+
+__all__ = [
+    "MANIFEST_KEYS",
+    "BagResult",
+    "CachedBagState",
+    "bag_file_stem",
+    "cached_bag_problem",
+    "process_bag",
+    "process_bag_isolated",
+    "record_from_marker",
+    "source_identity",
+]
+
+#: The marker fields copied into ``manifest.json`` for each bag.
+MANIFEST_KEYS: tuple[str, ...] = (
+    "bag_id", "file", "patient_id", "bag_label", "num_slices", "shape", "dtype", "slice_labels",
+    "sha256", "file_size", "sources_sha256", "units", "series_uid",
+)
+
+
+def bag_file_stem(bag_id: str) -> str:
+    """File-name stem for a bag: its id with unsafe characters replaced, plus a short hash.
+
+    The hash keeps ids that differ only in replaced characters (``a/b`` vs ``a_b``) apart; ids
+    holding undecodable bytes (from file names) hash their original bytes.
+    """
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", bag_id)[:80].lstrip(".") or "bag"
+    return f"{safe}-{hashlib.sha1(bag_id.encode('utf-8', 'surrogateescape')).hexdigest()[:10]}"
+
+
+def source_identity(paths: tuple[str, ...] | list[str]) -> list[dict]:
+    """``[{"path", "size", "mtime_ns"}]`` of the source files now (``None`` values for an unreadable file)."""
+    out = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+            out.append({"path": p, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        except OSError:
+            out.append({"path": p, "size": None, "mtime_ns": None})
+    return out
+
+
+def _sources_digest(sources: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(sources, sort_keys=True).encode("ascii")).hexdigest()
+
+
+def _changed_source(recorded: list[dict]) -> tuple[str, str, str]:
+    """``(path, reason, note)``: the first source file that changed since it was cached (``reason``),
+    or else the first one that is gone (``note``: the cached copy is then the only one left)."""
+    gone = ("", "")
+    for old, new in zip(recorded, source_identity([s["path"] for s in recorded])):
+        if old == new:
+            continue
+        path = old["path"]
+        if new["size"] is None:
+            if not gone[0]:
+                gone = (path, f"source file {printable(path)} is gone or unreadable; the cached copy (checksum verified) is kept")
+            continue
+        if old["size"] is None:
+            return path, f"source file {printable(path)} was unreadable when the bag was cached and is readable now", ""
+        return path, (f"source file {printable(path)} changed since the bag was cached "
+                      f"(size {old['size']} -> {new['size']} bytes, modification time changed by "
+                      f"{(new['mtime_ns'] - old['mtime_ns']) / 1e9:+.3f} s)"), ""
+    return gone[0], "", gone[1]
+
+
+class CachedBagState(NamedTuple):
+    """What :func:`cached_bag_problem` found.
+
+    ``marker`` is the bag's marker when the cached copy can be reused (``note`` then may say that
+    some source files are gone); otherwise ``None``, with ``reason`` saying why (``""`` when
+    nothing is cached) and ``path`` naming the file at fault.
+    """
+
+    marker: dict | None
+    path: str = ""
+    reason: str = ""
+    note: str = ""
+
+
+@dataclass
+class BagResult:
+    """Outcome of :func:`process_bag` for one bag.
+
+    Attributes:
+        bag_id: the bag.
+        status: ``"done"`` (computed now), ``"rebuilt"`` (computed now, replacing a cached copy that
+            could not be reused: ``reason`` says why), ``"reused"`` (cached copy verified) or
+            ``"failed"`` (nothing written; ``reason`` says why).
+        num_slices: slices stored.
+        skipped: slices left out, with reasons.
+        reason: why the bag failed or was rebuilt.
+        path: the file at fault for ``"failed"``/``"rebuilt"``.
+        warnings: findings about the stored bag (assumed rescale, air clamped by the 12-bit repair).
+        entry: the bag's ``manifest.json`` entry (``None`` when failed).
+    """
+
+    bag_id: str
+    status: str
+    num_slices: int = 0
+    skipped: list[ReportEntry] = field(default_factory=list)
+    reason: str = ""
+    path: str = ""
+    warnings: list[ReportEntry] = field(default_factory=list)
+    entry: dict | None = None
+
+
+def _index_fields(record: BagRecord) -> dict:
+    """What the marker records of the index row the bag was made from."""
+    return {
+        "bag_id": record.bag_id,
+        "patient_id": record.patient_id,
+        "bag_label": record.bag_label,
+        "index_slice_paths": list(record.slice_paths),
+        "index_slice_labels": None if record.slice_labels is None else list(record.slice_labels),
+        "series_uid": record.series_uid,
+        "ordering": record.ordering,
+        "modality": record.modality,
+    }
+
+
+def cached_bag_problem(bags_dir: Path, record: BagRecord) -> CachedBagState:
+    """Whether the cached copy of ``record`` can be reused.
+
+    It can when the marker records the same slices, labels and patient as ``record``, no source
+    file changed (a source file that is gone does not count: the cached copy is then the only one,
+    and it is kept), and the array's header, size and SHA-256 match the marker. Reads the whole
+    array once to check its checksum.
+    """
+    stem = bag_file_stem(record.bag_id)
+    marker_path, npy_path = bags_dir / f"{stem}.json", bags_dir / f"{stem}.npy"
+    if not marker_path.exists() and not npy_path.exists():
+        return CachedBagState(None)
+    try:
+        meta = json.loads(marker_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return CachedBagState(None, str(npy_path), "cached array without its marker (a write was interrupted)")
+    except (OSError, ValueError) as err:
+        return CachedBagState(None, str(marker_path), f"marker unreadable ({type(err).__name__}: {err})")
+    try:
+        if "sha256" not in meta:
+            return CachedBagState(None, str(marker_path), "no checksum recorded (cached by an older milgp)")
+        missing = [k for k in (*MANIFEST_KEYS, "sources", "skipped", "warnings") if k not in meta]
+        if missing or meta["file"] != npy_path.name:
+            return CachedBagState(None, str(marker_path), f"marker malformed (missing {missing} or names another file)")
+        if any(meta.get(k) != v for k, v in _index_fields(record).items()):
+            return CachedBagState(None, str(marker_path), "the bag's slices, labels or patient changed in the index")
+        changed_path, changed, note = _changed_source(meta["sources"])
+        if changed:
+            return CachedBagState(None, changed_path, changed)
+        problem = array_file_problem(npy_path, tuple(meta["shape"]), meta["dtype"], meta["sha256"])
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        return CachedBagState(None, str(marker_path), f"marker malformed ({type(err).__name__}: {err})")
+    if problem:
+        return CachedBagState(None, str(npy_path), f"cached array {problem}")
+    return CachedBagState(meta, changed_path, "", note)
+
+
+def record_from_marker(meta: dict) -> BagRecord:
+    """The index row a bag was cached from, as its marker records it (to rebuild it without ``index.json``).
+
+    Raises:
+        KeyError, TypeError, ValueError: for a malformed marker.
+    """
+    return BagRecord(
+        bag_id=str(meta["bag_id"]),
+        patient_id=str(meta["patient_id"]),
+        bag_label=float(meta["bag_label"]),
+        slice_paths=tuple(str(p) for p in meta["index_slice_paths"]),
+        slice_labels=None if meta["index_slice_labels"] is None else tuple(int(v) for v in meta["index_slice_labels"]),
+        series_uid=str(meta["series_uid"]),
+        ordering=str(meta["ordering"]),
+        modality=str(meta["modality"]),
+    )
+
+
+def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: CacheParams) -> BagResult:
+    """Window, resize and store one bag, unless its cached copy verifies (:func:`cached_bag_problem`).
+
+    Unreadable slices are skipped (and reported); a bag with no readable slice, with slices in
+    different units, or with slices of different sizes when ``params.size`` is ``None``, fails
+    without writing anything. Nothing of an earlier copy is removed before the new one is complete:
+    the array is replaced first, then the marker, each atomically.
+
+    Returns:
+        A :class:`BagResult`.
+    """
+    bags_dir = Path(cache_dir) / "bags"
+    state = cached_bag_problem(bags_dir, record)
+    meta = state.marker
+    if meta is not None:
+        notes = [ReportEntry(record.bag_id, state.path, state.note)] if state.note else []
+        return BagResult(
+            record.bag_id, "reused", int(meta["num_slices"]), [ReportEntry.from_json_dict(s) for s in meta["skipped"]],
+            warnings=[ReportEntry.from_json_dict(s) for s in meta["warnings"]] + notes, entry={k: meta[k] for k in MANIFEST_KEYS},
+        )
+    sources = source_identity(record.slice_paths)  # before reading: an edit while reading shows on the next run
+    read = read_series_values(record.slice_paths, record.bag_id, allow_non_ct=record.modality != "CT")
+    values, kept, units, skipped, found = read.values, read.kept, read.units, read.skipped, read.warnings
+    if not values:
+        return BagResult(record.bag_id, "failed", 0, skipped, "no readable slice", path=record.slice_paths[0])
+    if len(units) > 1:
+        return BagResult(record.bag_id, "failed", 0, skipped, f"slices in different units {sorted(units)}", path=record.slice_paths[0])
+    shapes = sorted({v.shape for v in values})
+    if len(shapes) == 1:
+        channels = ct_channels(np.stack(values), params.windows, params.size)
+    elif params.size is None:
+        return BagResult(record.bag_id, "failed", 0, skipped, f"slices of different sizes {shapes} and no resize size set",
+                         path=record.slice_paths[0])
+    else:
+        channels = np.stack([ct_channels(v, params.windows, params.size) for v in values])
+    stem = bag_file_stem(record.bag_id)
+    npy_path, marker_path = bags_dir / f"{stem}.npy", bags_dir / f"{stem}.json"
+    stored = params.encode(channels)
+    atomic_save_npy(npy_path, stored)
+    meta = {
+        **_index_fields(record),
+        "file": npy_path.name,
+        "num_slices": len(kept),
+        "shape": list(stored.shape),
+        "dtype": str(stored.dtype),
+        "sha256": file_sha256(npy_path),
+        "file_size": npy_path.stat().st_size,
+        "slice_labels": None if record.slice_labels is None else [int(record.slice_labels[i]) for i in kept],
+        "slice_paths": [record.slice_paths[i] for i in kept],
+        "units": units.pop(),
+        "sources": sources,
+        "sources_sha256": _sources_digest(sources),
+        "skipped": [s.to_json_dict() for s in skipped],
+        "warnings": [w.to_json_dict() for w in found],
+    }
+    atomic_write_json(marker_path, meta)
+    status = "rebuilt" if state.reason else "done"
+    return BagResult(record.bag_id, status, len(kept), skipped, state.reason, state.path, found, {k: meta[k] for k in MANIFEST_KEYS})
+
+
+def _describe(err: BaseException) -> tuple[str, str]:
+    """``(path, reason)`` of an unexpected exception, naming the file when the error knows it."""
+    filename = getattr(err, "filename", None)
+    if isinstance(err, OSError) and filename:
+        return str(filename), f"{printable(filename)}: {err.strerror or err}"
+    return "", f"{type(err).__name__}: {err}"
+
+
+def process_bag_isolated(record: BagRecord, cache_dir: str | os.PathLike[str], params: CacheParams) -> BagResult:
+    """:func:`process_bag` with any exception of this one bag (a failed write, a full disk, an
+    unexpected decoder error) turned into a ``"failed"`` result naming the bag, the file and the reason."""
+    try:
+        return process_bag(record, cache_dir, params)
+    except Exception as err:
+        path, reason = _describe(err)
+        return BagResult(record.bag_id, "failed", 0, reason=reason, path=path or record.slice_paths[0])

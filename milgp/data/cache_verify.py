@@ -1,0 +1,179 @@
+"""``milgp-cache verify``: check a whole CT cache, and repair it from the sources it records.
+
+The check covers what training would be served: ``params.json`` and ``manifest.json`` readable;
+for every bag in the manifest, a readable marker that agrees with the manifest entry, an array file
+whose header, shape, dtype, size and SHA-256 match, and source files that did not change since
+(sources that are gone are noted, not held against the bag: the cached copy is then the only
+copy); every bag of ``splits.json`` in the manifest.
+
+Repair reruns :func:`milgp.data.cache.build_cache` on the index the cache was built from
+(``index.json``, or the index rows recorded in the markers when ``index.json`` is missing or
+unreadable): bags that verify are reused, corrupt or stale bags are rebuilt, bags that cannot be
+rebuilt leave the manifest, and ``splits.json`` loses the bags the manifest no longer lists. Then the
+cache is checked again; what is still wrong is reported.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from milgp.data.atomic import atomic_write_json
+from milgp.data.cache import CacheCorruptError, CacheEntry, build_cache, read_manifest
+from milgp.data.cache_bag import cached_bag_problem, record_from_marker
+from milgp.data.cache_lock import CacheLock
+from milgp.data.cache_params import read_cache_params
+from milgp.data.ct_index import BagIndex, BagRecord
+from milgp.data.report_entry import ReportEntry, printable
+
+__all__ = ["VerifyReport", "verify_cache"]
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify_cache` found and did.
+
+    Attributes:
+        cache_dir: the cache.
+        checked: bags checked in the first pass.
+        problems: what was wrong before any repair (bag, file, reason).
+        actions: what the repair did, one line each.
+        remaining: what is still wrong after the repair (equal to ``problems`` without repair).
+        notes: findings that are not problems (source files gone, cached copy kept).
+    """
+
+    cache_dir: str
+    checked: int = 0
+    problems: list[ReportEntry] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    remaining: list[ReportEntry] = field(default_factory=list)
+    notes: list[ReportEntry] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Nothing is wrong now."""
+        return not self.remaining
+
+    def summary(self) -> str:
+        lines = [f"verify {printable(self.cache_dir)}: {self.checked} bags checked, {len(self.problems)} problems found, "
+                 f"{len(self.actions)} repair actions, {len(self.remaining)} problems remaining, {len(self.notes)} notes"]
+        lines += [f"  problem: {e}" for e in self.problems]
+        lines += [f"  repaired: {a}" for a in self.actions]
+        lines += [f"  still wrong: {e}" for e in self.remaining] if self.actions else []
+        lines += [f"  note: {e}" for e in self.notes]
+        return "\n".join(lines)
+
+
+def _recorded_index(root: Path, entries: list[CacheEntry] | None) -> tuple[BagIndex | None, list[ReportEntry]]:
+    """The index to check against and rebuild from: ``index.json``, else the markers' index rows."""
+    problems: list[ReportEntry] = []
+    path = root / "index.json"
+    if path.is_file():
+        try:
+            return BagIndex.load(path), problems
+        except (OSError, ValueError) as err:
+            problems.append(ReportEntry("", str(path), f"unreadable index ({err}); the markers' records are used instead"))
+    if entries is None:
+        problems.append(ReportEntry("", str(root), "neither manifest.json nor index.json is readable: which bags the cache holds is unknown"))
+        return None, problems
+    records: list[BagRecord] = []
+    for e in entries:
+        try:
+            marker = json.loads((root / "bags" / e.file).with_suffix(".json").read_text(encoding="utf-8"))
+            records.append(record_from_marker(marker))
+        except (OSError, KeyError, TypeError, ValueError) as err:
+            problems.append(ReportEntry(e.bag_id, str(root / "bags" / e.file), f"cannot be rebuilt: no index.json and its marker is unreadable ({err})"))
+    return BagIndex(records), problems
+
+
+def _check(root: Path) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIndex | None, list[CacheEntry] | None]:
+    """One pass: ``(bags checked, problems, notes, recorded index, manifest entries)``."""
+    problems: list[ReportEntry] = []
+    notes: list[ReportEntry] = []
+    entries: list[CacheEntry] | None
+    try:
+        entries = read_manifest(root)
+    except (FileNotFoundError, CacheCorruptError) as err:
+        problems.append(ReportEntry("", str(root / "manifest.json"), str(err)))
+        entries = None
+    index, index_problems = _recorded_index(root, entries)
+    problems += index_problems
+    by_id = {} if index is None else {b.bag_id: b for b in index.bags}
+    served = entries if entries is not None else []
+    for e in served:
+        record = by_id.get(e.bag_id)
+        if record is None:
+            problems.append(ReportEntry(e.bag_id, str(root / "manifest.json"), "listed in the manifest but not in the index it was built from"))
+            continue
+        state = cached_bag_problem(root / "bags", record)
+        if state.marker is None:
+            problems.append(ReportEntry(e.bag_id, state.path or str(root / "bags" / e.file), state.reason or "listed in the manifest but not cached"))
+            continue
+        if state.note:
+            notes.append(ReportEntry(e.bag_id, state.path, state.note))
+        marker = state.marker
+        if (marker["file"], marker["sha256"], tuple(marker["shape"]), marker["slice_labels"], float(marker["bag_label"])) != (
+            e.file, e.sha256, e.shape, None if e.slice_labels is None else list(e.slice_labels), e.bag_label
+        ):
+            problems.append(ReportEntry(e.bag_id, str(root / "manifest.json"), "manifest entry differs from the bag's marker (file, checksum, shape or labels)"))
+    splits_path = root / "splits.json"
+    if splits_path.is_file() and entries is not None:
+        known = {e.bag_id for e in entries}
+        try:
+            splits = json.loads(splits_path.read_text(encoding="utf-8"))
+            listed = [str(b) for ids in splits.values() for b in ids]
+        except (OSError, ValueError, AttributeError, TypeError) as err:
+            problems.append(ReportEntry("", str(splits_path), f"unreadable splits file ({type(err).__name__}: {err})"))
+        else:
+            problems += [ReportEntry(b, str(splits_path), "listed in splits.json but not in the manifest") for b in listed if b not in known]
+    return len(served), problems, notes, index, entries
+
+
+def _fix_splits(root: Path) -> list[str]:
+    """Drop from ``splits.json`` the bags the manifest does not list; returns what was done."""
+    path = root / "splits.json"
+    if not path.is_file():
+        return []
+    try:
+        known = {e.bag_id for e in read_manifest(root)}
+    except (FileNotFoundError, CacheCorruptError):
+        return []
+    try:
+        splits = json.loads(path.read_text(encoding="utf-8"))
+        kept = {name: [b for b in ids if b in known] for name, ids in splits.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return [f"{printable(path)} is unreadable and was left as it is; rerun milgp-cache with --splits to rewrite it"]
+    dropped = [b for name, ids in splits.items() for b in ids if b not in known]
+    if not dropped:
+        return []
+    atomic_write_json(path, kept)
+    return [f"removed {len(dropped)} bags that are not in the cache from {printable(path)} (e.g. {dropped[0]!r})"]
+
+
+def verify_cache(
+    cache_dir: str | os.PathLike[str], repair: bool = False, wait_s: float = 0.0, workers: int = 1, progress: bool = False
+) -> VerifyReport:
+    """Check a cache (module docstring); with ``repair``, rebuild what can be rebuilt and check again.
+
+    Holds the cache's writer lock throughout (``wait_s`` as in :class:`milgp.data.cache_lock.CacheLock`).
+
+    Raises:
+        FileNotFoundError, ValueError: naming the folder or ``params.json`` when the folder is not a
+            readable cache (nothing can be checked or rebuilt without its parameters).
+        CacheLockedError: when another process writes into the cache.
+    """
+    root = Path(cache_dir)
+    params = read_cache_params(root)
+    with CacheLock(root, wait_s=wait_s):
+        checked, problems, notes, index, _ = _check(root)
+        report = VerifyReport(str(root), checked, problems, remaining=list(problems), notes=notes)
+        if not repair or not problems:
+            return report
+        if index is not None and len(index) > 0:
+            built = build_cache(index, root, params, workers=workers, progress=progress)
+            report.actions += [f"rebuilt {e}" for e in built.rebuilt]
+            report.actions += [f"left out of the manifest (cannot be rebuilt): {e}" for e in built.failed]
+        report.actions += _fix_splits(root)
+        _, report.remaining, report.notes, _, _ = _check(root)
+    return report
