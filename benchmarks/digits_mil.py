@@ -1,4 +1,4 @@
-"""Offline MIL benchmark from ``sklearn.datasets.load_digits`` (seed 000 §6.1, with digits for MNIST).
+"""Offline MIL benchmark from ``sklearn.datasets.load_digits`` (Castro-Macías et al. 2024, §6.1, with digits for MNIST).
 
 Positive class: digits 2 and 9. Bags of 10 instances, balanced positive/negative bags, each
 positive bag holding 1–4 positive instances; instances are sampled *without* replacement (no

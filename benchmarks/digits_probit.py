@@ -1,12 +1,12 @@
-"""MIL-GP-Probit on the offline digits bags (seed 003 on the benchmark of ``digits_mil.py``).
+"""MIL-GP-Probit on the offline digits bags (Wang & Pinar 2021 on the benchmark of ``digits_mil.py``).
 
 Same bags as :mod:`benchmarks.digits_mil` (``load_digits``, positives = digits 2 and 9, balanced
 bags of 10, 1–4 positives per positive bag, stratified 70/30 split of bags; its ``make_bags`` is
 imported, not copied). Rows: probit VI (orthant bag probabilities) and probit Gibbs at fixed
-kernel hyperparameters (median-heuristic lengthscale, unit variance — seed 003 §4 also fixes
+kernel hyperparameters (median-heuristic lengthscale, unit variance — Wang & Pinar 2021, §4 also fixes
 them), probit VI with hyperparameters learned on the collapsed ELBO, and VGPMIL at the same
 fixed hyperparameters for reference. Columns: bag AUC,
-instance AUC, instance predictive log-likelihood (seed 003's calibration measure,
+instance AUC, instance predictive log-likelihood (Wang & Pinar's (2021) calibration measure,
 ``mean h log p + (1 − h) log(1 − p)``), fit time; Gibbs also reports max split-R̂ / min ESS.
 
     .venv/bin/python benchmarks/digits_probit.py           # 3 seeds

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.reference_numpy [--quick]
 
-:class:`ReferenceVGPMIL` is an independent NumPy implementation of seed 000 Eqs. (25)–(28)
+:class:`ReferenceVGPMIL` is an independent NumPy implementation of Castro-Macías et al. 2024, Eqs. (25)–(28)
 (VGPMIL, ψ = φ) in the style of the papers' published code: explicit inverses (``inv(K_zz)``,
 ``inv(K_zz⁻¹K_zxΘK_xzK_zz⁻¹ + K_zz⁻¹)``), unwhitened ``q(u) = N(m, S)``, the ``N×M`` matrix
 ``K_xz K_zz⁻¹`` precomputed, and a Python loop over bags (and their instances) for ``π``. It is
@@ -35,7 +35,7 @@ def rbf(a: np.ndarray, b: np.ndarray, lengthscale: float, variance: float) -> np
 
 
 class ReferenceVGPMIL:
-    """VGPMIL coordinate ascent (seed 000 Algorithm 1, steps 4–7), plain NumPy."""
+    """VGPMIL coordinate ascent (Castro-Macías et al. 2024, Algorithm 1, steps 4–7), plain NumPy."""
 
     def __init__(self, X, bag_index, bag_labels, Z, lengthscale, variance, jitter=1e-6, H=100.0):
         self.X, self.Z = X, Z

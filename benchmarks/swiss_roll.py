@@ -1,4 +1,4 @@
-"""Swiss-roll aggregate-count experiment of seed 001 §4.1 (VBAgg-Poisson vs Appendix-B baselines).
+"""Swiss-roll aggregate-count experiment of Law et al. 2018, §4.1 (VBAgg-Poisson vs Appendix-B baselines).
 
 Data (as in the paper): ``Σ_a N_a`` points on sklearn's swiss roll, bag sizes ``N_a`` from a
 negative binomial with mean 150 and sd 50, points ordered by their z coordinate and poured into

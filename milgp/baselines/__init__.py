@@ -1,4 +1,4 @@
-"""Baselines for honest comparison (seed 001 Appendix B)."""
+"""Baselines for honest comparison (Law et al. 2018, Appendix B)."""
 from milgp.baselines.aggregate import BagPixelRegressor, ConstantRateRegressor
 
 __all__ = ["BagPixelRegressor", "ConstantRateRegressor"]

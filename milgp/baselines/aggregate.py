@@ -1,4 +1,4 @@
-"""Aggregate-output baselines of seed 001 Appendix B.
+"""Aggregate-output baselines of Law et al. 2018, Appendix B.
 
 * :class:`ConstantRateRegressor` — "constant": the rate is constant within a bag,
   ``λ̂_i^a = y_a / p_a`` (``p_a = Σ_i p_i``); outside the training bags the pooled rate
@@ -28,7 +28,7 @@ def _bags_and_weights(bags: Sequence[Any], weights: Sequence[Any] | None) -> tup
 
 
 class ConstantRateRegressor(RegressorMixin, BaseEstimator):
-    """Constant rate per bag (seed 001 Appendix B, "Constant")."""
+    """Constant rate per bag (Law et al. 2018, Appendix B, "Constant")."""
 
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "ConstantRateRegressor":
         bags_np, w = _bags_and_weights(bags, weights)
@@ -63,7 +63,7 @@ class ConstantRateRegressor(RegressorMixin, BaseEstimator):
 
 
 class BagPixelRegressor(RegressorMixin, BaseEstimator):
-    """"bag-pixel" (seed 001 Appendix B): a VBAgg model trained on one weighted-mean covariate per
+    """"bag-pixel" (Law et al. 2018, Appendix B): a VBAgg model trained on one weighted-mean covariate per
     bag. Keyword arguments are those of :class:`~milgp.estimators.VBAggRegressor`."""
 
     def __init__(self, likelihood: str = "poisson", link: str | None = None, num_inducing: int = 50, max_iter: int = 100, random_state: int = 0):

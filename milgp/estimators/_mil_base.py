@@ -151,7 +151,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             if len(candidates) == 1 and len(rules) == 1 and not self.calibrate:
                 decision = BagDecision(make_bag_rule(rules[0]), BagCalibrator(), float("nan"), {})
             else:
-                heldout = leave_bag_out_posterior(model, likelihood, batch, result.locals, projection=projection)
+                heldout = leave_bag_out_posterior(model, likelihood, batch, result.locals, projection=projection, moments=result.moments)
                 decision = fit_bag_decision(heldout, likelihood.instance_link, labels, rules, generator)
             self.search_.append(
                 {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale,

@@ -1,7 +1,8 @@
-"""Aggregate-output bag likelihoods (seed 001, VBAgg): shared machinery.
+"""Aggregate-output bag likelihoods (VBAgg: Law et al., *Variational Learning on
+Aggregate Outputs with Gaussian Processes*, NeurIPS 2018): shared machinery.
 
 Bag ``a`` holds instances ``x_i`` with known weights/populations ``w_i > 0`` and one observed
-aggregate ``y_a`` whose mean parameter is ``η_a = Σ_i w_i Ψ(f_i)`` (seed 001 Eq. 2/17), with
+aggregate ``y_a`` whose mean parameter is ``η_a = Σ_i w_i Ψ(f_i)`` (Law et al. 2018, Eq. 2/17), with
 ``f ~ GP`` and a link ``Ψ`` (``exp``, ``square`` or ``identity``). Concrete likelihoods
 (:mod:`~milgp.likelihoods.aggregate_poisson`, :mod:`~milgp.likelihoods.aggregate_normal`,
 :mod:`~milgp.likelihoods.aggregate_exponential`) implement one method,
@@ -10,10 +11,10 @@ or the paper's Taylor approximation) as a differentiable function of ``q(f)``.
 
 ``q(f)`` is passed as instance marginals ``mean, var`` ``(N,)`` and, for the likelihoods that
 need the within-bag covariance (``needs_covariance``: Poisson-square, Normal), as
-:class:`PaddedBlocks` — the per-bag joint ``q(f_b) = N(m^a, S^a)`` (seed 001 Eq. 9) padded to the
+:class:`PaddedBlocks` — the per-bag joint ``q(f_b) = N(m^a, S^a)`` (Law et al. 2018, Eq. 9) padded to the
 largest bag of a group, ``S^a = K_bb + jitter·I − A_bᵀA_b + A_bᵀ S A_b`` (whitened), never N×N.
 
-**GPyTorch pitfall (DESIGN §5).** In training mode ``model(x)`` returns only a valid *diagonal*
+**GPyTorch pitfall.** In training mode ``model(x)`` returns only a valid *diagonal*
 (``diag=True``); its off-diagonal entries are not the predictive covariance. The GPyTorch entry
 point :meth:`AggregateLikelihood.expected_log_prob` therefore builds the blocks itself: pass
 ``model=model, x=x`` (blocks from the model's kernel and its current ``q(u)``, differentiable in
@@ -252,7 +253,7 @@ def bag_blocks(
     weights: Tensor,
     kernel_grad: bool = True,
 ) -> PaddedBlocks:
-    """Per-bag blocks ``S^a = K_bb + jitter·I + A_bᵀ(S − I)A_b`` and means (seed 001 Eq. 9, whitened).
+    """Per-bag blocks ``S^a = K_bb + jitter·I + A_bᵀ(S − I)A_b`` and means (Law et al. 2018, Eq. 9, whitened).
 
     ``model`` is a :class:`milgp.models.SparseGP` (its ``covar_module`` and ``jitter``), ``proj``
     its :class:`~milgp.models.sparse_gp.Projection` of ``x``. Differentiable in ``m``, ``S`` and
@@ -402,7 +403,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             elif _is_train_mode_diagonal(function_dist) and bool((bag_sizes(bag_index, num_bags) > 1).any()):
                 raise ValueError(
                     f"{type(self).__name__} needs the within-bag covariance, but function_dist is GPyTorch's "
-                    "train-mode diag=True output whose off-diagonal entries are not valid (DESIGN §5). "
+                    "train-mode diag=True output whose off-diagonal entries are not valid. "
                     "Pass model=model, x=x to expected_log_prob / the mll, or call model(x, diag=False)."
                 )
             else:

@@ -1,4 +1,4 @@
-"""Exponential aggregate outputs (seed 001 Appendix A.1, A.4).
+"""Exponential aggregate outputs (Law et al. 2018, Appendix A.1, A.4).
 
 ``y_a ~ Exponential(mean η_a)``, ``η_a = Σ_i w_i Ψ(f_i)``, i.e. ``log p(y|η) = −y/η − log η``
 (natural parameter ``θ = F(η) = −1/η``, ``c(θ) = log η``). Both expectations are intractable; we
@@ -27,7 +27,7 @@ __all__ = ["ExponentialAggregateLikelihood"]
 
 
 class ExponentialAggregateLikelihood(AggregateLikelihood):
-    """Exponential bag likelihood with the concave-link lower bound (seed 001 Appendix A.4)."""
+    """Exponential bag likelihood with the concave-link lower bound (Law et al. 2018, Appendix A.4)."""
 
     target_name = "target"
     needs_covariance = False

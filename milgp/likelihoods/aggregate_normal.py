@@ -1,4 +1,4 @@
-"""Normal aggregate outputs, exact and conjugate (seed 001 Appendix A.3, Eqs. 21–25).
+"""Normal aggregate outputs, exact and conjugate (Law et al. 2018, Appendix A.3, Eqs. 21–25).
 
 ``y_a ~ N(Σ_{i∈a} w_i f_i, τ Σ_{i∈a} w_i²)`` (Eq. 22 with ``τ_i^a = τ``; identity link), with the
 noise ``τ`` learned. The ELBO data term is exact (Eq. 25, with weights):

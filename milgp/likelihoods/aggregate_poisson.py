@@ -1,7 +1,7 @@
-"""Poisson aggregate counts, VBAgg-Poisson (seed 001 §3, Eqs. 4, 8–14).
+"""Poisson aggregate counts, VBAgg-Poisson (Law et al. 2018, §3, Eqs. 4, 8–14).
 
 ``y_a ~ Poisson(Σ_{i∈a} p_i Ψ(f_i))`` with populations ``p_i > 0``. The expected log-likelihood
-(seed 001 Eq. 8/10) is
+(Law et al. 2018, Eq. 8/10) is
 
     y_a E[log Σ_i p_i Ψ(f_i)] − Σ_i p_i E[Ψ(f_i)] − log y_a!,
 
@@ -65,7 +65,7 @@ class PoissonAggregateLikelihood(AggregateLikelihood):
 
     @staticmethod
     def taylor_log_norm(blocks: PaddedBlocks) -> Tensor:
-        """``ζ_a ≈ E log Σ_i p_i f_i²`` per bag ``(B,)`` (seed 001 Eq. 11)."""
+        """``ζ_a ≈ E log Σ_i p_i f_i²`` per bag ``(B,)`` (Law et al. 2018, Eq. 11)."""
         w, m, S = blocks.weights, blocks.mean, blocks.cov
         diag = torch.diagonal(S, dim1=-2, dim2=-1)
         T = (w * (m * m + diag)).sum(-1)

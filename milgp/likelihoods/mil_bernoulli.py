@@ -1,6 +1,8 @@
-"""ψ-VGPMIL bag likelihood: logistic instances, noisy bag label (seed 000 §2–5).
+"""ψ-VGPMIL bag likelihood: logistic instances, noisy bag label (Castro-Macías et al., *Hyperbolic
+secant representation of the logistic function: application to probabilistic multiple instance
+learning for CT intracranial hemorrhage detection*, Artificial Intelligence 2024, §2–5).
 
-Model (seed 000 Eqs. 1, 4, 18): ``p(y_n | f_n) = sigmoid(f_n)^{y_n} sigmoid(−f_n)^{1−y_n}`` with the
+Model (Castro-Macías et al. 2024, Eqs. 1, 4, 18): ``p(y_n | f_n) = sigmoid(f_n)^{y_n} sigmoid(−f_n)^{1−y_n}`` with the
 hyperbolic secant part of the logistic replaced by a GSM density ψ, and the bag label
 ``p(T_b | y_b) = H^{G_b} / (H + 1)``, ``G_b = T_b max y_b + (1 − T_b)(1 − max y_b)``.
 
@@ -13,7 +15,7 @@ ELBO (closed form, every term exact for ψ = φ):
     Σ_n [(π_n − ½) μ_n + log ψ(c_n) + log π] + Σ_b (log H · E[G_b] − log(H+1)) + Σ_n H[Bern(π_n)] − KL,
 
 with ``E[max y_b] = 1 − Π_b (1 − π_i)``. For ψ = φ (VGPMIL) ``log φ(c) + log π = −log(2cosh(c/2))``
-and the objective is a true lower bound of ``log p(T)``. For other ψ, seed 000 Eq. 29 has a
+and the objective is a true lower bound of ``log p(T)``. For other ψ, Castro-Macías et al. 2024, Eq. 29 has a
 global normaliser ``−log Z`` that depends on the kernel (Eq. 20); like the authors' code we replace
 it by its ψ = φ value ``N log π``, so the objective drives the same updates of q(v), q(y) but is a
 surrogate, not a bound, for model comparison across ψ.
@@ -83,7 +85,7 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
     """
 
     instance_link = LogisticLink()
-    """``p(y = 1 | f) = σ(f)`` and its moments under ``q(f)`` (seed 000 Eqs. 31–33)."""
+    """``p(y = 1 | f) = σ(f)`` and its moments under ``q(f)`` (Castro-Macías et al. 2024, Eqs. 31–33)."""
 
     def __init__(
         self,
@@ -182,7 +184,7 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         return Bernoulli(logits=function_samples)
 
     def marginal(self, function_dist: Any, *args: Any, **kwargs: Any) -> Bernoulli:
-        """Predictive instance label ``Bernoulli(E[sigmoid(f*)])`` (seed 000 Eq. 31)."""
+        """Predictive instance label ``Bernoulli(E[sigmoid(f*)])`` (Castro-Macías et al. 2024, Eq. 31)."""
         return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])
 
     def extra_repr(self) -> str:

@@ -1,7 +1,7 @@
-"""MIL-GP-Probit bag likelihood (Wang & Pinar, AISTATS 2021 — seed 003) for GPyTorch and the
+"""MIL-GP-Probit bag likelihood (Wang & Pinar, *The Multiple Instance Learning Gaussian Process Probit Model*, AISTATS 2021) for GPyTorch and the
 closed-form fast path.
 
-Model (seed 003 Eqs. 5–12): ``h_n ~ Bern(Φ(f_n))``, bag label ``Y_b = max_{n∈b} h_n``. Augmented with
+Model (Wang & Pinar 2021, Eqs. 5–12): ``h_n ~ Bern(Φ(f_n))``, bag label ``Y_b = max_{n∈b} h_n``. Augmented with
 ``m_n ~ N(f_n, 1)``, ``h_n = 1[m_n > 0]`` and ``h`` summed out: ``p(Y_b = 0 | M_b) = Π_n 1[m_n < 0]``,
 ``p(Y_b = 1 | M_b) = 1 − Π_n 1[m_n < 0]`` (Eqs. 11–12).
 
@@ -18,7 +18,7 @@ the bag, no leave-one-out. With ``P_b = Π_{i∈b} Φ(−ν_i)`` the normaliser 
   stable ``log(1 − P_b)``).
 
 The augmented expected log-likelihood is quadratic in ``f``: ``b_n = E[m_n]``, ``λ_n = 1``, so the
-natural step is ``η̂₁ = s·A E[m]``, ``η̂₂ = −½(I + s·AAᵀ)`` (DESIGN §4; seed 003 Eqs. 17–18 whitened).
+natural step is ``η̂₁ = s·A E[m]``, ``η̂₂ = −½(I + s·AAᵀ)`` (Wang & Pinar 2021, Eqs. 17–18 whitened).
 
 **Exact ELBO** (derived here; the paper gives the updates, not the bound). With
 ``μ_n, σ²_n`` the marginals of ``q(f_n)`` and ``q(M_b)`` as above,
@@ -42,7 +42,7 @@ which is what :meth:`MILProbitLikelihood.hyperparameter_terms` returns (a lower 
 ``log p(Y)`` for every kernel; the gradient of (★) at ``ν = μ`` is the same by the envelope
 theorem). Every term is closed form; no quadrature.
 
-Predictions (seed 003 §3.4): instance ``Φ(μ*/sqrt(1 + σ*²))``; bag ``1 − P(all m* < 0)`` with
+Predictions (Wang & Pinar 2021, §3.4): instance ``Φ(μ*/sqrt(1 + σ*²))``; bag ``1 − P(all m* < 0)`` with
 ``m*_b ~ N(μ*_b, Σ*_b + I)`` — an orthant probability (:mod:`milgp.likelihoods.orthant`) — or, for
 comparison, the same with the within-bag correlation ignored.
 """
@@ -97,7 +97,7 @@ def bag_log_normaliser(
 
 
 def expected_augmentation(nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Tensor:
-    """``E_q[m_n]`` ``(N,)`` under the optimal ``q(M_b)`` with locals ``ν`` (seed 003 Eqs. 21–24).
+    """``E_q[m_n]`` ``(N,)`` under the optimal ``q(M_b)`` with locals ``ν`` (Wang & Pinar 2021, Eqs. 21–24).
 
     Negative bags: ``ν − h(ν)`` (continued fraction for large ``ν``); positive bags:
     ``ν_n + exp(log h(ν_n) + log P_b − log Z_b)``.
@@ -110,7 +110,7 @@ def expected_augmentation(nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num
 
 
 class MILProbitLikelihood(AugmentedBagLikelihood):
-    """MIL-GP-Probit bag likelihood (seed 003), see the module docstring for the equations.
+    """MIL-GP-Probit bag likelihood (Wang & Pinar 2021), see the module docstring for the equations.
 
     Persistent locals: ``ν`` ``(N,)``, the means of the Gaussian factors of ``q(M_b)``.
 

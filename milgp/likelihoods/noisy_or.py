@@ -1,4 +1,4 @@
-"""Mean-field updates of the instance labels q(y_n) = Bern(π_n) in VGPMIL (seed 000 Eqs. 25, 47–51).
+"""Mean-field updates of the instance labels q(y_n) = Bern(π_n) in VGPMIL (Castro-Macías et al. 2024, Eqs. 25, 47–51).
 
 ``π_n = sigmoid(μ_n + log H · (2T_b − 1) · (1 − E[max y_{b∖n}]))``.
 

@@ -1,6 +1,9 @@
-"""Gaussian-scale-mixture densities ψ for ψ-VGPMIL (seed 000, Sections 3–5, Appendix A).
+"""Gaussian-scale-mixture densities ψ for ψ-VGPMIL (Castro-Macías et al.,
+*Hyperbolic secant representation of the logistic function: application to probabilistic multiple
+instance learning for CT intracranial hemorrhage detection*, Artificial Intelligence 2024, Sections
+3–5, Appendix A).
 
-ψ-VGPMIL replaces the hyperbolic secant density φ hidden in the logistic likelihood (seed 000
+ψ-VGPMIL replaces the hyperbolic secant density φ hidden in the logistic likelihood (Castro-Macías et al. 2024
 Eq. 15) by any differentiable density with a Gaussian-scale-mixture (GSM) representation
 ``ψ(x) = ∫ N(x | 0, 1/ω) ψ̂(ω) dω`` (Eq. 39). Inference only needs two things of ψ:
 
@@ -25,7 +28,7 @@ __all__ = ["GSMDensity", "HyperbolicSecantPsi", "GammaPsi"]
 
 
 class GSMDensity(torch.nn.Module, ABC):
-    """Interface of a Gaussian-scale-mixture density ψ (seed 000 §4)."""
+    """Interface of a Gaussian-scale-mixture density ψ (Castro-Macías et al. 2024, §4)."""
 
     @abstractmethod
     def log_psi(self, x: Tensor) -> Tensor:
@@ -33,16 +36,16 @@ class GSMDensity(torch.nn.Module, ABC):
 
     @abstractmethod
     def theta(self, c: Tensor) -> Tensor:
-        """``θ(c) = −ψ'(c) / (c ψ(c))`` (seed 000 Eq. 28), elementwise, finite at ``c = 0``."""
+        """``θ(c) = −ψ'(c) / (c ψ(c))`` (Castro-Macías et al. 2024, Eq. 28), elementwise, finite at ``c = 0``."""
 
     def forward(self, x: Tensor) -> Tensor:
         return self.log_psi(x)
 
 
 class HyperbolicSecantPsi(GSMDensity):
-    """ψ = φ, the hyperbolic secant density ``φ(x) = (2π cosh(x/2))⁻¹`` (seed 000 Eq. 15).
+    """ψ = φ, the hyperbolic secant density ``φ(x) = (2π cosh(x/2))⁻¹`` (Castro-Macías et al. 2024, Eq. 15).
 
-    This gives VGPMIL ≡ PG-VGPMIL (seed 000 §3.1): ``θ(c) = tanh(c/2) / (2c)`` (Eq. 14), the mean
+    This gives VGPMIL ≡ PG-VGPMIL (Castro-Macías et al. 2024, §3.1): ``θ(c) = tanh(c/2) / (2c)`` (Eq. 14), the mean
     of ``PG(1, c)``, with limit 1/4 at ``c → 0`` (a Taylor series is used for small ``c``).
     """
 
@@ -64,9 +67,9 @@ class HyperbolicSecantPsi(GSMDensity):
 
 
 class GammaPsi(GSMDensity):
-    """G-VGPMIL: ``ψ(x) = Z(α, β)⁻¹ (β + x²/2)^(−α)`` (seed 000 Eq. 37), mixing density Gamma(α, β).
+    """G-VGPMIL: ``ψ(x) = Z(α, β)⁻¹ (β + x²/2)^(−α)`` (Castro-Macías et al. 2024, Eq. 37), mixing density Gamma(α, β).
 
-    ``θ(c) = α / (β + c²/2)`` exactly (seed 000 §5). The normaliser, needed only for the ELBO's
+    ``θ(c) = α / (β + c²/2)`` exactly (Castro-Macías et al. 2024, §5). The normaliser, needed only for the ELBO's
     value, is ``Z(α, β) = √(2π) β^(½−α) Γ(α−½) / Γ(α)`` for ``α > ½``.
 
     Existence of a finite optimum: for a confidently labelled instance (``π → 1``) the stationary

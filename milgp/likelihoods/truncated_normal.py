@@ -1,6 +1,6 @@
 """Numerically stable truncated-normal moments, log-probabilities and exact samplers.
 
-Everything the MIL probit model (seed 003) needs about ``N(μ, 1)`` restricted to one side of 0,
+Everything the MIL probit model (Wang & Pinar 2021) needs about ``N(μ, 1)`` restricted to one side of 0,
 written so that no expression cancels catastrophically or overflows for ``|μ|`` up to ~35 in
 float64 (and degrades gracefully — finite, correct limits — beyond):
 
@@ -99,7 +99,7 @@ def hazard_excess(x: Tensor) -> Tensor:
 
 
 def mean_below_zero(mu: Tensor) -> Tensor:
-    """``E[m]`` for ``m ~ N(μ, 1)`` truncated to ``(−∞, 0)``: ``μ − φ(μ)/Φ(−μ)`` (seed 003 Eq. 22)."""
+    """``E[m]`` for ``m ~ N(μ, 1)`` truncated to ``(−∞, 0)``: ``μ − φ(μ)/Φ(−μ)`` (Wang & Pinar 2021, Eq. 22)."""
     return -hazard_excess(mu)
 
 

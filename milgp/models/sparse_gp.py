@@ -4,7 +4,7 @@
 ``VariationalStrategy``, a scaled RBF kernel with optional ARD or a scaled linear kernel, zero or
 constant mean), so it works with
 ``gpytorch.mlls.VariationalELBO`` and Adam or ``gpytorch.optim.NGD``. It also exposes what the
-augmentation-based closed-form updates need (DESIGN §3), computed without N×N matrices:
+augmentation-based closed-form updates need, computed without N×N matrices:
 
 * :meth:`projection` — ``A = L⁻¹ K_zx`` ``(M, N)`` with ``K_zz + jitter·I = L Lᵀ``, the prior
   diagonal ``k(x_n, x_n) + jitter`` ``(N,)`` and the prior mean ``(N,)``;

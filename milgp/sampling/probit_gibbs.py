@@ -1,9 +1,10 @@
-"""Collapsed Gibbs sampler for the MIL-GP-Probit model (seed 003 §3.5, Eqs. 26–28).
+"""Collapsed Gibbs sampler for the MIL-GP-Probit model (Wang & Pinar, *The Multiple
+Instance Learning Gaussian Process Probit Model*, AISTATS 2021, §3.5, Eqs. 26–28).
 
-The model is the FITC one of seed 003 (Eqs. 5–12): ``u ~ N(0, K_zz)``,
+The model is the FITC one of Wang & Pinar 2021 (Eqs. 5–12): ``u ~ N(0, K_zz)``,
 ``f | u ~ N(K_xz K_zz⁻¹ u, diag(K̃))``, ``m_n ~ N(f_n, 1)``, bag constraints on ``m``. Integrating
 ``f`` out gives ``m | u ~ N(K_xz K_zz⁻¹ u, D)`` with ``D = diag(1 + K̃_nn)`` — the per-instance
-variance is ``1 + K̃_nn``, not 1 (DESIGN §4; the paper's Eq. 26 prints ``Σ^u`` of Eq. 17, which
+variance is ``1 + K̃_nn``, not 1 (the paper's Eq. 26 prints ``Σ^u`` of Eq. 17, which
 is the ``K̃ = 0`` special case). Whitened (``v = L⁻¹u``, ``A = L⁻¹K_zx``, prior mean ``μ₀``):
 
 * ``v | m ~ N(P⁻¹ A D⁻¹ (m − μ₀), P⁻¹)``, ``P = I + A D⁻¹ Aᵀ`` (Eq. 26; ``P`` is fixed, factorised once);

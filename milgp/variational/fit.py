@@ -42,7 +42,7 @@ class FitResult:
         objective: the objective the hyperparameter steps ascend, ``Σ hyperparameter_terms − KL``,
             after each iteration when hyperparameters are learned (it is then the convergence
             criterion), else only its final value (one entry; it is not needed per sweep) (:meth:`AugmentedBagLikelihood.hyperparameter_terms`).
-            For VGPMIL it is the un-augmented ELBO with ``E_q[log φ(f)]`` by quadrature (seed 000
+            For VGPMIL it is the un-augmented ELBO with ``E_q[log φ(f)]`` by quadrature (Castro-Macías et al. 2024
             Eq. 29 plus the q(y) terms), a tighter lower bound of ``log p(T)`` than ``elbo``; for
             the probit model it equals ``elbo`` at the fixed point of the locals.
         converged: whether the relative change of ``objective`` (with hyperparameter learning) or
@@ -50,6 +50,7 @@ class FitResult:
         iterations: iterations (full batch) or epochs run.
         seconds: wall time.
         locals: the persistent locals at the end (e.g. ``π`` ``(N,)`` for VGPMIL).
+        moments: ``(mean, var)`` ``(N,)`` of ``q(f)`` at the training inputs at the end.
     """
 
     elbo: list[float] = field(default_factory=list)
@@ -58,6 +59,7 @@ class FitResult:
     iterations: int = 0
     seconds: float = 0.0
     locals: Any = None
+    moments: tuple[Tensor, Tensor] | None = None
 
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
@@ -350,6 +352,7 @@ def fit_closed_form(
     result.iterations = len(result.elbo)
     result.seconds = time.perf_counter() - start
     result.locals = locals_
+    result.moments = (mean, var)
     return result
 
 

@@ -40,8 +40,9 @@ def leave_bag_out_posterior(
     likelihood: AugmentedBagLikelihood,
     batch: BagBatch,
     locals_: Any,
-    block_budget: int = 2**22,
+    block_budget: int = 2**18,
     projection: tuple[Tensor, Projection] | None = None,
+    moments: tuple[Tensor, Tensor] | None = None,
 ) -> BagPosterior:
     """Cavity predictive ``q_{−b}(f_b)`` of every training bag.
 
@@ -59,6 +60,8 @@ def leave_bag_out_posterior(
         locals_: the likelihood's locals at the fit (e.g. ``π`` ``(N,)``).
         block_budget: at most this many block entries per group of bags.
         projection: ``(L, Projection)`` of ``batch.x`` already computed for the model's kernel.
+        moments: ``(mean, var)`` of ``q(f)`` at ``batch.x`` already computed (e.g.
+            :attr:`FitResult.moments`).
 
     Returns:
         A :class:`BagPosterior` with the cavity marginals of all ``N`` instances and, for joint
@@ -67,7 +70,7 @@ def leave_bag_out_posterior(
     x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
     q = model.whitened_posterior()
     proj = model.projection(x) if projection is None else projection[1]
-    mean, var = model.marginals(proj, q)
+    mean, var = model.marginals(proj, q) if moments is None else moments
     beta, lam = likelihood.quadratic_terms(mean, var, bag_index, batch.bag_labels, B, locals_)
     beta = beta - lam * proj.prior_mean
     AT = proj.A.mT  # (N, M)

@@ -9,7 +9,7 @@ the optimal Gaussian ``q(v)`` has natural parameters
     η̂₁ = s · A (b − λ ⊙ mean(x)),      −2 η̂₂ = P̂ = I + s · A diag(λ) Aᵀ,
 
 with ``A = L⁻¹K_zx`` and ``s`` = total bags / bags in the batch. (For VGPMIL ``b = π − ½``,
-``λ = θ``: seed 000 Eqs. 26–27, whitened.) Full batch with step ρ = 1 this *is* CAVI; with
+``λ = θ``: Castro-Macías et al. 2024, Eqs. 26–27, whitened.) Full batch with step ρ = 1 this *is* CAVI; with
 minibatches of whole bags the stochastic step ``η ← (1−ρ_t) η + ρ_t η̂`` with a Robbins–Monro
 schedule ``ρ_t = (t + τ)^(−κ)`` is stochastic variational inference. Both are natural-gradient
 steps of step size ρ, which is why one ``gpytorch.optim.NGD(lr=ρ)`` step on the augmented

@@ -136,3 +136,26 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     tol = 4 * np.sqrt(se_pad.numpy() ** 2 + se_all**2) + 1e-9
     assert (np.abs(p_pad.numpy() - p_all) <= tol).all()
     assert ((p_all > 0.05) & (p_all < 0.95)).any()  # not only trivial bags
+
+
+def test_a_ten_thousand_instance_bag_is_predicted_without_joint_blocks(data, monkeypatch):
+    """If this fails, predicting one 10,000-instance bag builds its 10⁴×10⁴ within-bag covariance
+    again (7 GB and minutes before): the default bag rule reads marginals only, and the orthant
+    rule refuses such a bag with a message naming it instead of factorising it."""
+    from milgp.models.sparse_gp import SparseGP
+
+    (tr, ytr, _), _ = data
+    clf = ProbitMILClassifier(num_inducing=20, max_iter=15, search_iter=5).fit(tr, ytr)
+    rng = np.random.default_rng(3)
+    huge = rng.normal(size=(10_000, 3)) * 3 + 5
+
+    def no_blocks(*args, **kwargs):
+        raise AssertionError("a joint block was built")
+
+    monkeypatch.setattr(SparseGP, "bag_covariances", no_blocks)
+    p, s = clf.predict_bag_proba([huge, tr[0]])
+    assert p.shape == (2,) and np.isfinite(p).all() and (s >= 0).all()
+    monkeypatch.undo()
+    orthant = ProbitMILClassifier(num_inducing=20, max_iter=15, bag_rule="orthant", calibrate=False, kernel="rbf", lengthscale=2.0, outputscale=1.0).fit(tr, ytr)
+    with pytest.raises(ValueError, match="bag 0 has 10000 instances"):
+        orthant.predict_proba([huge])
