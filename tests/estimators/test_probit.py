@@ -33,7 +33,11 @@ def test_vi_fit_predict(data):
     """If this fails, the VI estimator does not learn (bag/instance AUC on held-out bags), returns
     malformed outputs, or the (uncalibrated) orthant bag probabilities carry no error estimate."""
     (tr, ytr, _), (te, yte, inst) = data
-    clf = ProbitMILClassifier(num_inducing=30, max_iter=40, num_qmc_points=256, bag_rule="orthant", calibrate=False).fit(tr, ytr)
+    # one fixed kernel, so that the bag rules below differ in the rule alone
+    clf = ProbitMILClassifier(
+        num_inducing=30, max_iter=40, num_qmc_points=256, bag_rule="orthant", calibrate=False,
+        kernel="rbf", lengthscale=2.0, outputscale=1.0,
+    ).fit(tr, ytr)
     proba = clf.predict_proba(te)
     assert proba.shape == (len(te), 2) and np.allclose(proba.sum(1), 1)
     assert roc_auc_score(yte, proba[:, 1]) > 0.85
@@ -97,7 +101,11 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     from milgp.prediction import BagPosterior, OrthantRule, bag_posterior
 
     (tr, ytr, _), _ = data
-    clf = ProbitMILClassifier(num_inducing=30, max_iter=40, num_qmc_points=256, bag_rule="orthant", calibrate=False).fit(tr, ytr)
+    # one fixed kernel, so that the bag rules below differ in the rule alone
+    clf = ProbitMILClassifier(
+        num_inducing=30, max_iter=40, num_qmc_points=256, bag_rule="orthant", calibrate=False,
+        kernel="rbf", lengthscale=2.0, outputscale=1.0,
+    ).fit(tr, ytr)
     rng = np.random.default_rng(7)
     sizes = [1, 3, 5, 5, 40, 2, 12, 5, 90, 4, 1, 7]
     bags = [rng.normal(size=(k, 3)) * 3 + 5 + (rng.random() < 0.5) * np.array([3.6, 0, 0]) for k in sizes]
