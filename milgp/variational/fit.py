@@ -89,10 +89,13 @@ class _Projector:
         self._AT: Tensor | None = None
         self._prior_var: Tensor | None = None
         self._prior_mean: Tensor | None = None
+        self._residual: Tensor | None = None
 
     def adopt(self, L: Tensor, proj: Projection) -> None:
         """Use an already computed projection of all of this projector's inputs."""
+        proj = proj.with_residual()
         self._L, self._AT, self._prior_var, self._prior_mean = L, proj.A.mT, proj.prior_var, proj.prior_mean
+        self._residual = proj.residual
 
     @property
     def cached(self) -> bool:
@@ -116,6 +119,7 @@ class _Projector:
                 prior_var[s : s + self.chunk_size] = proj.prior_var
                 prior_mean[s : s + self.chunk_size] = proj.prior_mean
         self._AT, self._prior_var, self._prior_mean = AT, prior_var, prior_mean
+        self._residual = prior_var - (AT * AT).sum(1)
 
     def chunks(self):
         """Yield ``(start, Projection)`` over all inputs in chunks of ``chunk_size``."""
@@ -125,7 +129,7 @@ class _Projector:
         for s in range(0, N, self.chunk_size):
             e = min(N, s + self.chunk_size)
             if self._AT is not None:
-                yield s, Projection(A=self._AT[s:e].mT, prior_var=self._prior_var[s:e], prior_mean=self._prior_mean[s:e])
+                yield s, Projection(self._AT[s:e].mT, self._prior_var[s:e], self._prior_mean[s:e], self._residual[s:e])
             else:  # callers run under torch.no_grad()
                 yield s, self.model.projection(self.x[s:e], self.L())
 
@@ -135,7 +139,7 @@ class _Projector:
             self._fill()
         if self._AT is None:
             return None
-        return Projection(A=self._AT[idx].mT, prior_var=self._prior_var[idx], prior_mean=self._prior_mean[idx])
+        return Projection(self._AT[idx].mT, self._prior_var[idx], self._prior_mean[idx], self._residual[idx])
 
 
 def _moments(

@@ -110,3 +110,27 @@ def test_hyperparameters_exclude_variational_parameters():
     var_ids = {id(p) for p in model.variational_parameters()}
     hyp = model.hyperparameters()
     assert hyp and not any(id(p) in var_ids for p in hyp)
+
+
+def test_marginals_blas_and_matrix_product_paths_agree():
+    """The variance ``k − ‖A‖² + AᵀSA`` by the BLAS triangular product (row-major ``Aᵀ`` views, no
+    gradient) and by the general matrix product (any other layout) must agree to 1e-12, in float64
+    and to 1e-5 in float32."""
+    from milgp.models.sparse_gp import Projection, WhitenedPosterior
+
+    g = torch.Generator().manual_seed(0)
+    M, N = 7, 40
+    AT = torch.randn(N, M, generator=g, dtype=torch.float64)
+    X = torch.randn(M, M, generator=g, dtype=torch.float64)
+    S = X @ X.mT / M + 0.1 * torch.eye(M, dtype=torch.float64)
+    q = WhitenedPosterior(m=torch.randn(M, generator=g, dtype=torch.float64), S=S, precision=torch.linalg.inv(S))
+    prior_var = 1.0 + (AT * AT).sum(1)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        qd = WhitenedPosterior(m=q.m.to(dtype), S=q.S.to(dtype), precision=q.precision.to(dtype))
+        view = Projection(A=AT.to(dtype).mT, prior_var=prior_var.to(dtype), prior_mean=torch.zeros(N, dtype=dtype))
+        dense = Projection(A=AT.to(dtype).mT.contiguous(), prior_var=view.prior_var, prior_mean=view.prior_mean)
+        m1, v1 = SparseGP.marginals(view, qd)
+        m2, v2 = SparseGP.marginals(dense, qd)
+        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+        torch.testing.assert_close(m1, m2, rtol=tol, atol=tol)
+        assert torch.allclose(v2.double(), 1.0 + (AT * (AT @ S)).sum(1), rtol=tol, atol=tol)
