@@ -56,6 +56,13 @@ def _fractions(text: str) -> tuple[float, float, float]:
         raise argparse.ArgumentTypeError(f"{text!r} is not TRAIN,VAL,TEST fractions (e.g. 0.8,0.1,0.1)") from None
     if len(values) != 3:
         raise argparse.ArgumentTypeError(f"{text!r}: give three fractions TRAIN,VAL,TEST")
+    if any(not 0 <= v for v in values) or values[0] == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: fractions must be >= 0 with a non-empty training share")
+    total = sum(values)
+    if abs(total - 100) < 1e-6:  # percentages
+        return tuple(v / 100 for v in values)  # type: ignore[return-value]
+    if abs(total - 1) > 1e-6:
+        raise argparse.ArgumentTypeError(f"{text!r}: fractions sum to {total:g}; they must sum to 1 (or to 100 as percentages)")
     return values  # type: ignore[return-value]
 
 

@@ -194,3 +194,22 @@ def test_cli_runs_as_module_with_help() -> None:
     """`python -m milgp.data.cache_cli --help` must work (the console script wraps the same main)."""
     out = subprocess.run([sys.executable, "-m", "milgp.data.cache_cli", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "rsna" in out.stdout and "synthetic" in out.stdout
+
+
+def test_split_fractions_are_checked_before_any_work(tmp_path):
+    """``--splits`` is checked when the command line is parsed, before any file is read: fractions
+    that do not sum to 1 are refused in one line, percentages summing to 100 are converted."""
+    import subprocess
+    import sys
+
+    from milgp.data.cache_cli import _fractions
+
+    assert _fractions("80,10,10") == (0.8, 0.1, 0.1)
+    assert _fractions("0.7,0.15,0.15") == (0.7, 0.15, 0.15)
+    out = subprocess.run(
+        [sys.executable, "-m", "milgp.data.cache_cli", "rsna", "--images", str(tmp_path / "missing"),
+         "--labels", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "cache"), "--splits", "0.8,0.3,0.1"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode != 0 and "sum to 1.2" in out.stderr
+    assert not (tmp_path / "cache").exists()
