@@ -30,8 +30,8 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_each_subcommand_writes_its_own_versioned_logs(tmp_path: Path) -> None:
-    """fit, test, predict and a second test each write their own version folder, and none touches
-    another's: the fit's metrics.csv keeps every training epoch after test and predict ran.
+    """fit, test, predict, a second test and validate each write their own version folder, and none
+    touches another's: the fit's metrics.csv keeps every training epoch after the others ran.
 
     On the shipped configs every subcommand logged to one pinned `logs/fit` folder: a test replaced
     the fit's metrics.csv by one test row and predict deleted it."""
@@ -44,7 +44,9 @@ def test_each_subcommand_writes_its_own_versioned_logs(tmp_path: Path) -> None:
     run_cli(["test", "--config", path, "--ckpt_path", "best"])
     run_cli(["predict", "--config", path, "--ckpt_path", "best"])
     run_cli(["test", "--config", path, "--ckpt_path", "last"])
+    run_cli(["validate", "--config", path, "--ckpt_path", "best"])
     assert fit_log.read_text() == before
+    assert report(run, "validate")["data"]["split"] == "val" and (run / "validate" / "version_0" / "predictions.csv").is_file()
     assert (run / "test" / "version_0" / "metrics.csv").is_file() and (run / "test" / "version_1" / "metrics.csv").is_file()
     assert (run / "predict" / "version_0" / "predictions.csv").is_file()
     assert report(run, version=0)["checkpoint"].endswith("best.ckpt") and report(run, version=1)["checkpoint"].endswith("last.ckpt")
