@@ -88,6 +88,7 @@ class AttentionMILModule(BagModuleBase):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.num_bags)
         return loss
 
+    @torch.no_grad()
     def predict_records(self, batch: BagBatch) -> list[dict]:
         out = self(batch.x, batch.bag_index, batch.num_bags)
         bag_p = torch.sigmoid(out["logits"].float())

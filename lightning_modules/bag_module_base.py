@@ -87,6 +87,7 @@ class BagModuleBase(pl.LightningModule, ABC):
         self._test_records: list[dict] = []
         self.test_records: list[dict] = []
         self.test_metrics: dict[str, float] = {}
+        self.val_records: list[dict] = []
         self.val_metrics: dict[str, float] = {}
         self.input_preprocessing: dict | None = None
         self._module_args: list[str] = []
@@ -211,7 +212,7 @@ class BagModuleBase(pl.LightningModule, ABC):
         self._val_records.extend(self.predict_records(batch))
 
     def on_validation_epoch_end(self) -> None:
-        records = self.gather_records(self._val_records)
+        self.val_records = records = self.gather_records(self._val_records)
         self._val_records = []
         check_records(records, "validation")
         self.val_metrics = records_metrics(records)

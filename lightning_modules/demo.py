@@ -131,8 +131,8 @@ def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
-def _settings(size: DemoSize, seed: int, progress: bool) -> dict[str, dict[str, Any]]:
-    common = {"seed_everything": seed, "trainer.enable_progress_bar": progress}
+def _settings(size: DemoSize, seed: int, progress: bool, quick: bool) -> dict[str, dict[str, Any]]:
+    common = {"seed_everything": seed, "trainer.enable_progress_bar": progress, **({"trainer.log_every_n_steps": 1} if quick else {})}
     cnn = {"model.init_args.extractor.init_args.widths": list(size.widths)}
     return {
         "demo_attcnn": {**common, **cnn, "trainer.max_epochs": size.attcnn_epochs},
@@ -189,7 +189,7 @@ def run_demo(out: str | Path | None = None, seed: int = 0, quick: bool = False, 
     size = QUICK if quick else DemoSize()
     out = _fresh_folder(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = _write_configs(out, _settings(size, seed, progress))
+    cfg = _write_configs(out, _settings(size, seed, progress, quick))
     timings: dict[str, float] = {}
 
     def lap(name: str, t0: float) -> None:

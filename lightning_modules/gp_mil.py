@@ -622,7 +622,7 @@ class GPMILModule(BagModuleBase):
         self._decision_store.add(batch, h)
 
     def on_validation_epoch_end(self) -> None:
-        records = self.gather_records(self._val_records)
+        self.val_records = records = self.gather_records(self._val_records)
         self._val_records = []
         check_records(records, "validation")
         if self.gp.is_aggregate:
