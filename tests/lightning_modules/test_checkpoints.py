@@ -117,3 +117,21 @@ def test_end_to_end_decision_is_fitted_on_validation_with_a_cross_fitted_score(t
         cross = model.gp.cross_fitted_nll(z, batch.bag_index, batch.bag_labels, batch.num_bags)
         assert cross == pytest.approx(float(trainer.callback_metrics["val/bag_nll"]), rel=1e-6)
         assert model.gp.cross_fitted_nll(z[batch.bag_index < 3], batch.bag_index[batch.bag_index < 3], batch.bag_labels[:3], 3) is None
+
+
+def test_threshold_half_means_something_for_g_vgpmil(tmp_path: Path) -> None:
+    """G-VGPMIL's latent is not on the logistic scale: its raw noisy-OR sits near 1 for every bag,
+    so deciding at ½ was chance. The calibrated default decision makes ½ a threshold that separates
+    the held-out bags."""
+    data = feature_bags(num_bags=40, seed=8)
+    dm = BagArrayDataModule(**data, splits=["train"] * 24 + ["val"] * 6 + ["test"] * 10)
+    likelihood = MILBernoulliLikelihood(psi=GammaPsi(alpha=1.0, beta=1.0))
+    raw = GPMILModule(feature_dim=4, num_inducing=8, warmup_epochs=2, likelihood=likelihood, bag_rule="noisy_or")
+    model = GPMILModule(feature_dim=4, num_inducing=8, warmup_epochs=2, likelihood=MILBernoulliLikelihood(psi=GammaPsi(alpha=1.0, beta=1.0)))
+    for m in (raw, model):
+        _trainer(tmp_path / str(id(m)), 4).fit(m, dm)
+    raw.gp.calibrator.fitted.fill_(False)  # the paper's noisy-OR as it is, uncalibrated
+    pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False).test(raw, dm, verbose=False)
+    pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False).test(model, dm, verbose=False)
+    assert raw.test_metrics["bag_accuracy"] <= 0.6
+    assert model.test_metrics["bag_accuracy"] >= 0.8 and model.test_metrics["bag_nll"] < raw.test_metrics["bag_nll"]

@@ -70,3 +70,25 @@ def test_milgp_predict_on_new_dicom_from_the_checkpoint_alone(gp_run: Path, tmp_
     summary = json.loads((out / "predictions.json").read_text())
     assert summary["scans"][0]["position_axis"].startswith("position along the scan axis (mm)")
     assert summary["data"]["inputs"] == [new.image_dir] and summary["checkpoint"].endswith("best.ckpt")
+
+
+def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache: str, tmp_path: Path) -> None:
+    """The same entry point serves a whole CT cache (slice positions: indices in the cached scan)
+    and a feature file (its slice_index), each into a new version folder of --out."""
+    assert predict_main([str(gp_run / "checkpoints" / "last.ckpt"), tiny_cache, "--out", str(tmp_path / "cache_run"), "--no-plots"]) == 0
+    scans = _rows(tmp_path / "cache_run" / "predict" / "version_0" / "predictions.csv")
+    assert len(scans) == 12 and {s["bag_label"] for s in scans} <= {"0.0", "1.0"}
+    from lightning_modules.features import FeatureTable, save_features
+    from lm_helpers import feature_bags
+
+    bags = feature_bags(num_bags=10, dim=4)
+    save_features(tmp_path / "f.npz", FeatureTable.from_bags(bags["bags"], [f"b{i}" for i in range(10)], [float("nan")] * 10))
+    cfg = {"trainer": trainer_cfg(tmp_path, "gp2", max_epochs=2),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, "num_inducing": 4}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "train.npz")}}}
+    train = feature_bags(num_bags=20, dim=4, seed=3)
+    save_features(tmp_path / "train.npz", FeatureTable.from_bags(train["bags"], [f"t{i}" for i in range(20)], train["bag_labels"]))
+    run_cli(["fit", "--config", write_config(tmp_path / "gp2.yaml", cfg)])
+    assert predict_main([str(tmp_path / "gp2" / "checkpoints" / "last.ckpt"), str(tmp_path / "f.npz"), "--no-plots"]) == 0
+    slices = _rows(tmp_path / "gp2" / "predict" / "version_0" / "slices.csv")
+    assert len(slices) == sum(len(b) for b in bags["bags"]) and slices[0]["position"] == "0.0"
