@@ -44,7 +44,6 @@ from milgp.data.bags import BagBatch, make_bag_groups
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate import AggregateLikelihood, bag_blocks
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
-from milgp.likelihoods.aggregate_normal import NormalAggregateLikelihood
 from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood

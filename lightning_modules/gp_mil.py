@@ -21,9 +21,10 @@ Modes:
 
 * ``"two_stage"``: inputs are extracted features (:class:`FeatureDataModule`), or images through a
   frozen ``extractor``. A two-stage head may hold the extractor that made its features
-  (``extractor_checkpoint``): it trains on the feature file and predicts new CT scans directly. With the whole training set as one batch (the feature data module's
-  default) each epoch is one full-batch CAVI sweep plus ``hyper_steps`` Adam steps — the same
-  iteration as :func:`milgp.variational.fit_closed_form` (tested to agree).
+  (``extractor_checkpoint``): it trains on the feature file and predicts new CT scans directly.
+  With the whole training set as one batch (the feature data module's default) each epoch is one
+  full-batch CAVI sweep plus ``hyper_steps`` Adam steps — the same iteration as
+  :func:`milgp.variational.fit_closed_form` (tested to agree).
 * ``"end_to_end"``: images through a trainable ``extractor`` (optionally initialised from an
   AttCNN checkpoint); CNN and GP are trained together as above. The CNN may run in mixed precision
   (``trainer.precision: 16-mixed`` on CUDA); the GP head always runs in float64 outside autocast.
@@ -66,7 +67,6 @@ continues exactly.
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from typing import Any, Callable, Iterator
 
