@@ -21,7 +21,7 @@ test: install
 	$(PY) -m pytest
 
 demo: install
-	$(PY) -m milgp.demo
+	$(PY) -m lightning_modules.demo
 
 bench: install
 	$(PY) -m benchmarks.run_quick

@@ -1,24 +1,39 @@
-"""PyTorch Lightning modules, data modules and the CLI for milgp (imports the library; the library never imports Lightning).
+"""PyTorch Lightning modules, data modules and command-line tools for milgp (imports the library;
+the library never imports Lightning).
 
 * :class:`AttentionMILModule` — AttCNN: per-slice CNN, (gated) attention pooling, bag classifier.
 * :class:`GPMILModule` — sparse-GP bag classifier on CNN features, two-stage or end-to-end.
 * data modules (:mod:`lightning_modules.data`), extractors (:mod:`lightning_modules.extractors`),
-  callbacks (:mod:`lightning_modules.callbacks`), and ``milgp-train`` (:mod:`lightning_modules.cli`).
-"""
-from lightning_modules.attention_mil import AttentionMILModule
-from lightning_modules.callbacks import FeatureWriter, ReportWriter
-from lightning_modules.data import BagArrayDataModule, CTCacheDataModule, FeatureDataModule
-from lightning_modules.extractors import ResNetExtractor, SmallCNN
-from lightning_modules.gp_mil import GPMILModule
+  callbacks (:mod:`lightning_modules.callbacks`), ``milgp-train`` (:mod:`lightning_modules.cli`),
+  ``milgp-predict`` (:mod:`lightning_modules.predict`) and the demo (:mod:`lightning_modules.demo`).
 
-__all__ = [
-    "AttentionMILModule",
-    "BagArrayDataModule",
-    "CTCacheDataModule",
-    "FeatureDataModule",
-    "FeatureWriter",
-    "GPMILModule",
-    "ReportWriter",
-    "ResNetExtractor",
-    "SmallCNN",
-]
+The names below are imported on first use, so that the command-line tools answer ``--help``
+without importing torch and Lightning.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AttentionMILModule": "lightning_modules.attention_mil",
+    "BagArrayDataModule": "lightning_modules.data",
+    "CTCacheDataModule": "lightning_modules.data",
+    "DicomDataModule": "lightning_modules.data",
+    "FeatureDataModule": "lightning_modules.data",
+    "FeatureWriter": "lightning_modules.callbacks",
+    "GPMILModule": "lightning_modules.gp_mil",
+    "InputError": "lightning_modules.input_error",
+    "PredictionWriter": "lightning_modules.callbacks",
+    "ReportWriter": "lightning_modules.callbacks",
+    "ResNetExtractor": "lightning_modules.extractors",
+    "SmallCNN": "lightning_modules.extractors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_modules' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,4 +1,10 @@
-"""AttCNN: per-slice CNN → (gated) attention pooling → bag classifier (seed 000 §6.3, Ilse et al. 2018)."""
+"""AttCNN: per-slice CNN → (gated) attention pooling → bag classifier.
+
+The attention-based deep MIL classifier of Ilse, Tomczak & Welling, *Attention-based deep multiple
+instance learning* (ICML 2018), used as the CT baseline by Castro-Macías et al., *Hyperbolic secant
+representation of the logistic function: application to probabilistic multiple instance learning
+for CT intracranial hemorrhage detection* (Artificial Intelligence, 2024), Section 6.3.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -21,6 +27,9 @@ class AttentionMILModule(BagModuleBase):
     Only real slices go through the CNN (the batch is flat: ``(N, C, H, W)`` plus a bag index);
     the attention softmax is the one place a padded ``(B, N_max)`` tensor is used, with padding
     masked out, so a bag's prediction does not depend on the other bags in its batch.
+
+    Inputs are CT slices ``(N, C, H, W)`` (through the extractor) or precomputed slice features
+    ``(N, D)`` (a feature file; the attention and classifier then act on them directly).
 
     Exports per slice: the attention weight (``slice_scores``, used for the instance AUROC as in
     the literature) and ``slice_probs = sigmoid(classifier(h_n))``, the bag classifier applied to one
@@ -55,7 +64,7 @@ class AttentionMILModule(BagModuleBase):
         self.save_hyperparameters(ignore=self._ignored_hparams(["extractor"]))
         if instance_score not in ("attention", "classifier"):
             raise ValueError(f"instance_score must be 'attention' or 'classifier', got {instance_score!r}")
-        self.extractor = extractor if extractor is not None else SmallCNN(feature_dim=32)
+        self.extractor = self._built(extractor) if extractor is not None else SmallCNN(feature_dim=32)
         dim = int(getattr(self.extractor, "feature_dim"))
         self.pooling = AttentionPooling(dim, attention_dim, gated)
         self.dropout = nn.Dropout(dropout)
@@ -65,8 +74,8 @@ class AttentionMILModule(BagModuleBase):
         self.instance_score = instance_score
 
     def forward(self, x: Tensor, bag_index: Tensor, num_bags: int) -> dict[str, Tensor]:
-        """``x (N, C, H, W)`` → ``{"logits" (B,), "attention" (N,), "features" (N, D)}``."""
-        h = self.extractor(x)
+        """``x (N, C, H, W)`` or ``(N, D)`` → ``{"logits" (B,), "attention" (N,), "features" (N, D)}``."""
+        h = self.features(x)
         pooled, weights = self.pooling(h, bag_index, num_bags)
         logits = self.classifier(self.dropout(pooled)).squeeze(-1)
         return {"logits": logits, "attention": weights, "features": h}
@@ -79,6 +88,7 @@ class AttentionMILModule(BagModuleBase):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.num_bags)
         return loss
 
+    @torch.no_grad()
     def predict_records(self, batch: BagBatch) -> list[dict]:
         out = self(batch.x, batch.bag_index, batch.num_bags)
         bag_p = torch.sigmoid(out["logits"].float())
@@ -88,6 +98,9 @@ class AttentionMILModule(BagModuleBase):
             batch, bag_p, None, slice_p, None, slice_scores=scores,
             extra={"features": out["features"].float(), "attention": out["attention"]},
         )
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "attention_dim": self.pooling.V.out_features, "gated": self.pooling.gated}
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

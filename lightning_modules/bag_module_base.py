@@ -2,35 +2,55 @@
 
 A *record* is one bag's prediction, a plain dict::
 
-    {"bag_id": str, "bag_label": float, "bag_prob": float, "bag_std": float (nan if none),
+    {"bag_id": str, "bag_label": float (nan if unknown), "bag_prob": float, "bag_std": float (nan if none),
      "slice_probs": [float], "slice_stds": [float] or None, "slice_labels": [float] or None,
      "slice_scores": [float]}   # what instance AUROC uses (probabilities or attention weights)
 
 Validation and test records are gathered across DDP ranks (deduplicated by bag id, sorted) before
-the metrics are computed, so every rank logs the same numbers for the whole split.
+the metrics are computed, so every rank logs the same numbers for the whole split. A record with
+a non-finite probability stops the run with an error naming the bag (it is never scored as 0).
+
+Model selection (``best.ckpt``, early stopping) follows a proper score, the validation bag
+negative log-likelihood :attr:`BagModuleBase.selection_metric`; bag AUROC is logged beside it.
 """
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from lightning_modules.checkpoints import CHECKPOINT_KEY, check_state
 from lightning_modules.distributed import all_gather_objects
+from lightning_modules.input_error import InputError
+from lightning_modules.module_config import instantiate, module_config
 from milgp.data.bags import BagBatch, split_by_bag
-from milgp.metrics import classification_metrics, json_safe
+from milgp.metrics import auroc, classification_metrics, json_safe
 
-__all__ = ["BagModuleBase", "records_metrics"]
+__all__ = ["BagModuleBase", "check_records", "records_metrics"]
+
+
+def check_records(records: list[dict], stage: str) -> None:
+    """Raise naming the first bag whose predicted bag or slice probability is not finite."""
+    for r in records:
+        values = [r["bag_prob"]] + list(r.get("slice_probs") or [])
+        if not all(math.isfinite(float(v)) for v in values):
+            raise ValueError(
+                f"{stage} bag {r['bag_id']!r}: the model predicts a non-finite probability "
+                f"(bag {r['bag_prob']}); its inputs or the model's state hold NaN or infinity"
+            )
 
 
 def records_metrics(records: list[dict]) -> dict[str, float]:
-    """Bag metrics (``bag_auc``, ``bag_accuracy``, ``bag_f1``, ``bag_ece``) and, when slice labels are
-    known, instance metrics (``instance_auc`` from ``slice_scores``; accuracy/F1/ECE from
-    ``slice_probs`` when those are probabilities)."""
+    """Bag metrics (``bag_auc``, ``bag_accuracy``, ``bag_f1``, ``bag_ece``, ``bag_nll``) and, when slice
+    labels are known, instance metrics (``instance_auc`` from ``slice_scores``; accuracy/F1/ECE
+    from ``slice_probs`` when those are probabilities). Records without a bag label (unlabelled
+    scans) are left out; ``{}`` when none is labelled."""
+    records = [r for r in records if math.isfinite(float(r["bag_label"]))]
     if not records:
         return {}
     bag_p = np.array([r["bag_prob"] for r in records], dtype=float)
@@ -42,15 +62,24 @@ def records_metrics(records: list[dict]) -> dict[str, float]:
         s = np.concatenate([np.asarray(r["slice_scores"], dtype=float) for r in labelled])
         p = np.concatenate([np.asarray(r["slice_probs"], dtype=float) for r in labelled])
         inst = classification_metrics(p, y, prefix="instance_")
-        from milgp.metrics import auroc
-
         inst["instance_auc"] = auroc(s, y)
         out.update(inst)
     return out
 
 
 class BagModuleBase(pl.LightningModule, ABC):
-    """Base of :class:`AttentionMILModule` and :class:`GPMILModule` (not used on its own)."""
+    """Base of :class:`AttentionMILModule` and :class:`GPMILModule` (not used on its own).
+
+    Attributes:
+        selection_metric: ``(logged name, "min" | "max")`` that ``best.ckpt`` and early stopping
+            follow (validation bag NLL).
+        input_preprocessing: the CT preprocessing the model's inputs were made with
+            (``{"windows": [[center, width], ...], "size": [H, W]}``, from the training data or the
+            extractor checkpoint; ``None`` for feature inputs), saved in checkpoints so that new
+            DICOM scans are prepared exactly as the training scans were.
+    """
+
+    selection_metric: tuple[str, str] = ("val/bag_nll", "min")
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,18 +87,59 @@ class BagModuleBase(pl.LightningModule, ABC):
         self._test_records: list[dict] = []
         self.test_records: list[dict] = []
         self.test_metrics: dict[str, float] = {}
+        self.val_records: list[dict] = []
         self.val_metrics: dict[str, float] = {}
+        self.input_preprocessing: dict | None = None
+        self._module_args: list[str] = []
 
-    @staticmethod
-    def _ignored_hparams(module_args: list[str]) -> list[str]:
+    def _ignored_hparams(self, module_args: list[str]) -> list[str]:
         """Module-valued init args to leave out of ``hparams``: none when the LightningCLI built the
-        module (it records them as ``class_path``/``init_args`` dicts), else the objects themselves
-        (they live in the state dict; pass them again to ``load_from_checkpoint``)."""
+        module (it records them as ``class_path``/``init_args`` dicts), else the objects themselves;
+        :meth:`on_save_checkpoint` then records their configuration (:func:`module_config`)."""
+        self._module_args = list(module_args)
         try:
             from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters
         except ImportError:  # pragma: no cover - other Lightning versions
             return list(module_args)
         return [] if _given_hyperparameters.get() is not None else list(module_args)
+
+    @staticmethod
+    def _built(obj: Any) -> Any:
+        """A module argument as an object: configurations (``load_from_checkpoint`` without the
+        CLI's instantiator passes the recorded ``{"class_path", "init_args"}``) are instantiated."""
+        return instantiate(obj) if isinstance(obj, Mapping) else obj
+
+    # -- inputs ----------------------------------------------------------------------------------
+    extractor: nn.Module | None
+
+    def features(self, x: Tensor, grad: bool | None = None) -> Tensor:
+        """Instance features ``(N, D)``: ``x`` itself when it holds features (2-D: a feature file),
+        else the extractor's output for slices ``(N, C, H, W)``; ``grad`` forces autograd on or off."""
+        if x.dim() == 2 or self.extractor is None:
+            return x
+        if grad is None:
+            return self.extractor(x)
+        with torch.set_grad_enabled(grad):
+            return self.extractor(x)
+
+    def on_fit_start(self) -> None:
+        """Record the CT preprocessing of the training data (checked against the extractor's)."""
+        data = getattr(getattr(self.trainer, "datamodule", None), "preprocessing", None)
+        if data is None:
+            return
+        if self.input_preprocessing is not None and dict(self.input_preprocessing) != dict(data):
+            raise InputError(
+                f"the extractor was trained on CT slices preprocessed as {self.input_preprocessing}, "
+                f"but the training data are {data}: rebuild the cache with the same windows and size"
+            )
+        self.input_preprocessing = dict(data)
+
+    def describe(self) -> dict[str, Any]:
+        """What the model is, for reports: class, extractor, and the subclass's own details."""
+        out: dict[str, Any] = {"class": f"{type(self).__module__}.{type(self).__qualname__}"}
+        if getattr(self, "extractor", None) is not None:
+            out["extractor"] = module_config(self.extractor)
+        return out
 
     # -- batches ---------------------------------------------------------------------------------
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -132,17 +202,21 @@ class BagModuleBase(pl.LightningModule, ABC):
         ``slice_probs`` (± ``slice_stds``), ``slice_labels`` — what the metrics and reports read."""
 
     # -- validation / test -----------------------------------------------------------------------
+    def log_metrics(self, prefix: str, metrics: dict[str, float], prog_bar: tuple[str, ...] = ()) -> None:
+        """Log every defined metric (an AUROC of a one-class split is undefined and left out)."""
+        for k, v in metrics.items():
+            if not k.endswith("count") and math.isfinite(float(v)):
+                self.log(f"{prefix}/{k}", float(v), prog_bar=k in prog_bar, sync_dist=False)
+
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
         self._val_records.extend(self.predict_records(batch))
 
     def on_validation_epoch_end(self) -> None:
-        records = self.gather_records(self._val_records)
+        self.val_records = records = self.gather_records(self._val_records)
         self._val_records = []
+        check_records(records, "validation")
         self.val_metrics = records_metrics(records)
-        for k, v in self.val_metrics.items():
-            if k.endswith("count"):
-                continue
-            self.log(f"val/{k}", float(v) if math.isfinite(v) else 0.0, prog_bar=k in ("bag_auc",), sync_dist=False)
+        self.log_metrics("val", self.val_metrics, prog_bar=("bag_nll", "bag_auc"))
 
     def test_step(self, batch: BagBatch, batch_idx: int) -> None:
         self._test_records.extend(self.predict_records(batch))
@@ -150,21 +224,40 @@ class BagModuleBase(pl.LightningModule, ABC):
     def on_test_epoch_end(self) -> None:
         self.test_records = self.gather_records(self._test_records)
         self._test_records = []
+        check_records(self.test_records, "test")
         self.test_metrics = records_metrics(self.test_records)
-        for k, v in self.test_metrics.items():
-            if not k.endswith("count"):
-                self.log(f"test/{k}", float(v) if math.isfinite(v) else float("nan"), sync_dist=False)
+        self.log_metrics("test", self.test_metrics)
 
     def predict_step(self, batch: BagBatch, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         return self.predict_records(batch)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Keep only plain values in the saved hyperparameters so ``torch.load(weights_only=True)``
-        works (modules passed as objects are replaced by their class path; the LightningCLI stores
-        them as ``class_path``/``init_args`` dicts anyway)."""
-        if "hyper_parameters" in checkpoint:
-            checkpoint["hyper_parameters"] = _plain(dict(checkpoint["hyper_parameters"]))
+        """Make the checkpoint self-contained and loadable with ``torch.load(weights_only=True)``:
+        plain hyperparameters, the configuration of module arguments passed as objects
+        (:func:`module_config`), no reference to an extractor checkpoint file (its weights are in the
+        state dict), and ``checkpoint["milgp"]`` = the module's class and input preprocessing."""
+        hparams = dict(checkpoint.get("hyper_parameters") or {})
+        for name in self._module_args:
+            value = hparams.get(name)
+            obj = getattr(self, name, None) if name != "likelihood" else getattr(getattr(self, "gp", None), "likelihood", None)
+            if obj is not None and not (isinstance(value, Mapping) and "init_args" in value):
+                hparams[name] = module_config(obj)
+        if "extractor_checkpoint" in hparams:
+            hparams["extractor_checkpoint"] = None
+        checkpoint["hyper_parameters"] = _plain(hparams)
+        checkpoint[CHECKPOINT_KEY] = {"module": f"{type(self).__module__}.{type(self).__qualname__}",
+                                      "preprocessing": self.input_preprocessing}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.input_preprocessing = (checkpoint.get(CHECKPOINT_KEY) or {}).get("preprocessing")
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` with a one-line error when the state does not fit (e.g. a
+        checkpoint of another extractor architecture)."""
+        if strict:
+            check_state(self, state_dict, f"the checkpoint's {type(self).__name__}", "checkpoint")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _plain(obj: Any) -> Any:

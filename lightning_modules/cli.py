@@ -1,63 +1,74 @@
 """``milgp-train``: the Lightning CLI (``fit``, ``validate``, ``test``, ``predict``) for milgp.
 
-Models and data modules are chosen in YAML with ``class_path``/``init_args`` (short class names
-work for everything in :mod:`lightning_modules`)::
+Models and data modules are chosen in YAML with ``class_path``/``init_args``; every output goes
+under the run folder ``trainer.default_root_dir`` (:mod:`lightning_modules.run_folder`)::
 
-    milgp-train fit --config configs/rsna_attcnn.yaml
-    milgp-train predict --config configs/rsna_attcnn.yaml --ckpt_path runs/rsna/attcnn/checkpoints/last.ckpt
-    milgp-train fit --config configs/rsna_gp_two_stage.yaml
-    milgp-train test --config configs/rsna_gp_two_stage.yaml --ckpt_path .../last.ckpt
+    milgp-train fit     --config configs/rsna_attcnn.yaml
+    milgp-train test    --config configs/rsna_attcnn.yaml --ckpt_path best
+    milgp-train predict --config configs/rsna_attcnn.yaml --config configs/rsna_extract.yaml --ckpt_path best
+    milgp-train fit     --config configs/rsna_attcnn.yaml --ckpt_path last      # resume
     milgp-train fit --config configs/demo_attcnn.yaml --print_config
 
 Any value can be overridden on the command line (``--trainer.max_epochs 3``,
 ``--model.init_args.likelihood.init_args.psi gamma``). Also runs as ``python -m lightning_modules.cli``.
+Bad input (a missing file, a NaN feature, a label 2, a second fit into a used run folder) is one
+line on stderr and exit status 2. ``milgp-train --help`` answers without importing torch.
 """
 from __future__ import annotations
 
 import sys
 from typing import Any, Sequence
 
-import pytorch_lightning as pl
-from pytorch_lightning.cli import LightningCLI
+__all__ = ["HELP", "main", "run_cli"]
 
-import lightning_modules  # noqa: F401  (registers the classes for short class_path names)
-from lightning_modules.bag_module_base import BagModuleBase
+HELP = """usage: milgp-train [-h] {fit,validate,test,predict} [-c CONFIG] [--print_config] [--ckpt_path PATH] [...]
 
-__all__ = ["MilgpCLI", "main", "run_cli"]
+Train and evaluate milgp's bag classifiers (AttCNN, GP-MIL two-stage or end to end) with the
+Lightning CLI; models, data and trainer are set in YAML (class_path/init_args) or on the command line.
+
+subcommands:
+  fit        train; writes <run>/checkpoints/{best,last}.ckpt and <run>/fit/version_<n>/
+  validate   evaluate on the validation split; <run>/validate/version_<n>/
+  test       evaluate on the test split; <run>/test/version_<n>/ (metrics, predictions, plots)
+  predict    predictions for scans (DICOM folders, a cache, a feature file); <run>/predict/version_<n>/
+
+the run folder is --trainer.default_root_dir; --ckpt_path best|last names its checkpoints.
+A fit into a folder that holds one already must resume it (--ckpt_path last).
+
+examples:
+  milgp-train fit  --config configs/demo_attcnn.yaml
+  milgp-train test --config configs/demo_attcnn.yaml --ckpt_path best
+  milgp-train fit  --config configs/demo_attcnn.yaml --print_config
+  milgp-predict runs/demo/gp_two_stage/checkpoints/best.ckpt path/to/dicom_study
+
+milgp-train SUBCOMMAND --help lists every option of the modules and the trainer."""
 
 
-class MilgpCLI(LightningCLI):
-    """LightningCLI with milgp's model/data base classes in subclass mode."""
+def run_cli(args: Sequence[str] | dict[str, Any] | None = None, run: bool = True) -> Any:
+    """Build (and by default run) the CLI; ``args`` as on the command line (``None``: ``sys.argv``).
+    Returns the :class:`~lightning_modules.milgp_cli.MilgpCLI` (trainer, model, data)."""
+    from lightning_modules.milgp_cli import make_cli  # Lightning only from here on
 
-
-def run_cli(args: Sequence[str] | dict[str, Any] | None = None, run: bool = True) -> MilgpCLI:
-    """Build (and by default run) the CLI; ``args`` as on the command line (``None``: ``sys.argv``)."""
     if args is not None:  # called from Python: the host program's own argv is not for us
         saved, sys.argv = sys.argv, sys.argv[:1]
         try:
-            return _make(args, run)
+            return make_cli(list(args) if isinstance(args, (list, tuple)) else args, run)
         finally:
             sys.argv = saved
-    return _make(args, run)
-
-
-def _make(args: Sequence[str] | dict[str, Any] | None, run: bool) -> MilgpCLI:
-    return MilgpCLI(
-        BagModuleBase,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        args=list(args) if isinstance(args, (list, tuple)) else args,
-        run=run,
-    )
+    return make_cli(None, run)
 
 
 def main(args: Sequence[str] | None = None) -> int:
-    """Console-script entry point; returns 0 (errors exit non-zero via the parser or raise)."""
-    run_cli(args)
-    return 0
+    """Console-script entry point: 0 on success, 2 on bad input (one line on stderr)."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(HELP)
+        return 0
+    from lightning_modules.input_error import run_reporting_input_errors
+    from lightning_modules.quiet import quiet_entry_point
+
+    quiet_entry_point()
+    return run_reporting_input_errors("milgp-train", lambda: run_cli(argv))
 
 
 if __name__ == "__main__":

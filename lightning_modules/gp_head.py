@@ -10,7 +10,13 @@ aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs aroun
 * the closed-form natural step of q(v) from additive :class:`NaturalStatistics`, with a hook to
   all-reduce them (DDP) before the step (:meth:`GPHead.natural_update`);
 * the hyperparameter objective with q(v) and the locals fixed (:meth:`GPHead.hyper_objective`);
-* predictions with uncertainty for instances and bags (:meth:`GPHead.predict`).
+* predictions with uncertainty for instances and bags (:meth:`GPHead.predict`), through the head's
+  **bag decision**: a bag rule (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its
+  score (:class:`milgp.prediction.BagCalibrator`), chosen and fitted on held-out bags by
+  :meth:`GPHead.fit_decision` (with ``bag_rule="auto"`` the rule is chosen among the
+  length-invariant :data:`milgp.prediction.AUTO_BAG_RULES` by held-out NLL) and stored in the
+  head's state dict (``decision_rule`` and the ``calibrator`` buffers), so a checkpoint alone
+  predicts exactly as the trained head did.
 
 Aggregate likelihoods have no locals and no closed-form quadratic terms (except the conjugate
 Normal); their natural step reuses :mod:`milgp.variational.aggregate_fit` — the statistics
@@ -38,11 +44,11 @@ from milgp.data.bags import BagBatch, make_bag_groups
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate import AggregateLikelihood, bag_blocks
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
-from milgp.likelihoods.aggregate_normal import NormalAggregateLikelihood
 from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.linalg import robust_cholesky
+from milgp.metrics import log_loss
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 
 # The pieces of one fit_aggregate iteration, reused as they are (not re-derived here).
@@ -56,10 +62,23 @@ from milgp.variational.aggregate_fit import (
     is_conjugate,
     predict_bag_moments,
 )
-from milgp.prediction import BagPosterior, make_bag_rule
+from milgp.prediction import (
+    AUTO_BAG_RULES,
+    BAG_RULES,
+    DEFAULT_BAG_RULE,
+    BagCalibrator,
+    BagDecision,
+    BagPosterior,
+    fit_bag_decision,
+    make_bag_rule,
+)
+from milgp.variational.leave_bag_out import leave_bag_out_posterior
 from milgp.variational.natural_update import NaturalStatistics, natural_statistics, natural_step
 
-__all__ = ["AggregateStep", "GPHead"]
+__all__ = ["AggregateStep", "GPHead", "RULE_NAMES"]
+
+RULE_NAMES: tuple[str, ...] = tuple(BAG_RULES)
+"""The bag rules a head can hold; the ``decision_rule`` buffer stores an index into this tuple."""
 
 
 @dataclass
@@ -104,8 +123,13 @@ class GPHead(nn.Module):
         lengthscale: initial RBF lengthscale (``None``: median pairwise distance of the
             standardised training features).
         outputscale: initial kernel variance.
-        bag_rule: a :mod:`milgp.prediction.bag_rules` name (``"noisy_or"``, ``"max"``, ``"top_k_mean"``,
-            ``"joint_noisy_or"``, ``"joint_max"``, ``"orthant"``).
+        bag_rule: ``"auto"`` (default: the rule among :data:`milgp.prediction.AUTO_BAG_RULES` —
+            max, mean of the top quarter, mean — with the smallest held-out NLL after calibration,
+            chosen by :meth:`fit_decision`) or a :mod:`milgp.prediction.bag_rules` name
+            (``"noisy_or"``, ``"max"``, ``"top_k_mean"``, ``"mean"``, ``"joint_noisy_or"``,
+            ``"joint_max"``, ``"orthant"``), calibrated the same way. Until a decision is fitted the
+            head predicts with the named rule (``"auto"``: :data:`milgp.prediction.DEFAULT_BAG_RULE`)
+            uncalibrated.
         seed: k-means++ and sampling seed.
         chunk_instances, block_budget, cache_entries: aggregate likelihoods, memory bounds of one
             chunk of bags (see :func:`milgp.variational.aggregate_fit.fit_aggregate`).
@@ -124,7 +148,7 @@ class GPHead(nn.Module):
         standardize: bool = True,
         lengthscale: float | None = None,
         outputscale: float = 1.0,
-        bag_rule: str = "noisy_or",
+        bag_rule: str = "auto",
         seed: int = 0,
         chunk_instances: int = 32768,
         block_budget: int = 2_000_000,
@@ -132,7 +156,9 @@ class GPHead(nn.Module):
         nll_samples: int = 256,
     ):
         super().__init__()
-        make_bag_rule(bag_rule)  # fails early, naming the valid rules
+        bag_rule = "joint_noisy_or" if bag_rule == "joint" else bag_rule
+        if bag_rule != "auto" and bag_rule not in RULE_NAMES:
+            raise ValueError(f"unknown bag rule {bag_rule!r}: use 'auto' or one of {list(RULE_NAMES)}")
         is_aggregate = isinstance(likelihood, AggregateLikelihood)
         constant_mean = is_aggregate if constant_mean is None else bool(constant_mean)
         gen = torch.Generator().manual_seed(seed)
@@ -148,6 +174,9 @@ class GPHead(nn.Module):
         self.register_buffer("feature_mean", torch.zeros(feature_dim, dtype=torch.float64))
         self.register_buffer("feature_scale", torch.ones(feature_dim, dtype=torch.float64))
         self.register_buffer("initialized", torch.tensor(False))
+        # the bag decision: index into RULE_NAMES of the fitted rule (-1: none fitted) and its calibration
+        self.register_buffer("decision_rule", torch.tensor(-1, dtype=torch.long))
+        self.calibrator = BagCalibrator()
         self.feature_dim = feature_dim
         self.num_inducing = num_inducing
         self.standardize_features = standardize
@@ -322,28 +351,126 @@ class GPHead(nn.Module):
         """Clear GPyTorch's variational caches (after kernel hyperparameters changed)."""
         self.gp.variational_strategy._clear_cache()
 
+    # -- bag decisions ---------------------------------------------------------------------------
+    def bag_posterior(self, z: Tensor, bag_index: Tensor, num_bags: int) -> BagPosterior:
+        """The predictive ``q(f*)`` of bags of standardised features ``z`` ``(N, D)``: marginals, and
+        the within-bag covariance blocks on demand (joint rules)."""
+        z = z.to(torch.float64)
+        q = self.posterior()
+        mean, var = self.moments(z, q)
+        return BagPosterior(mean, var, bag_index, num_bags, lambda inst, local, n: self.gp.bag_covariances(z[inst], local, n, q))
+
+    @torch.no_grad()
+    def leave_bag_out(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> BagPosterior:
+        """Leave-one-bag-out cavity predictive of training bags (standardised features ``z``, their
+        labels and locals at the current fit): an out-of-bag prediction of every training bag
+        (:func:`milgp.variational.leave_bag_out.leave_bag_out_posterior`)."""
+        batch = BagBatch(z.to(torch.float64), bag_index, bag_labels.to(torch.float64))
+        _reset_position_cache(self.likelihood)
+        return leave_bag_out_posterior(self.gp, self.likelihood, batch, locals_, block_budget=self.block_budget)
+
+    @property
+    def rule_name(self) -> str:
+        """The rule the head predicts with: the fitted one, else the configured one (``"auto"``:
+        :data:`~milgp.prediction.DEFAULT_BAG_RULE`)."""
+        k = int(self.decision_rule)
+        if k >= 0:
+            return RULE_NAMES[k]
+        return DEFAULT_BAG_RULE if self.bag_rule == "auto" else self.bag_rule
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether a bag decision has been fitted (the calibration is then in use)."""
+        return bool(self.calibrator.fitted)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The seeded generator of sampling bag rules (the same draws at every prediction)."""
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+    @torch.no_grad()
+    def fit_decision(self, posterior: BagPosterior, labels: Tensor) -> tuple[str, BagDecision]:
+        """Choose (``bag_rule="auto"``) and calibrate the bag rule on held-out bags.
+
+        Args:
+            posterior: the held-out predictive of ``B`` bags (leave-one-bag-out cavities of
+                training bags, :meth:`leave_bag_out`, or validation bags, :meth:`bag_posterior`).
+            labels: ``(B,)`` their labels in {0, 1}.
+
+        Returns:
+            ``(rule name, decision)``; the head is unchanged (:meth:`set_decision` adopts it).
+
+        Raises:
+            ValueError: the bags hold one class only (calibration needs both).
+        """
+        names = AUTO_BAG_RULES if self.bag_rule == "auto" else (self.bag_rule,)
+        rules = [make_bag_rule(n) for n in names]
+        decision = fit_bag_decision(posterior, self.likelihood.instance_link, labels, rules, self.generator(posterior.mean.device))
+        chosen = next(n for n, r in zip(names, rules) if r is decision.rule)
+        return chosen, decision
+
+    @torch.no_grad()
+    def set_decision(self, rule_name: str, decision: BagDecision) -> None:
+        """Predict from now on with ``rule_name`` calibrated by ``decision.calibrator``."""
+        self.decision_rule.fill_(RULE_NAMES.index(rule_name))
+        self.calibrator.load_state_dict(decision.calibrator.state_dict())
+
+    @torch.no_grad()
+    def decide(self, posterior: BagPosterior) -> tuple[Tensor, Tensor]:
+        """Calibrated bag probabilities and their stds ``(B,)`` by the head's decision."""
+        p, std = make_bag_rule(self.rule_name)(posterior, self.likelihood.instance_link, self.generator(posterior.mean.device))
+        p_cal, std_cal = self.calibrator(p, std)
+        return p_cal, std_cal
+
+    @torch.no_grad()
+    def cross_fitted_nll(self, z: Tensor, bag_index: Tensor, labels: Tensor, num_bags: int, folds: int = 2) -> float | None:
+        """Held-out NLL of bag decisions fitted on the same bags, by cross-fitting: the bags are
+        dealt into ``folds`` folds stratified by label, each fold is predicted by a decision
+        (:meth:`fit_decision`) fitted on the other folds, and the mean NLL of those out-of-fold
+        calibrated probabilities is returned; ``None`` when a class has fewer bags than folds.
+
+        ``z`` ``(N, D)`` are the bags' standardised features, ``labels`` ``(B,)`` in {0, 1}."""
+        y = labels.to(torch.float64).cpu()
+        pos, neg = torch.nonzero(y > 0.5).flatten(), torch.nonzero(y <= 0.5).flatten()
+        if min(len(pos), len(neg)) < folds:
+            return None
+        fold = torch.empty(num_bags, dtype=torch.long)
+        fold[pos], fold[neg] = torch.arange(len(pos)) % folds, torch.arange(len(neg)) % folds
+        p_out = torch.empty(num_bags, dtype=torch.float64)
+
+        def subset(bags: Tensor) -> BagPosterior:
+            bags = bags.to(bag_index.device)
+            keep = torch.isin(bag_index, bags)
+            new_id = torch.full((num_bags,), -1, dtype=torch.long, device=bag_index.device)
+            new_id[bags] = torch.arange(len(bags), device=bag_index.device)
+            return self.bag_posterior(z[keep], new_id[bag_index[keep]], len(bags))
+
+        for k in range(folds):
+            fit_bags, out_bags = torch.nonzero(fold != k).flatten(), torch.nonzero(fold == k).flatten()
+            _, decision = self.fit_decision(subset(fit_bags), y[fit_bags])
+            posterior = subset(out_bags)
+            p_out[out_bags] = decision(posterior, self.likelihood.instance_link, self.generator(posterior.mean.device))[0].cpu()
+        return log_loss(p_out, y)
+
+    def decision_summary(self) -> dict[str, Any]:
+        """What the head decides with, for reports: rule, whether calibrated, Platt slope and intercept."""
+        return {"bag_rule": self.rule_name, "configured_bag_rule": self.bag_rule, "calibrated": self.calibrated,
+                "calibration_slope": float(self.calibrator.slope), "calibration_intercept": float(self.calibrator.intercept)}
+
     @torch.no_grad()
     def predict(self, z: Tensor, bag_index: Tensor, num_bags: int) -> dict[str, Tensor]:
         """Instance and bag predictions with standard deviations.
 
         Returns:
             ``{"mean", "var", "instance_prob", "instance_std"}`` ``(N,)`` (the likelihood's
-            :attr:`instance_link` moments) and ``{"bag_prob", "bag_std"}`` ``(B,)`` by the head's
-            bag rule (:mod:`milgp.prediction.bag_rules`).
+            :attr:`instance_link` moments) and ``{"bag_prob", "bag_std"}`` ``(B,)``: the calibrated
+            probability of the head's bag decision (:meth:`decide`).
         """
         if self.is_aggregate:
             raise TypeError("the GP head has an aggregate likelihood: use predict_aggregate (real-valued bag aggregates)")
-        z = z.to(torch.float64)
-        q = self.posterior()
-        mean, var = self.moments(z, q)
-        link = self.likelihood.instance_link
-        out = {"mean": mean, "var": var}
-        out["instance_prob"], out["instance_std"] = link.moments(mean, var)
-        posterior = BagPosterior(
-            mean, var, bag_index, num_bags, lambda inst, local, n: self.gp.bag_covariances(z[inst], local, n, q)
-        )
-        gen = torch.Generator(device=z.device).manual_seed(self.seed)
-        out["bag_prob"], out["bag_std"] = make_bag_rule(self.bag_rule)(posterior, link, gen)
+        posterior = self.bag_posterior(z, bag_index, num_bags)
+        out = {"mean": posterior.mean, "var": posterior.var}
+        out["instance_prob"], out["instance_std"] = self.likelihood.instance_link.moments(posterior.mean, posterior.var)
+        out["bag_prob"], out["bag_std"] = self.decide(posterior)
         return out
 
     # -- aggregate likelihoods (VBAgg) ---------------------------------------------------------------

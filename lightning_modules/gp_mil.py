@@ -1,6 +1,9 @@
-"""GP-MIL: a sparse-GP bag classifier on CNN features, trained two-stage or end-to-end (DESIGN §6).
+"""GP-MIL: a sparse-GP bag classifier on CNN features, trained two-stage or end-to-end.
 
-Every training step is one iteration of seed 000's Algorithm 1 on the batch's bags:
+The deep pipeline of Castro-Macías et al., *Hyperbolic secant representation of the logistic
+function: application to probabilistic multiple instance learning for CT intracranial hemorrhage
+detection* (Artificial Intelligence, 2024), Section 6.3. Every training step is one iteration of
+its Algorithm 1 on the batch's bags:
 
 1. features ``h = CNN(x)`` (or the batch's precomputed features), standardised to float64 ``z``;
 2. **natural step** on q(v) with ``z`` detached: the likelihood's closed-form quadratic terms give
@@ -17,14 +20,29 @@ Every training step is one iteration of seed 000's Algorithm 1 on the batch's ba
 Modes:
 
 * ``"two_stage"``: inputs are extracted features (:class:`FeatureDataModule`), or images through a
-  frozen ``extractor``. With the whole training set as one batch (the feature data module's
-  default) each epoch is one full-batch CAVI sweep plus ``hyper_steps`` Adam steps — the same
-  iteration as :func:`milgp.variational.fit_closed_form` (tested to agree).
+  frozen ``extractor``. A two-stage head may hold the extractor that made its features
+  (``extractor_checkpoint``): it trains on the feature file and predicts new CT scans directly.
+  With the whole training set as one batch (the feature data module's default) each epoch is one
+  full-batch CAVI sweep plus ``hyper_steps`` Adam steps — the same iteration as
+  :func:`milgp.variational.fit_closed_form` (tested to agree).
 * ``"end_to_end"``: images through a trainable ``extractor`` (optionally initialised from an
   AttCNN checkpoint); CNN and GP are trained together as above. The CNN may run in mixed precision
   (``trainer.precision: 16-mixed`` on CUDA); the GP head always runs in float64 outside autocast.
 
-**Aggregate likelihoods** (VBAgg, seed 001: :class:`~milgp.likelihoods.PoissonAggregateLikelihood`,
+**Bag decision** (MIL likelihoods): bag probabilities come from the head's bag rule and its Platt
+calibration (:meth:`GPHead.fit_decision`; ``bag_rule="auto"`` chooses among the length-invariant
+rules). They are fitted on held-out bags (``decision_bags``): ``"train"``, the leave-one-bag-out
+cavity predictive of the training bags (on the features each bag had in the epoch's training
+step), refitted at the end of every training epoch before validation, so the validation NLL that
+selects the model never saw the bags the decision was fitted on; ``"val"``, the validation bags at
+the end of every validation epoch of a fit, the logged ``val/bag_nll`` then being cross-fitted
+(each half of the validation bags scored by a decision fitted on the other half,
+:meth:`GPHead.cross_fitted_nll`). ``"auto"`` is ``"train"`` two-stage and ``"val"`` end to end (the
+CNN features of the training bags change with every step). The decision is saved in the state
+dict, so a checkpoint predicts with the decision of its epoch.
+
+**Aggregate likelihoods** (VBAgg, Law et al., *Variational learning on aggregate outputs with
+Gaussian processes*, NeurIPS 2018: :class:`~milgp.likelihoods.PoissonAggregateLikelihood`,
 :class:`~milgp.likelihoods.NormalAggregateLikelihood`, :class:`~milgp.likelihoods.ExponentialAggregateLikelihood`):
 the bag labels are real-valued aggregates ``y_a`` (counts, totals), instances may carry
 weights/populations ``w_i`` (``batch.instance_weights``, or a feature column named by
@@ -49,36 +67,31 @@ continues exactly.
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_modules.bag_module_base import BagModuleBase
+from lightning_modules.bag_module_base import BagModuleBase, check_records, records_metrics
+from lightning_modules.bag_store import BagStore
+from lightning_modules.checkpoints import extractor_from_checkpoint
 from lightning_modules.distributed import all_gather_objects, all_reduce_sum, world_size
 from lightning_modules.gp_head import GPHead
-from milgp.data.bags import BagBatch, bag_sizes
+from lightning_modules.input_error import InputError
+from lightning_modules.module_config import module_config
+from milgp.data.bags import BagBatch, bag_sizes, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
-__all__ = ["GPMILModule", "aggregate_records_metrics", "load_extractor_weights"]
+__all__ = ["GPMILModule", "aggregate_records_metrics"]
 
 _MODES = ("two_stage", "end_to_end")
-
-
-def load_extractor_weights(extractor: nn.Module, path: str) -> None:
-    """Load an extractor's weights from a Lightning checkpoint of an :class:`AttentionMILModule`
-    or :class:`GPMILModule` (keys ``extractor.*``) or from a plain ``state_dict``, with
-    ``weights_only=True``."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    state = ckpt.get("state_dict", ckpt)
-    sub = {k[len("extractor."):]: v for k, v in state.items() if k.startswith("extractor.")}
-    extractor.load_state_dict(sub if sub else state)
+_DECISION_BAGS = ("auto", "train", "val")
 
 
 def aggregate_records_metrics(records: list[dict], poisson: bool = False) -> dict[str, float]:
@@ -120,14 +133,20 @@ class GPMILModule(BagModuleBase):
     Args:
         mode: ``"two_stage"`` or ``"end_to_end"``.
         feature_dim: D when there is no extractor (the feature file's width).
-        extractor: per-slice CNN (required end-to-end; two-stage it is frozen).
-        extractor_checkpoint: initialise the extractor from this checkpoint (e.g. the AttCNN's).
+        extractor: per-slice CNN (required end-to-end unless ``extractor_checkpoint`` gives it;
+            two-stage it is frozen and used for image inputs only, feature inputs pass through).
+        extractor_checkpoint: initialise the extractor from this checkpoint (e.g. the AttCNN's);
+            without ``extractor`` the architecture recorded in the checkpoint is built, and the
+            checkpoint's CT preprocessing becomes this model's.
         likelihood: any :class:`AugmentedBagLikelihood` or aggregate likelihood
             (:class:`milgp.likelihoods.aggregate.AggregateLikelihood`; ``class_path``/``init_args``
             in YAML); default VGPMIL (:class:`milgp.likelihoods.MILBernoulliLikelihood`, ψ = PG, H = 100).
         num_inducing, ard, learn_inducing_locations, constant_mean, standardize, lengthscale,
             outputscale, bag_rule: the GP head (:class:`lightning_modules.gp_head.GPHead`;
-            ``constant_mean=None``: constant for aggregate likelihoods, zero otherwise).
+            ``constant_mean=None``: constant for aggregate likelihoods, zero otherwise;
+            ``bag_rule="auto"``: the calibrated length-invariant rule with the best held-out NLL).
+        decision_bags: held-out bags the bag decision is fitted on, ``"train"`` (leave-one-bag-out
+            cavities of the training bags), ``"val"`` (validation bags) or ``"auto"`` (module docstring).
         lr_gp: Adam learning rate of the kernel hyperparameters.
         lr_extractor, weight_decay: Adam for the CNN (end-to-end).
         hyper_steps: Adam steps per natural step (default 5 two-stage, 1 end-to-end).
@@ -161,7 +180,8 @@ class GPMILModule(BagModuleBase):
         standardize: bool = True,
         lengthscale: float | None = None,
         outputscale: float = 1.0,
-        bag_rule: str = "noisy_or",
+        bag_rule: str = "auto",
+        decision_bags: str = "auto",
         lr_gp: float = 0.01,
         lr_extractor: float = 1e-4,
         weight_decay: float = 0.0,
@@ -183,6 +203,12 @@ class GPMILModule(BagModuleBase):
         self.save_hyperparameters(ignore=self._ignored_hparams(["extractor", "likelihood"]))
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if decision_bags not in _DECISION_BAGS:
+            raise ValueError(f"decision_bags must be one of {_DECISION_BAGS}, got {decision_bags!r}")
+        extractor = self._built(extractor)
+        likelihood = self._built(likelihood)
+        if extractor_checkpoint:
+            extractor, self.input_preprocessing = extractor_from_checkpoint(extractor_checkpoint, extractor)
         if mode == "end_to_end" and extractor is None:
             raise ValueError("mode='end_to_end' needs an extractor (the CNN trained with the GP)")
         if extractor is None and feature_dim is None:
@@ -190,8 +216,6 @@ class GPMILModule(BagModuleBase):
         self.automatic_optimization = False
         self.mode = mode
         self.extractor = extractor
-        if extractor is not None and extractor_checkpoint:
-            load_extractor_weights(extractor, extractor_checkpoint)
         dim = int(getattr(extractor, "feature_dim")) if extractor is not None else int(feature_dim)  # type: ignore[arg-type]
         if feature_dim is not None and extractor is not None and int(feature_dim) != dim:
             raise ValueError(f"feature_dim={feature_dim} but the extractor makes {dim} features")
@@ -227,6 +251,8 @@ class GPMILModule(BagModuleBase):
         self.standardize_momentum = standardize_momentum
         self.num_train_bags: int | None = None
         self._locals: dict[str, Tensor] = {}
+        self.decision_bags = ("train" if mode == "two_stage" else "val") if decision_bags == "auto" else decision_bags
+        self._decision_store = BagStore()  # the held-out bags' features of the current epoch
 
     @property
     def is_aggregate(self) -> bool:
@@ -253,17 +279,33 @@ class GPMILModule(BagModuleBase):
             x = x[:, keep]
         return x, w
 
-    def features(self, x: Tensor, grad: bool = False) -> Tensor:
-        """Instance features ``(N, D)``: the extractor's output, or ``x`` itself without one."""
-        if self.extractor is None:
-            return x
-        with torch.set_grad_enabled(grad):
-            return self.extractor(x)
+    def features(self, x: Tensor, grad: bool | None = None) -> Tensor:
+        """Instance features ``(N, D)`` (:meth:`BagModuleBase.features`), checked against the head's width."""
+        h = super().features(x, grad)
+        if h.shape[-1] != self.gp.feature_dim:
+            raise InputError(f"the inputs have {h.shape[-1]} features per instance, the GP head expects {self.gp.feature_dim}")
+        return h
 
-    def standardized(self, x: Tensor, grad: bool = False) -> Tensor:
+    def _standardize(self, h: Tensor) -> Tensor:
+        """Features (any float dtype, half precision from autocast included) → standardised float64."""
+        return self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+
+    def standardized(self, x: Tensor, grad: bool | None = None) -> Tensor:
         h = self.features(x, grad)
         with self._float64():
-            return self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            return self._standardize(h)
+
+    @property
+    def bag_label_kind(self) -> str:
+        """``"binary"`` (MIL: bag labels 0/1) or ``"aggregate"`` (real-valued bag targets)."""
+        return "aggregate" if self.gp.is_aggregate else "binary"
+
+    def describe(self) -> dict[str, Any]:
+        out = {**super().describe(), "mode": self.mode, "likelihood": module_config(self.gp.likelihood),
+               "num_inducing": self.gp.num_inducing}
+        if not self.gp.is_aggregate:
+            out["bag_decision"] = {**self.gp.decision_summary(), "fitted_on": self.decision_bags}
+        return out
 
     # -- set-up ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -308,10 +350,9 @@ class GPMILModule(BagModuleBase):
             x, w = self.split_inputs(batch)
             h = self.features(x).to(torch.float64).cpu()
             ids = batch.bag_ids or [str(len(per_bag) + i) for i in range(batch.num_bags)]
-            sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
-            order = torch.argsort(batch.bag_index.cpu(), stable=True)
-            w_parts = [None] * len(sizes) if w is None else torch.split(w.to(torch.float64).cpu()[order], sizes)
-            for b, part in enumerate(torch.split(h[order], sizes)):
+            index = batch.bag_index.cpu()
+            w_parts = [None] * batch.num_bags if w is None else split_by_bag(w.to(torch.float64).cpu(), index, batch.num_bags)
+            for b, part in enumerate(split_by_bag(h, index, batch.num_bags)):
                 per_bag[ids[b]] = (part, float(batch.bag_labels[b]), w_parts[b])
             if self.init_max_bags is not None and len(per_bag) >= self.init_max_bags:
                 break
@@ -323,8 +364,6 @@ class GPMILModule(BagModuleBase):
         per_bag = merged
         keys = sorted(per_bag)
         feats = torch.cat([per_bag[k][0] for k in keys])
-        if feats.shape[1] != self.gp.feature_dim:
-            raise ValueError(f"the training features have {feats.shape[1]} columns, the GP head expects {self.gp.feature_dim}")
         labels = torch.cat([torch.full((len(per_bag[k][0]),), per_bag[k][1], dtype=torch.float64) for k in keys])
         if not self.gp.is_aggregate:
             self.gp.initialize(feats, labels)
@@ -358,9 +397,7 @@ class GPMILModule(BagModuleBase):
         later (shuffled) epoch continues from its current π instead of being re-initialised."""
         if not batch.bag_ids or not isinstance(locals_, Tensor) or locals_.shape != (batch.num_instances,):
             return
-        order = torch.argsort(batch.bag_index, stable=True)
-        sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
-        parts = [(bag_id, part.cpu().clone()) for bag_id, part in zip(batch.bag_ids, torch.split(locals_.detach()[order], sizes))]
+        parts = [(bag_id, part.cpu().clone()) for bag_id, part in zip(batch.bag_ids, split_by_bag(locals_.detach(), batch.bag_index, batch.num_bags))]
         if world_size() > 1:
             parts = [pair for rank_parts in all_gather_objects(parts) for pair in rank_parts]
         self._locals.update(parts)
@@ -392,7 +429,7 @@ class GPMILModule(BagModuleBase):
             self.extractor.eval()
         h = self.features(batch.x, grad=train_cnn)
         with self._float64():
-            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            z = self._standardize(h)
             counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
             global_bags, global_instances = float(counts[0]), float(counts[1])
             assert self.num_train_bags is not None
@@ -405,18 +442,58 @@ class GPMILModule(BagModuleBase):
             )
             self.natural_steps += 1
             self._put_locals(batch, locals_)
-            loss_value = torch.tensor(float("nan"))
+            if self.decision_bags == "train":
+                self._decision_store.add(batch, h)
             if learn:
                 loss_value = self._hyper_steps(
                     opt, batch.x, z, train_cnn, global_instances,
                     lambda z_: self.gp.hyper_objective(z_, batch.bag_index, labels, batch.num_bags, locals_),
                 )
+            else:
+                loss_value = self._count_step(opt)
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
+            if self.decision_bags == "train" and self._last_training_batch(batch_idx):
+                self._fit_decision_on_training_bags()
         self.log("train/rho", rho, batch_size=batch.num_bags)
         if learn:
             self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
         return loss_value
+
+    @staticmethod
+    def _count_step(opt: Any) -> Tensor:
+        """A warm-up step (natural step only): an optimiser step without gradients, which changes
+        nothing, so that Lightning counts the training step (its step counter drives checkpointing:
+        without it no checkpoint would be written during the warm-up epochs)."""
+        opt.zero_grad(set_to_none=True)
+        opt.step()
+        return torch.tensor(float("nan"))
+
+    def _last_training_batch(self, batch_idx: int) -> bool:
+        trainer = self.trainer
+        return bool(trainer.is_last_batch) or batch_idx + 1 >= trainer.num_training_batches
+
+    # -- bag decision ----------------------------------------------------------------------------
+    def _adopt_decision(self, posterior: Any, labels: Tensor, where: str) -> bool:
+        """Fit the head's bag decision on a held-out posterior and adopt it; ``False`` (with a
+        warning) when the bags hold one class only and the previous decision is kept."""
+        if labels.min() == labels.max():
+            rank_zero_warn(f"the {where} bags are all of one class: the bag decision is not refitted this epoch")
+            return False
+        name, decision = self.gp.fit_decision(posterior, labels)
+        self.gp.set_decision(name, decision)
+        return True
+
+    @torch.no_grad()
+    def _fit_decision_on_training_bags(self) -> None:
+        """The decision on the leave-one-bag-out cavities of this epoch's training bags (at the end
+        of the epoch's last step, so validation and both checkpoints see it)."""
+        ids, h, bag_index, labels = self._decision_store.gathered()
+        self._decision_store.clear()
+        h, bag_index = h.to(self.device), bag_index.to(self.device)
+        locals_ = torch.cat([self._locals[b] for b in ids]).to(self.device)
+        posterior = self.gp.leave_bag_out(self._standardize(h), bag_index, labels.to(self.device), len(ids), locals_)
+        self._adopt_decision(posterior, labels, "training")
 
     def _hyper_steps(
         self, opt: Any, x: Tensor, z: Tensor, train_cnn: bool, global_instances: float, objective: Callable[[Tensor], Tensor]
@@ -448,7 +525,7 @@ class GPMILModule(BagModuleBase):
         x, w = self.split_inputs(batch)
         h = self.features(x, grad=train_cnn)
         with self._float64():
-            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            z = self._standardize(h)
             w = None if w is None else w.to(torch.float64)
             y = batch.bag_labels.to(device=z.device, dtype=torch.float64)
             counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
@@ -468,12 +545,13 @@ class GPMILModule(BagModuleBase):
             if adaptive:
                 self.aggregate_rho.fill_(step.next_rho)
             self.natural_steps += 1
-            loss_value = torch.tensor(float("nan"))
             if learn:
                 loss_value = self._hyper_steps(
                     opt, x, z, train_cnn, global_instances,
                     lambda z_: self.gp.aggregate_objective(z_, batch.bag_index, y, w, batch.num_bags),
                 )
+            else:
+                loss_value = self._count_step(opt)
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
         self.log("train/rho", step.rho, batch_size=batch.num_bags)
@@ -494,23 +572,26 @@ class GPMILModule(BagModuleBase):
     def predict_records(self, batch: BagBatch) -> list[dict]:
         if self.gp.is_aggregate:
             return self._aggregate_records(batch)
+        return self._mil_records(batch)[0]
+
+    @torch.no_grad()
+    def _mil_records(self, batch: BagBatch) -> tuple[list[dict], Tensor]:
+        """The batch's records and its instance features ``h`` ``(N, D)``."""
         h = self.features(batch.x)
         with self._float64():
-            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
-            pred = self.gp.predict(z, batch.bag_index, batch.num_bags)
+            pred = self.gp.predict(self._standardize(h), batch.bag_index, batch.num_bags)
         extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
         if self.extractor is not None:
             extra["features"] = h.float()
-        return self.make_records(
-            batch, pred["bag_prob"], pred["bag_std"], pred["instance_prob"], pred["instance_std"], extra=extra
-        )
+        records = self.make_records(batch, pred["bag_prob"], pred["bag_std"], pred["instance_prob"], pred["instance_std"], extra=extra)
+        return records, h
 
     @torch.no_grad()
     def _aggregate_records(self, batch: BagBatch) -> list[dict]:
         x, w = self.split_inputs(batch)
         h = self.features(x)
         with self._float64():
-            z = self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
+            z = self._standardize(h)
             w = None if w is None else w.to(torch.float64)
             pred = self.gp.predict_aggregate(z, batch.bag_index, batch.num_bags, w, batch.bag_labels.to(z))
         extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
@@ -528,25 +609,60 @@ class GPMILModule(BagModuleBase):
     def _aggregate_metrics(self, records: list[dict]) -> dict[str, float]:
         return aggregate_records_metrics(records, poisson=isinstance(self.gp.likelihood, PoissonAggregateLikelihood))
 
+    def _fits_decision_on_validation(self) -> bool:
+        trainer = self.trainer
+        return (self.decision_bags == "val" and not self.gp.is_aggregate and trainer.state.fn == "fit"
+                and not trainer.sanity_checking)
+
+    def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
+        if not self._fits_decision_on_validation():
+            return super().validation_step(batch, batch_idx)
+        records, h = self._mil_records(batch)
+        self._val_records.extend(records)
+        self._decision_store.add(batch, h)
+
     def on_validation_epoch_end(self) -> None:
-        if not self.gp.is_aggregate:
-            return super().on_validation_epoch_end()
-        records = self.gather_records(self._val_records)
+        self.val_records = records = self.gather_records(self._val_records)
         self._val_records = []
-        self.val_metrics = self._aggregate_metrics(records)
-        for k, v in self.val_metrics.items():
-            if not k.endswith("count"):
-                self.log(f"val/{k}", float(v), prog_bar=k == "bag_nll", sync_dist=False)
+        check_records(records, "validation")
+        if self.gp.is_aggregate:
+            self.val_metrics = self._aggregate_metrics(records)
+            self.log_metrics("val", self.val_metrics, prog_bar=("bag_nll",))
+            return
+        heldout_nll = self._fit_decision_on_validation(records) if self._fits_decision_on_validation() else None
+        self.val_metrics = records_metrics(records)
+        if heldout_nll is not None:
+            self.val_metrics["bag_nll"] = heldout_nll
+        self.log_metrics("val", self.val_metrics, prog_bar=("bag_nll", "bag_auc"))
+
+    @torch.no_grad()
+    def _fit_decision_on_validation(self, records: list[dict]) -> float | None:
+        """Refit the decision on this epoch's validation bags, rewrite the records' bag
+        probabilities with it, and return the cross-fitted validation NLL (``None`` when a class has
+        fewer than two validation bags: the NLL is then the in-sample one, and a warning says so)."""
+        ids, h, bag_index, labels = self._decision_store.gathered()
+        self._decision_store.clear()
+        z, bag_index = self._standardize(h.to(self.device)), bag_index.to(self.device)
+        posterior = self.gp.bag_posterior(z, bag_index, len(ids))
+        if not self._adopt_decision(posterior, labels, "validation"):
+            return None
+        p, std = self.gp.decide(posterior)
+        by_id = {b: (float(p[k]), float(std[k])) for k, b in enumerate(ids)}
+        for r in records:
+            r["bag_prob"], r["bag_std"] = by_id[r["bag_id"]]
+        heldout = self.gp.cross_fitted_nll(z, bag_index, labels, len(ids))
+        if heldout is None:
+            rank_zero_warn("fewer than two validation bags of a class: val/bag_nll is computed on the bags the decision was fitted on")
+        return heldout
 
     def on_test_epoch_end(self) -> None:
         if not self.gp.is_aggregate:
             return super().on_test_epoch_end()
         self.test_records = self.gather_records(self._test_records)
         self._test_records = []
+        check_records(self.test_records, "test")
         self.test_metrics = self._aggregate_metrics(self.test_records)
-        for k, v in self.test_metrics.items():
-            if not k.endswith("count"):
-                self.log(f"test/{k}", float(v), sync_dist=False)
+        self.log_metrics("test", self.test_metrics)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -555,6 +671,7 @@ class GPMILModule(BagModuleBase):
         checkpoint["gp_num_train_bags"] = self.num_train_bags
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self._locals = {k: v.to(torch.float64) for k, v in checkpoint.get("gp_locals", {}).items()}
         self.num_train_bags = checkpoint.get("gp_num_train_bags")
 

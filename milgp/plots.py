@@ -1,8 +1,14 @@
 """PNG plots of predictions (library side; matplotlib's Agg canvas, no global backend change).
 
-* :func:`plot_scan_predictions` — one scan: per-slice probability with ±1 std bars, the true slice
-  labels, and the bag prediction in the title (seed 000 Fig. 10);
-* :func:`plot_calibration` — reliability diagram with the expected calibration error;
+* :func:`plot_scan_predictions` — one scan: per-slice probability with ±1 std bars along the scan
+  axis, the true lesion slices when known, the decision threshold, and the scan's full id and bag
+  prediction in the title (as Fig. 10 of Castro-Macías et al., *Hyperbolic secant representation of
+  the logistic function: application to probabilistic multiple instance learning for CT
+  intracranial hemorrhage detection*, Artificial Intelligence 2024);
+* :func:`plot_calibration` — reliability diagram with the expected calibration error and, below it,
+  the number of bags in every bin;
+* :func:`plot_rule_comparison` — bag probabilities of several bag rules side by side, negatives and
+  positives apart, with the decision threshold and how many of each cross it;
 * :func:`plot_training_curves` — metrics logged during training (e.g. Lightning's CSV log).
 
 Every function writes ``path`` (parent folders created) and returns it.
@@ -21,7 +27,7 @@ from matplotlib.figure import Figure
 
 from milgp.metrics import calibration_curve, expected_calibration_error
 
-__all__ = ["plot_calibration", "plot_scan_predictions", "plot_training_curves", "read_csv_log"]
+__all__ = ["plot_calibration", "plot_rule_comparison", "plot_scan_predictions", "plot_training_curves", "read_csv_log"]
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> str:
@@ -29,6 +35,11 @@ def _save(fig: Figure, path: str | os.PathLike[str]) -> str:
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return str(path)
+
+
+def _wrap(text: str, width: int = 64) -> str:
+    """Break a long id (a DICOM UID) into lines of ``width`` characters, losing nothing."""
+    return "\n".join(text[i : i + width] for i in range(0, len(text), width)) or text
 
 
 def plot_scan_predictions(
@@ -41,59 +52,107 @@ def plot_scan_predictions(
     bag_std: float | None = None,
     title: str = "",
     score_name: str = "P(slice positive)",
+    positions: Sequence[float] | None = None,
+    position_label: str = "slice (scan order)",
+    threshold: float | None = 0.5,
+    heading: str = "",
 ) -> str:
-    """Per-slice predictions of one scan as bars with ±1 std error bars; slices whose true label
-    is positive are drawn red with a marker along the top (seed 000 Fig. 10)."""
+    """Per-slice predictions of one scan: bars with ±1 std error bars at the slice positions (scan
+    order), lesion slices marked along the top when labels are known, the decision threshold as a
+    dashed line, a legend, and in the title ``heading`` (e.g. "false positive"), the full scan id
+    ``title`` and the scan's label and predicted probability ± std."""
     p = np.asarray(slice_probs, dtype=float)
     s = None if slice_stds is None else np.asarray(slice_stds, dtype=float)
-    k = np.arange(len(p))
-    fig = Figure(figsize=(max(5.0, 0.22 * len(p) + 2.0), 3.2))
+    x = np.arange(len(p), dtype=float) if positions is None else np.asarray(positions, dtype=float)
+    step = float(np.min(np.diff(np.sort(x)))) if len(x) > 1 else 1.0
+    step = step if step > 0 else 1.0
+    fig = Figure(figsize=(min(14.0, max(5.5, 0.18 * len(p) + 2.5)), 3.6))
     ax = fig.add_subplot(1, 1, 1)
-    colors = ["tab:blue"] * len(p)
+    ax.bar(x, p, width=0.8 * step, color="tab:blue", alpha=0.8, yerr=s, capsize=2 if len(p) <= 60 else 0,
+           error_kw={"elinewidth": 0.8, "ecolor": "0.25"}, label=f"{score_name}" + (" ± 1 std" if s is not None else ""))
     if slice_labels is not None:
         lab = np.asarray(slice_labels, dtype=float)
-        colors = ["tab:red" if v > 0.5 else "tab:blue" for v in lab]
-        pos = k[lab > 0.5]
-        if len(pos):
-            ax.scatter(pos, np.full(len(pos), 1.04), marker="v", color="tab:red", s=18, label="true positive slice", clip_on=False)
-    ax.bar(k, p, color=colors, alpha=0.75, yerr=s, capsize=2, error_kw={"elinewidth": 0.8})
+        pos = x[lab > 0.5]
+        ax.scatter(pos, np.full(len(pos), 1.04), marker="v", color="tab:red", s=18, clip_on=False,
+                   label=f"lesion slice (ground truth, {len(pos)})")
+    if threshold is not None:
+        ax.axhline(threshold, ls="--", lw=0.8, color="0.4", label=f"decision threshold {threshold:g}")
     ax.set_ylim(0, 1.08)
-    ax.set_xlim(-0.7, len(p) - 0.3)
-    ax.set_xlabel("slice (scan order)")
+    ax.set_xlim(float(x.min()) - 0.7 * step, float(x.max()) + 0.7 * step)
+    ax.set_xlabel(position_label)
     ax.set_ylabel(score_name)
     head = []
-    if bag_label is not None:
-        head.append(f"true scan label: {int(bag_label)}")
+    if bag_label is not None and np.isfinite(bag_label):
+        head.append(f"scan label {int(bag_label)}")
     if bag_prob is not None:
-        head.append(f"predicted: {bag_prob:.2f}" + ("" if bag_std is None else f" ± {bag_std:.2f}"))
-    ax.set_title((title + "\n" if title else "") + "   ".join(head), fontsize=9)
-    if slice_labels is not None and (np.asarray(slice_labels) > 0.5).any():
-        ax.legend(loc="upper left", fontsize=7, frameon=False)
+        head.append(f"P(scan positive) = {bag_prob:.3f}" + ("" if bag_std is None or not np.isfinite(bag_std) else f" ± {bag_std:.3f}"))
+    lines = [heading] if heading else []
+    lines += [_wrap(title)] if title else []
+    lines += ["   ".join(head)] if head else []
+    ax.set_title("\n".join(lines), fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     return _save(fig, path)
 
 
 def plot_calibration(
     path: str | os.PathLike[str], probs: Any, labels: Any, n_bins: int = 10, title: str = "", curves: Mapping[str, tuple[Any, Any]] | None = None
 ) -> str:
-    """Reliability diagram (fraction positive vs mean predicted probability per bin) with the ECE.
+    """Reliability diagram (fraction positive vs mean predicted probability per bin) with the ECE,
+    and below it the number of bags in each bin (a point of a near-empty bin means little).
 
     ``curves`` optionally adds more named ``(probs, labels)`` pairs to the same axes.
     """
-    fig = Figure(figsize=(4.2, 4.0))
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="perfect")
+    fig = Figure(figsize=(4.6, 5.4))
+    grid = fig.add_gridspec(2, 1, height_ratios=[3, 1.2], hspace=0.08)
+    ax = fig.add_subplot(grid[0])
+    counts_ax = fig.add_subplot(grid[1], sharex=ax)
+    ax.plot([0, 1], [0, 1], ls="--", color="grey", lw=1, label="perfect calibration")
     series = {"model": (probs, labels)} if probs is not None else {}
     series.update(curves or {})
-    for name, (p, y) in series.items():
+    edges = np.linspace(0.0, 1.0, n_bins + 1)
+    width = (edges[1] - edges[0]) / max(1, len(series))
+    for k, (name, (p, y)) in enumerate(series.items()):
         c = calibration_curve(p, y, n_bins)
         ece = expected_calibration_error(p, y, n_bins)
-        ax.plot(c["mean_predicted"], c["fraction_positive"], marker="o", label=f"{name} (ECE {ece:.3f})")
+        line = ax.plot(c["mean_predicted"], c["fraction_positive"], marker="o", label=f"{name} (ECE {ece:.3f}, {len(np.asarray(p))} bags)")
+        counts_ax.bar(c["bin_lower"] + (k + 0.5) * width, c["count"], width=0.9 * width, color=line[0].get_color())
+        for lower, n in zip(c["bin_lower"], c["count"]):
+            counts_ax.text(lower + (k + 0.5) * width, n, str(int(n)), ha="center", va="bottom", fontsize=6)
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.set_xlabel("mean predicted probability")
     ax.set_ylabel("fraction positive")
     ax.set_title(title or "calibration", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
+    ax.tick_params(labelbottom=False)
+    counts_ax.set_xlabel(f"predicted probability ({n_bins} bins)")
+    counts_ax.set_ylabel("bags in bin", fontsize=8)
+    counts_ax.margins(y=0.25)
+    return _save(fig, path)
+
+
+def plot_rule_comparison(
+    path: str | os.PathLike[str], rules: Mapping[str, tuple[Any, Any]], threshold: float = 0.5, title: str = ""
+) -> str:
+    """``{rule name: (bag probabilities, bag labels)}`` as columns of points (negatives left, blue;
+    positives right, red; jittered), the decision threshold, and per column how many negatives and
+    positives lie above it."""
+    fig = Figure(figsize=(max(5.0, 1.9 * len(rules) + 1.5), 4.2))
+    ax = fig.add_subplot(1, 1, 1)
+    rng = np.random.default_rng(0)
+    for k, (name, (p, y)) in enumerate(rules.items()):
+        p, y = np.asarray(p, dtype=float), np.asarray(y, dtype=float)
+        for label, offset, colour, text in ((0.0, -0.15, "tab:blue", "negative scans"), (1.0, 0.15, "tab:red", "positive scans")):
+            sel = p[y == label]
+            ax.scatter(k + offset + rng.uniform(-0.08, 0.08, len(sel)), sel, s=12, alpha=0.7, color=colour, label=text if k == 0 else None)
+        above_neg, above_pos = int(((p > threshold) & (y == 0)).sum()), int(((p > threshold) & (y == 1)).sum())
+        ax.text(k, 1.04, f"> {threshold:g}: {above_neg}/{int((y == 0).sum())} neg, {above_pos}/{int((y == 1).sum())} pos",
+                ha="center", va="bottom", fontsize=7)
+    ax.axhline(threshold, ls="--", lw=0.8, color="0.4", label=f"decision threshold {threshold:g}")
+    ax.set_xticks(range(len(rules)), list(rules), fontsize=7)
+    ax.set_ylim(-0.02, 1.12)
+    ax.set_ylabel("P(scan positive)")
+    ax.set_title(title or "bag rules", fontsize=9)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return _save(fig, path)
 
 

@@ -1,5 +1,6 @@
-"""Callbacks: feature files from ``predict`` and metrics/plots from ``test``."""
+"""Callbacks: reports after ``test``/``validate``/``fit``, predictions and feature files from ``predict``."""
 from lightning_modules.callbacks.feature_writer import FeatureWriter
+from lightning_modules.callbacks.prediction_writer import PredictionWriter
 from lightning_modules.callbacks.report_writer import ReportWriter
 
-__all__ = ["FeatureWriter", "ReportWriter"]
+__all__ = ["FeatureWriter", "PredictionWriter", "ReportWriter"]

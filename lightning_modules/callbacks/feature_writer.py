@@ -1,14 +1,17 @@
 """Write per-slice features from a ``predict`` run to a feature file (:mod:`lightning_modules.features`)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import BasePredictionWriter
 
-from lightning_modules.distributed import all_gather_objects
+from lightning_modules.bag_module_base import BagModuleBase
+from lightning_modules.callbacks.prediction_writer import flatten_records
 from lightning_modules.features import FeatureTable, save_features
+from lightning_modules.input_error import InputError
 
 __all__ = ["FeatureWriter"]
 
@@ -16,7 +19,7 @@ _SPLIT_ORDER = {"train": 0, "val": 1, "test": 2}
 
 
 class FeatureWriter(BasePredictionWriter):
-    """At the end of ``predict``, write every predicted bag's slice features to ``output_path``.
+    """At the end of ``predict``, write every predicted bag's slice features to a feature file.
 
     The model's ``predict_step`` must return per-bag records with a ``"features"`` entry
     (:class:`AttentionMILModule`, or :class:`GPMILModule` with an extractor). Bag splits and
@@ -25,27 +28,27 @@ class FeatureWriter(BasePredictionWriter):
     on ``val``/``test`` of the same file. Under DDP the ranks' bags are gathered and rank 0 writes.
 
     Args:
-        output_path: ``.npz`` (default format) or ``.csv``.
+        output_path: ``.npz`` (default format) or ``.csv``; a relative path lies in the run's version
+            folder (default ``<run>/predict/version_<n>/features.npz``); an absolute path must not
+            exist yet (a feature file is never overwritten).
     """
 
     def __init__(self, output_path: str = "features.npz"):
         super().__init__(write_interval="epoch")
+        if Path(output_path).suffix not in (".npz", ".csv"):
+            raise InputError(f"FeatureWriter output_path {output_path}: feature files end in .npz or .csv")
+        if Path(output_path).is_absolute() and Path(output_path).exists():
+            raise InputError(f"FeatureWriter output_path {output_path} exists: feature files are never overwritten, choose another path")
         self.output_path = output_path
+        self.written: str | None = None
 
     def write_on_epoch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
     ) -> None:
-        def flat(obj: Any) -> list[dict]:
-            if isinstance(obj, dict):
-                return [obj]
-            return [r for item in obj for r in flat(item)]
-
-        records: dict[str, dict] = {}
-        for part in all_gather_objects(flat(predictions)):
-            for r in part:
-                if "features" not in r:
-                    raise ValueError(f"{type(pl_module).__name__}.predict_step returned records without 'features'")
-                records.setdefault(r["bag_id"], r)
+        records = {r["bag_id"]: r for r in BagModuleBase.gather_records(flatten_records(predictions))}
+        missing = [b for b, r in records.items() if "features" not in r]
+        if missing:
+            raise ValueError(f"{type(pl_module).__name__}.predict_step returned records without 'features' (bag {missing[0]!r})")
         if trainer.global_rank != 0:
             return
         dm = trainer.datamodule
@@ -61,5 +64,7 @@ class FeatureWriter(BasePredictionWriter):
             [patient_of(b) for b in ids],
             [split[b] for b in ids],
         )
-        path = save_features(self.output_path, table)
+        target = Path(self.output_path)
+        path = save_features(target if target.is_absolute() else Path(trainer.log_dir or trainer.default_root_dir) / target, table)
+        self.written = path
         print(f"wrote features of {table.num_bags} bags ({len(table.features)} slices, D={table.feature_dim}) to {path}")

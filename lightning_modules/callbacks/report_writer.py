@@ -1,8 +1,7 @@
-"""Write test metrics (JSON), per-bag predictions and PNG plots after ``test``; training curves after ``fit``."""
+"""Reports of ``test`` and ``validate`` (metrics, predictions, plots) and training curves after ``fit``."""
 from __future__ import annotations
 
-import json
-import os
+import math
 from pathlib import Path
 from typing import Any
 
@@ -11,75 +10,105 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_only
 
+from lightning_modules.callbacks.run_metadata import run_metadata, slice_positions
+from lightning_modules.callbacks.scan_selection import OUTCOMES, outcome, scans_to_plot
+from lightning_modules.callbacks.tables import csv_text
 from milgp.data.atomic import atomic_write_json, atomic_write_text
+from milgp.data.cache import bag_file_stem
 from milgp.metrics import json_safe
 from milgp.plots import plot_calibration, plot_scan_predictions, plot_training_curves, read_csv_log
 
 __all__ = ["ReportWriter"]
 
+_KEEP = ("bag_id", "bag_label", "bag_prob", "bag_std", "slice_probs", "slice_stds", "slice_labels", "slice_scores")
+
 
 class ReportWriter(Callback):
-    """Outputs of a run, written by rank 0 into ``output_dir`` (default: the trainer's log dir):
+    """Writes, on rank 0, into the run's version folder (``trainer.log_dir``, e.g. ``<run>/test/version_0``):
 
-    Files are prefixed with ``name`` so several models can share one folder; the JSON files are
-    written atomically (a crash leaves the previous file, never a truncated one):
-
-    * after ``test``: ``<name>_metrics.json`` (``{"model": name, "metrics": {bag_auc, bag_accuracy, bag_f1,
-      bag_ece, instance_auc, ...}}``), ``<name>_predictions.json`` (per bag: id, label, probability ± std,
-      slice probabilities ± std, slice labels), ``<name>_calibration.png`` (bag level) and
-      ``<name>_scan_<k>.png`` for up to ``num_scan_plots`` test scans (positives with slice labels first;
-      seed 000 Fig. 10); for aggregate-output likelihoods (``pl_module.is_aggregate``) only the two
-      JSON files, whose ``bag_prob`` / ``slice_probs`` then hold predicted aggregates and rates;
-    * after ``fit``: ``<name>_training_curves.png`` from the CSV logger's ``metrics.csv``, when there is one.
+    * after ``test`` and ``validate``: ``metrics.json`` (the metrics, and which model, checkpoint and
+      data they were computed on), ``predictions.json`` (per scan: id, label, probability ± std,
+      slice probabilities ± std, slice labels), ``predictions.csv`` (one row per scan with the
+      decision at the threshold and its outcome), ``calibration.png`` (reliability diagram with the
+      number of scans per bin) and ``scans/<outcome>_<k>_<id>.png``: per-slice plots of the true
+      positives, the most confident false positives and the most confident false negatives (by bag
+      label, so also for external sets without slice labels). Aggregate-output models (counts,
+      ``pl_module.is_aggregate``) get the JSON files only;
+    * after ``fit``: ``training_curves.png`` from the run's ``metrics.csv``.
 
     Args:
-        output_dir: folder (created).
-        name: model name recorded in ``metrics.json``.
-        num_scan_plots: how many per-scan plots to draw.
+        name: the model's name in the reports (default: its class name).
+        plots_per_kind: scans drawn per outcome (true positive, false positive, false negative).
         n_bins: calibration bins.
+        threshold: the decision threshold of the bag probability (the calibrated ½).
     """
 
-    def __init__(self, output_dir: str | None = None, name: str = "model", num_scan_plots: int = 4, n_bins: int = 10):
+    def __init__(self, name: str | None = None, plots_per_kind: int = 3, n_bins: int = 10, threshold: float = 0.5):
         super().__init__()
-        self.output_dir = output_dir
+        if plots_per_kind < 0 or n_bins < 1 or not 0.0 < threshold < 1.0:
+            raise ValueError(f"ReportWriter needs plots_per_kind >= 0, n_bins >= 1 and 0 < threshold < 1, got {plots_per_kind}, {n_bins}, {threshold}")
         self.name = name
-        self.num_scan_plots = num_scan_plots
+        self.plots_per_kind = plots_per_kind
         self.n_bins = n_bins
+        self.threshold = threshold
 
-    def _dir(self, trainer: pl.Trainer) -> Path:
-        d = Path(self.output_dir or trainer.log_dir or trainer.default_root_dir)
+    @staticmethod
+    def _dir(trainer: pl.Trainer) -> Path:
+        d = Path(trainer.log_dir or trainer.default_root_dir)
         d.mkdir(parents=True, exist_ok=True)
         return d
 
+    def _name(self, pl_module: pl.LightningModule) -> str:
+        return self.name or type(pl_module).__name__
+
     @rank_zero_only
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        logger = trainer.logger
-        log_dir = getattr(logger, "log_dir", None) if logger is not None else None
-        csv_path = os.path.join(log_dir, "metrics.csv") if log_dir else None
-        if csv_path and os.path.isfile(csv_path):
+        log_dir = getattr(trainer.logger, "log_dir", None) if trainer.logger is not None else None
+        csv_path = Path(log_dir) / "metrics.csv" if log_dir else None
+        if csv_path is not None and csv_path.is_file():
             curves = read_csv_log(csv_path)
             if curves:
-                plot_training_curves(self._dir(trainer) / f"{self.name}_training_curves.png", curves, title=f"{self.name}: training curves")
+                plot_training_curves(self._dir(trainer) / "training_curves.png", curves, title=f"{self._name(pl_module)}: training curves")
 
     @rank_zero_only
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        records: list[dict[str, Any]] = getattr(pl_module, "test_records", [])
-        metrics = getattr(pl_module, "test_metrics", {})
+        self.write(trainer, pl_module, "test", getattr(pl_module, "test_records", []), getattr(pl_module, "test_metrics", {}))
+
+    @rank_zero_only
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "validate":  # not the validation epochs of a fit
+            self.write(trainer, pl_module, "validate", getattr(pl_module, "val_records", []), getattr(pl_module, "val_metrics", {}))
+
+    def write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, subcommand: str, records: list[dict[str, Any]],
+              metrics: dict[str, float]) -> None:
+        """Write the report of ``records`` and ``metrics`` (class docstring)."""
         out = self._dir(trainer)
-        summary = {"model": self.name, "metrics": metrics, "num_bags": len(records)}
-        atomic_write_json(out / f"{self.name}_metrics.json", json_safe(summary))
-        keep = ("bag_id", "bag_label", "bag_prob", "bag_std", "slice_probs", "slice_stds", "slice_labels", "slice_scores")
-        per_bag = json_safe([{k: r.get(k) for k in keep} for r in records])
-        atomic_write_text(out / f"{self.name}_predictions.json", json.dumps(per_bag))
-        if not records or getattr(pl_module, "is_aggregate", False):
-            return  # aggregate targets are counts/totals, not probabilities: no calibration or slice-probability plots
-        p = np.array([r["bag_prob"] for r in records])
-        y = np.array([r["bag_label"] for r in records])
-        plot_calibration(out / f"{self.name}_calibration.png", p, y, self.n_bins, title=f"{self.name}: bag calibration (test)")
-        ranked = sorted(records, key=lambda r: (r.get("slice_labels") is None, -r["bag_label"], r["bag_id"]))
-        for k, r in enumerate(ranked[: self.num_scan_plots]):
+        aggregate = bool(getattr(pl_module, "is_aggregate", False))
+        counts = {k: sum(outcome(r, self.threshold) == k for r in records) for k in OUTCOMES} if not aggregate else {}
+        summary = {"model_name": self._name(pl_module), **run_metadata(trainer, pl_module, subcommand), "metrics": metrics,
+                   "num_bags": len(records)}
+        if not aggregate:
+            summary.update(threshold=self.threshold, outcomes=counts)
+        atomic_write_json(out / "metrics.json", json_safe(summary))
+        atomic_write_json(out / "predictions.json", json_safe([{k: r.get(k) for k in _KEEP} for r in records]))
+        if aggregate or not records:
+            return  # aggregate targets are counts/totals, not probabilities: no calibration or decision
+        atomic_write_text(out / "predictions.csv", self._csv(records))
+        labelled = [r for r in records if math.isfinite(float(r["bag_label"]))]
+        if labelled:
+            plot_calibration(out / "calibration.png", [r["bag_prob"] for r in labelled], [r["bag_label"] for r in labelled], self.n_bins,
+                             title=f"{self._name(pl_module)}: bag calibration ({subcommand})")
+        for k, (kind, r) in enumerate(scans_to_plot(records, self.threshold, self.plots_per_kind)):
+            positions, axis = slice_positions(trainer, r["bag_id"], len(r["slice_probs"]))
             std = r.get("bag_std")
             plot_scan_predictions(
-                out / f"{self.name}_scan_{k}.png", r["slice_probs"], r.get("slice_stds"), r.get("slice_labels"), r["bag_label"],
-                r["bag_prob"], None if std is None or not np.isfinite(std) else std, title=f"{self.name}: {r['bag_id'][:40]}",
+                out / "scans" / f"{kind.replace(' ', '_')}_{k}_{bag_file_stem(r['bag_id'])}.png", r["slice_probs"], r.get("slice_stds"),
+                r.get("slice_labels"), r["bag_label"], r["bag_prob"], None if std is None or not np.isfinite(std) else std,
+                title=r["bag_id"], positions=positions, position_label=axis, threshold=self.threshold,
+                heading=f"{self._name(pl_module)}: {kind}",
             )
+
+    def _csv(self, records: list[dict]) -> str:
+        rows = [[r["bag_id"], float(r["bag_label"]), float(r["bag_prob"]), float(r["bag_std"]), int(r["bag_prob"] > self.threshold),
+                 outcome(r, self.threshold), len(r["slice_probs"])] for r in records]
+        return csv_text(["bag_id", "bag_label", "probability", "std", "decision", "outcome", "num_slices"], rows)

@@ -7,9 +7,11 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from lightning_modules.data.checks import check_bag_labels, check_features, label_kind
 from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, patient_split
+from lightning_modules.input_error import InputError
 from milgp.data.bags import collate_bags
 
 __all__ = ["BagArrayDataModule"]
@@ -33,6 +35,9 @@ class BagArrayDataModule(pl.LightningDataModule):
         seed: shuffle seed.
         predict_split: ``"train"``, ``"val"``, ``"test"`` or ``"all"``.
         num_workers: DataLoader workers.
+
+    :meth:`setup` checks the bags first: every feature finite, every bag label 0 or 1 for a MIL
+    classifier, and every bag a run trains or tests on labelled, each error naming the bag.
     """
 
     def __init__(
@@ -53,21 +58,55 @@ class BagArrayDataModule(pl.LightningDataModule):
         seed: int = 0,
     ):
         super().__init__()
+        self.fractions, self.split_seed = tuple(fractions), split_seed
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
+        self.shuffle, self.predict_split, self.num_workers, self.seed = shuffle, predict_split, num_workers, seed
+        self.source = "in-memory bags"
+        self._checked = False
+        self._assign(bags, bag_labels, instance_labels, bag_ids, patient_ids, splits)
+
+    def _assign(
+        self,
+        bags: Sequence[Any],
+        bag_labels: Sequence[float],
+        instance_labels: Sequence[Any] | None,
+        bag_ids: Sequence[str] | None,
+        patient_ids: Sequence[str] | None,
+        splits: Sequence[str] | None,
+    ) -> None:
+        """Hold the bags and their split (given, or patient-grouped with ``fractions``)."""
         B = len(bags)
         self.bags = list(bags)
         self.labels = [float(y) for y in bag_labels]
         self.instance_labels = None if instance_labels is None else list(instance_labels)
         self.bag_ids = [str(b) for b in bag_ids] if bag_ids is not None else [f"bag_{i}" for i in range(B)]
         self.patient_ids = [str(p) for p in patient_ids] if patient_ids is not None else [""] * B
-        if splits is None or all(s == "" for s in splits):
-            by_id = patient_split(self.bag_ids, self.patient_ids, self.labels, fractions, split_seed)
+        if B and (splits is None or all(s == "" for s in splits)):
+            by_id = patient_split(self.bag_ids, self.patient_ids, self.labels, self.fractions, self.split_seed)
             self.split_names = [by_id[b] for b in self.bag_ids]
         else:
-            self.split_names = [str(s) for s in splits]
-        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
-        self.shuffle, self.predict_split, self.num_workers, self.seed = shuffle, predict_split, num_workers, seed
+            self.split_names = [str(s) for s in (splits or [])]
         self._split_by_id = dict(zip(self.bag_ids, self.split_names))
         self._patient_by_id = dict(zip(self.bag_ids, self.patient_ids))
+
+    def setup(self, stage: str) -> None:
+        """Check the bags (class docstring) once, before any training work."""
+        if self._checked:
+            return
+        check_features(self.source, self.bag_ids, self.bags)
+        kind = label_kind(self.trainer)
+        check_bag_labels(self.source, self.bag_ids, self.labels, kind, required=False)
+        if stage != "predict":
+            names = ("train", "val") if stage == "fit" else ("val",) if stage == "validate" else ("test",)
+            keep = [i for i, s in enumerate(self.split_names) if s in names]
+            check_bag_labels(self.source, [self.bag_ids[i] for i in keep], [self.labels[i] for i in keep], kind)
+        self._checked = True
+
+    def describe(self, subcommand: str) -> dict[str, Any]:
+        """The data a run used, for its reports."""
+        split = {"fit": "train", "validate": "val", "test": "test", "predict": self.predict_split}.get(subcommand, subcommand)
+        count = len(self.bag_ids) if split == "all" else sum(s == split for s in self.split_names)
+        return {"class": type(self).__qualname__, "source": self.source, "split": split, "bags": count}
 
     def split_of(self, bag_id: str) -> str:
         """The split of a bag (``""`` for an unknown id); a dict lookup."""
@@ -85,7 +124,7 @@ class BagArrayDataModule(pl.LightningDataModule):
         else:
             keep = [i for i, s in enumerate(self.split_names) if s == split]
         if not keep:
-            raise ValueError(f"split {split!r} has no bags (splits present: {sorted(set(self.split_names))})")
+            raise InputError(f"{self.source}: split {split!r} has no bags (splits present: {sorted(set(self.split_names))})")
         return InMemoryBagDataset(
             [self.bags[i] for i in keep], [self.labels[i] for i in keep],
             None if self.instance_labels is None else [self.instance_labels[i] for i in keep],

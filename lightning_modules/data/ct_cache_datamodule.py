@@ -5,16 +5,20 @@ import functools
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from lightning_modules.data.checks import check_bag_labels, label_kind
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, patient_split
+from lightning_modules.input_error import InputError
 from milgp.data.augment import BagAugment
 from milgp.data.bags import collate_bags
 from milgp.data.cache import CTCache
-from milgp.data.ct_dataset import CTBagDataset
+from milgp.data.ct_dataset import CTBagDataset, uniform_subsample
 
 __all__ = ["CTCacheDataModule"]
 
@@ -37,6 +41,10 @@ class CTCacheDataModule(pl.LightningDataModule):
         train_split, val_split, test_split, predict_split: split names (``"all"``: every bag).
         num_workers: DataLoader workers. seed: seed of the training order and the augmentation
             (both a function of ``(seed, epoch)``, see :class:`~lightning_modules.data.sampler.EpochSampler`).
+
+    A folder that is not a cache is reported when the data module is made; :meth:`setup` checks
+    the bag labels before any training work (0 or 1 for a MIL classifier; present for the splits a
+    subcommand trains or tests on), naming the bag and the cache's ``manifest.json``.
     """
 
     def __init__(
@@ -57,6 +65,8 @@ class CTCacheDataModule(pl.LightningDataModule):
         seed: int = 0,
     ):
         super().__init__()
+        if not (Path(cache_dir) / "params.json").is_file():
+            raise InputError(f"{cache_dir}: not a milgp CT cache (no params.json); build it with milgp-cache")
         self.cache_dir = str(cache_dir)
         self.splits_file = splits_file
         self.fractions, self.split_seed = tuple(fractions), split_seed
@@ -67,11 +77,16 @@ class CTCacheDataModule(pl.LightningDataModule):
         self._splits: dict[str, list[str]] | None = None
         self._train: CTBagDataset | None = None
 
+    @functools.cached_property
+    def _cache(self) -> CTCache:
+        """The cache's manifest and parameters, read once."""
+        return CTCache(self.cache_dir)
+
     @property
     def splits(self) -> dict[str, list[str]]:
         """``{split name: bag ids}`` (computed once)."""
         if self._splits is None:
-            cache = CTCache(self.cache_dir)
+            cache = self._cache
             path = self.splits_file or os.path.join(self.cache_dir, "splits.json")
             if os.path.isfile(path):
                 with open(path, encoding="utf-8") as fh:
@@ -88,6 +103,32 @@ class CTCacheDataModule(pl.LightningDataModule):
             self._splits["all"] = [b for name in SPLIT_NAMES for b in self._splits.get(name, [])] or cache.bag_ids
         return self._splits
 
+    def setup(self, stage: str) -> None:
+        """Check the bag labels (class docstring)."""
+        source, kind = os.path.join(self.cache_dir, "manifest.json"), label_kind(self.trainer)
+        entries = self._cache.entries
+        check_bag_labels(source, [e.bag_id for e in entries], [e.bag_label for e in entries], kind, required=False)
+        names = {"fit": (self.train_split, self.val_split), "validate": (self.val_split,), "test": (self.test_split,)}.get(stage, ())
+        ids = [b for name in names for b in self.splits.get(name, [])]
+        check_bag_labels(source, ids, [self._cache.entry(b).bag_label for b in ids], kind)
+
+    @property
+    def preprocessing(self) -> dict[str, Any]:
+        """The CT windows and slice size of the cache (what a model trained on it expects)."""
+        params = self._cache.params.to_json_dict()
+        return {"windows": params["windows"], "size": params["size"]}
+
+    def slice_positions(self, bag_id: str) -> tuple[np.ndarray, str] | None:
+        """Indices (in the cached scan) of the slices a bag is served with (``max_slices`` may thin them)."""
+        entry = self._cache.entry(bag_id)
+        return uniform_subsample(entry.num_slices, self.max_slices).astype(float), "slice index (cached scan)"
+
+    def describe(self, subcommand: str) -> dict[str, Any]:
+        """The data a run used, for its reports."""
+        split = {"fit": self.train_split, "validate": self.val_split, "test": self.test_split, "predict": self.predict_split}.get(subcommand)
+        return {"class": type(self).__qualname__, "cache_dir": self.cache_dir, "split": split,
+                "bags": len(self.splits.get(split, [])) if split else None, "max_slices": self.max_slices}
+
     @functools.cached_property
     def _split_by_id(self) -> dict[str, str]:
         """``{bag_id: split name}`` over the train/val/test splits (built once; the first of train,
@@ -97,7 +138,7 @@ class CTCacheDataModule(pl.LightningDataModule):
     @functools.cached_property
     def _patient_by_id(self) -> dict[str, str]:
         """``{bag_id: patient id}`` of the cached bags (the manifest read once)."""
-        return {e.bag_id: e.patient_id for e in CTCache(self.cache_dir).entries}
+        return {e.bag_id: e.patient_id for e in self._cache.entries}
 
     def split_of(self, bag_id: str) -> str:
         """The split (``"train"``, ``"val"``, ``"test"``) of a bag, ``""`` when in none; a dict lookup."""
@@ -113,7 +154,7 @@ class CTCacheDataModule(pl.LightningDataModule):
     def dataset(self, split: str, train: bool = False) -> CTBagDataset:
         ids = self.splits.get(split)
         if not ids:
-            raise ValueError(f"{self.cache_dir}: split {split!r} has no bags (splits: { {k: len(v) for k, v in self.splits.items()} })")
+            raise InputError(f"{self.cache_dir}: split {split!r} has no bags (splits: { {k: len(v) for k, v in self.splits.items()} })")
         return CTBagDataset(self.cache_dir, bag_ids=ids, max_slices=self.max_slices,
                             augment=self.augment if train else None, seed=self.seed)
 

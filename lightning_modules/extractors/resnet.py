@@ -27,6 +27,7 @@ class ResNetExtractor(nn.Module):
             saved beforehand), loaded with ``weights_only=True``; the ``fc`` layer and any
             normalisation buffers that do not fit are ignored. Never downloads anything.
         in_channels: input channels; other than 3 replaces the first convolution.
+        groups: GroupNorm groups per layer (``norm="group"``).
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class ResNetExtractor(nn.Module):
         groups: int = 32,
     ):
         super().__init__()
+        self._config = {"arch": arch, "feature_dim": feature_dim, "norm": norm, "in_channels": in_channels, "groups": groups}
         if arch not in _ARCHS:
             raise ValueError(f"unknown arch {arch!r}: use one of {_ARCHS}")
         net = getattr(torchvision.models, arch)(weights=None, norm_layer=make_norm_layer(norm, groups))
@@ -57,6 +59,11 @@ class ResNetExtractor(nn.Module):
         net.fc = nn.Linear(width, feature_dim)
         self.net = net
         self.feature_dim = int(feature_dim)
+
+    def config(self) -> dict:
+        """The constructor arguments that rebuild this architecture (the weights live in the state
+        dict, so ``weights_path`` is left out)."""
+        return dict(self._config)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)

@@ -42,6 +42,8 @@ class SmallCNN(nn.Module):
         checkpoint: str | None = None,
     ):
         super().__init__()
+        self._config = {"in_channels": in_channels, "feature_dim": feature_dim, "widths": list(widths), "norm": norm,
+                        "groups": groups, "dropout": dropout, "pool": pool}
         make_norm = make_norm_layer(norm, groups)
         layers: list[nn.Module] = []
         c = in_channels
@@ -61,6 +63,10 @@ class SmallCNN(nn.Module):
         self.feature_dim = int(feature_dim)
         if checkpoint:
             self.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
+
+    def config(self) -> dict:
+        """The constructor arguments that rebuild this architecture (the weights live in the state dict)."""
+        return dict(self._config)
 
     def forward(self, x: Tensor) -> Tensor:
         f = self.features(x)

@@ -79,6 +79,7 @@ def sample_phantom(
     z_slices: np.ndarray,
     lesion_radius: tuple[float, float] = (0.1, 0.2),
     noise_hu: float = 8.0,
+    lesion_hu: tuple[float, float] = (60.0, 90.0),
 ) -> PhantomSpec:
     """Draw a phantom; a positive one gets a lesion centred on one of ``z_slices`` (normalised z).
 
@@ -90,6 +91,7 @@ def sample_phantom(
         lesion_radius: range of the lesion's in-plane semi-axes (normalised units, 1 = half the
             field of view).
         noise_hu: noise standard deviation in HU.
+        lesion_hu: range of the lesion density in HU (brain is 35 HU).
     """
     head = (float(rng.uniform(0.72, 0.82)), float(rng.uniform(0.82, 0.92)), float(rng.uniform(1.0, 1.15)))
     if not positive:
@@ -100,7 +102,7 @@ def sample_phantom(
     center = (float(radius * np.cos(angle)), float(radius * np.sin(angle)), cz)
     r = float(rng.uniform(*lesion_radius))
     axes = (r, float(r * rng.uniform(0.7, 1.3)), float(rng.uniform(0.15, 0.35)))
-    return PhantomSpec(head, center, axes, float(rng.uniform(60.0, 90.0)), noise_hu)
+    return PhantomSpec(head, center, axes, float(rng.uniform(*lesion_hu)), noise_hu)
 
 
 def _inside(x: np.ndarray, y: np.ndarray, z: np.ndarray, center: Sequence[float], axes: Sequence[float]) -> np.ndarray:
@@ -355,13 +357,15 @@ def write_rsna_dataset(
     n_patients: int | None = None,
     noise_hu: float = 8.0,
     duplicate_rows: int = 0,
+    slice_factor: int = 1,
+    lesion_hu: tuple[float, float] = (60.0, 90.0),
 ) -> SyntheticDataset:
     """Write an RSNA-style dataset: ``root/stage_2_train/ID_<hex>.dcm`` + ``root/stage_2_train.csv``.
 
     Args:
         root: output folder (created).
         n_scans: number of series.
-        slices: ``(min, max)`` slices per scan, inclusive.
+        slices: ``(min, max)`` slices per scan at the standard 5 mm spacing, inclusive.
         size: image height = width in pixels.
         prevalence: fraction of positive scans (rounded to a count).
         lesion_radius: lesion in-plane semi-axis range (1 = half the field of view).
@@ -369,11 +373,18 @@ def write_rsna_dataset(
         n_patients: scans are dealt round-robin to this many patients (default: one per scan).
         noise_hu: noise standard deviation in HU.
         duplicate_rows: how many label rows to repeat verbatim (the real file has duplicates).
+        slice_factor: re-slice every scan this many times more finely, as thin-slice external CT
+            sets are: a scan drawn with ``n`` slices is written as ``slice_factor · n`` slices of
+            ``5 / slice_factor`` mm covering the same head, and its lesion (placed as for the
+            ``n``-slice scan) spans ``slice_factor`` times more slices.
+        lesion_hu: range of the lesion density in HU (brain 35 HU).
 
     Returns:
         The ground truth; ``bag_id`` = SeriesInstanceUID.
     """
     _check_common(n_scans, slices, size)
+    if slice_factor < 1:
+        raise ValueError(f"slice_factor must be a positive integer, got {slice_factor}")
     n_patients = n_scans if n_patients is None else n_patients
     rng = np.random.default_rng(seed)
     root_path = Path(root)
@@ -383,17 +394,20 @@ def write_rsna_dataset(
     scans: list[SyntheticScan] = []
     rows: list[tuple[str, int]] = []
     subtypes = ("epidural", "intraparenchymal", "intraventricular", "subarachnoid", "subdural")
+    thickness = 5.0 / slice_factor
     for i in range(n_scans):
         num = int(rng.integers(slices[0], slices[1] + 1))
-        z = _z_norm(num)
-        hu, labels = render_phantom(sample_phantom(rng, bool(positive[i]), z, lesion_radius, noise_hu), z, size, rng)
+        spec = sample_phantom(rng, bool(positive[i]), _z_norm(num), lesion_radius, noise_hu, lesion_hu)
+        z = _z_norm(num * slice_factor)
+        hu, labels = render_phantom(spec, z, size, rng)
         study_uid, series_uid = _uid(seed, "study", i), _uid(seed, "series", i)
         patient_id = f"ID_{i % n_patients:08x}"
-        names = _random_names(rng, num, "ID_", used)
+        names = _random_names(rng, len(z), "ID_", used)
         z_start = float(rng.uniform(-50.0, 50.0))
         paths = write_ct_series(
             image_dir, hu, [n + ".dcm" for n in names], rng=rng, patient_id=patient_id,
-            study_uid=study_uid, series_uid=series_uid, z_start_mm=z_start,
+            study_uid=study_uid, series_uid=series_uid, z_start_mm=z_start, slice_thickness_mm=thickness,
+            description="CT 5mm" if slice_factor == 1 else f"CT {thickness:g}mm",
         )
         subtype = subtypes[int(rng.integers(len(subtypes)))]
         for name, lab in zip(names, labels):
@@ -402,7 +416,7 @@ def write_rsna_dataset(
         scans.append(
             SyntheticScan(
                 bag_id=series_uid, patient_id=patient_id, study_uid=study_uid, series_uid=series_uid,
-                paths=tuple(paths), z_mm=tuple(z_start + 5.0 * np.arange(num)),
+                paths=tuple(paths), z_mm=tuple(z_start + thickness * np.arange(len(z))),
                 slice_labels=tuple(int(v) for v in labels), bag_label=float(labels.max()),
             )
         )

@@ -1,6 +1,7 @@
 """Helpers of the Lightning tests: tiny in-memory image/feature bags and YAML configs for ``milgp-train``."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,17 +52,15 @@ def write_config(path: Path, cfg: dict) -> str:
 
 
 def trainer_cfg(root: Path, name: str, max_epochs: int = 1, **extra: Any) -> dict:
-    """A small CPU trainer section with a CSV logger, last-checkpointing and the report writer."""
+    """A small CPU trainer section whose run folder is ``root/name`` (every output goes under it)."""
     cfg = {
         "accelerator": "cpu", "devices": 1, "max_epochs": max_epochs, "default_root_dir": str(root / name),
         "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1, "num_sanity_val_steps": 0,
-        "logger": {"class_path": "pytorch_lightning.loggers.CSVLogger",
-                   "init_args": {"save_dir": str(root / name), "name": "logs", "version": "fit"}},
-        "callbacks": [
-            {"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-             "init_args": {"dirpath": str(root / name / "ckpt"), "save_last": True}},
-            {"class_path": "lightning_modules.ReportWriter", "init_args": {"output_dir": str(root / "out"), "name": name, "num_scan_plots": 1}},
-        ],
     }
     cfg.update(extra)
     return cfg
+
+
+def report(run: Path, subcommand: str = "test", version: int = 0) -> dict:
+    """The ``metrics.json`` a ``test``/``validate`` wrote into the run folder ``run``."""
+    return json.loads((run / subcommand / f"version_{version}" / "metrics.json").read_text())

@@ -9,14 +9,10 @@ import pytest
 
 from lightning_modules.cli import run_cli
 from lightning_modules.features import FeatureTable, load_features, save_features
-from lm_helpers import feature_bags, trainer_cfg, write_config
+from lm_helpers import feature_bags, report, trainer_cfg, write_config
 
 SMALL_CNN = {"class_path": "lightning_modules.SmallCNN", "init_args": {"feature_dim": 8, "widths": [4, 8]}}
-REQUIRED = ("bag_auc", "bag_accuracy", "bag_f1", "bag_ece")
-
-
-def _metrics(path: Path) -> dict:
-    return json.loads(path.read_text())["metrics"]
+REQUIRED = ("bag_auc", "bag_accuracy", "bag_f1", "bag_ece", "bag_nll")
 
 
 def test_attcnn_fit_test_predict_through_cli(tiny_cache: str, tmp_path: Path) -> None:
@@ -33,22 +29,21 @@ def test_attcnn_fit_test_predict_through_cli(tiny_cache: str, tmp_path: Path) ->
     }
     path = write_config(tmp_path / "attcnn.yaml", cfg)
     cli = run_cli(["fit", "--config", path])
-    ckpt = tmp_path / "attcnn" / "ckpt" / "last.ckpt"
-    assert ckpt.is_file() and cli.trainer.current_epoch == 1
-    run_cli(["test", "--config", path, "--ckpt_path", str(ckpt)])
-    m = _metrics(tmp_path / "out" / "attcnn_metrics.json")
+    run = tmp_path / "attcnn"
+    assert (run / "checkpoints" / "last.ckpt").is_file() and cli.trainer.current_epoch == 1
+    run_cli(["test", "--config", path, "--ckpt_path", "last"])
+    m = report(run)["metrics"]
     for k in REQUIRED + ("instance_auc",):
         assert k in m
     assert 0.0 <= m["bag_accuracy"] <= 1.0
-    assert (tmp_path / "out" / "attcnn_calibration.png").stat().st_size > 1000
-    assert (tmp_path / "out" / "attcnn_scan_0.png").is_file()
-    assert (tmp_path / "out" / "attcnn_training_curves.png").is_file()
+    assert (run / "test" / "version_0" / "calibration.png").stat().st_size > 1000
+    assert list((run / "test" / "version_0" / "scans").glob("*.png"))
+    assert (run / "fit" / "version_0" / "training_curves.png").is_file()
     extract = write_config(tmp_path / "extract.yaml", {
-        "trainer": {"logger": False, "callbacks": [{"class_path": "lightning_modules.FeatureWriter",
-                                                    "init_args": {"output_path": str(tmp_path / "f.npz")}}]},
+        "trainer": {"callbacks": [{"class_path": "lightning_modules.FeatureWriter", "init_args": {"output_path": str(tmp_path / "f.npz")}}]},
         "data": {"init_args": {"predict_split": "all"}},
     })
-    run_cli(["predict", "--config", path, "--config", extract, "--ckpt_path", str(ckpt)])
+    run_cli(["predict", "--config", path, "--config", extract, "--ckpt_path", "last"])
     table = load_features(tmp_path / "f.npz")
     assert table.num_bags == 12 and table.feature_dim == 8
     assert set(table.splits) == {"train", "val", "test"}
@@ -59,14 +54,18 @@ def test_print_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     """`--print_config` prints the full resolved YAML (class_path/init_args) and exits 0.
 
     If this fails, the CLI cannot introspect the modules' typed __init__ signatures."""
-    cfg = {"model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4}},
-           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": "x.npz"}}}
+    save_features(tmp_path / "x.npz", FeatureTable.from_bags([np.zeros((2, 4))], ["a"], [0.0]))
+    cfg = {"trainer": {"default_root_dir": str(tmp_path / "run")},
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "x.npz")}}}
     path = write_config(tmp_path / "c.yaml", cfg)
     with pytest.raises(SystemExit) as err:
         run_cli(["fit", "--config", path, "--print_config"])
     assert err.value.code in (0, None)
     out = capsys.readouterr().out
     assert "lightning_modules.GPMILModule" in out and "num_inducing" in out
+    assert "monitor: val/bag_nll" in out  # model selection by a proper score
+    assert not (tmp_path / "run").exists()
 
 
 def test_gp_two_stage_through_cli(tmp_path: Path) -> None:
@@ -86,11 +85,11 @@ def test_gp_two_stage_through_cli(tmp_path: Path) -> None:
     }
     path = write_config(tmp_path / "gp2.yaml", cfg)
     run_cli(["fit", "--config", path])
-    run_cli(["test", "--config", path, "--ckpt_path", str(tmp_path / "gp2" / "ckpt" / "last.ckpt")])
-    m = _metrics(tmp_path / "out" / "gp2_metrics.json")
+    run_cli(["test", "--config", path, "--ckpt_path", "last"])
+    m = report(tmp_path / "gp2")["metrics"]
     assert m["bag_auc"] >= 0.8, m
     assert m["instance_auc"] >= 0.8, m
-    preds = json.loads((tmp_path / "out" / "gp2_predictions.json").read_text())
+    preds = json.loads((tmp_path / "gp2" / "test" / "version_0" / "predictions.json").read_text())
     assert all(0 <= p["bag_prob"] <= 1 and p["bag_std"] >= 0 for p in preds)
 
 
@@ -111,8 +110,8 @@ def test_gp_end_to_end_through_cli_with_gamma_psi(tiny_cache: str, tmp_path: Pat
     path = write_config(tmp_path / "e2e.yaml", cfg)
     cli = run_cli(["fit", "--config", path])
     assert type(cli.model.gp.likelihood.psi).__name__ == "GammaPsi"
-    run_cli(["test", "--config", path, "--ckpt_path", str(tmp_path / "e2e" / "ckpt" / "last.ckpt")])
-    m = _metrics(tmp_path / "out" / "e2e_metrics.json")
+    run_cli(["test", "--config", path, "--ckpt_path", "last"])
+    m = report(tmp_path / "e2e")["metrics"]
     for k in REQUIRED + ("instance_auc",):
         assert k in m
-    assert (tmp_path / "out" / "e2e_scan_0.png").is_file()
+    assert list((tmp_path / "e2e" / "test" / "version_0" / "scans").glob("*.png"))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytorch_lightning as pl
@@ -99,12 +100,17 @@ def test_split_and_patient_lookups_read_the_cache_once(tiny_cache: str, monkeypa
     assert [arrays.patient_of(b) for b in "abcdef"] == list("ppqqrs")
 
 
+def _trainer(folder: Path) -> SimpleNamespace:
+    """What ReportWriter reads of a trainer: the version folder, the run folder, data and checkpoint."""
+    return SimpleNamespace(log_dir=str(folder), default_root_dir=str(folder), datamodule=None, ckpt_path=None, state=SimpleNamespace(fn="test"))
+
+
 def test_report_writer_never_leaves_a_truncated_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A crash while writing the test report must leave the previous metrics file intact and no temporary file;
     a plain open(..., "w") would have truncated it to a partial JSON."""
-    writer = ReportWriter(output_dir=str(tmp_path), name="m")
+    writer = ReportWriter(name="m")
     previous = {"model": "m", "metrics": {"bag_auc": 0.9}, "num_bags": 3}
-    (tmp_path / "m_metrics.json").write_text(json.dumps(previous))
+    (tmp_path / "metrics.json").write_text(json.dumps(previous))
 
     class Module:
         test_records: list = []
@@ -112,16 +118,16 @@ def test_report_writer_never_leaves_a_truncated_file(tmp_path: Path, monkeypatch
 
     monkeypatch.setattr(report_writer, "json_safe", lambda obj: obj)  # let the unserialisable value through
     with pytest.raises(TypeError):
-        writer.on_test_end(None, Module())
-    assert json.loads((tmp_path / "m_metrics.json").read_text()) == previous
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m_metrics.json"]
+        writer.on_test_end(_trainer(tmp_path), Module())
+    assert json.loads((tmp_path / "metrics.json").read_text()) == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json"]
 
 
 def test_report_writer_handles_aggregate_targets(tmp_path: Path) -> None:
     """With an aggregate-output likelihood the records hold counts (bag_label 7.0) and rates: the
     report must still write metrics and predictions, and must not draw probability plots (the
     calibration plot would reject labels outside {0, 1})."""
-    writer = ReportWriter(output_dir=str(tmp_path), name="agg")
+    writer = ReportWriter(name="agg")
 
     class Module:
         is_aggregate = True
@@ -131,7 +137,7 @@ def test_report_writer_handles_aggregate_targets(tmp_path: Path) -> None:
             {"bag_id": "b", "bag_label": 3.0, "bag_prob": 3.4, "bag_std": 0.9, "slice_probs": [3.4], "slice_stds": [0.4]},
         ]
 
-    writer.on_test_end(None, Module())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["agg_metrics.json", "agg_predictions.json"]
-    assert json.loads((tmp_path / "agg_metrics.json").read_text())["metrics"]["bag_mse"] == 1.5
-    assert [r["bag_label"] for r in json.loads((tmp_path / "agg_predictions.json").read_text())] == [7.0, 3.0]
+    writer.on_test_end(_trainer(tmp_path), Module())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json", "predictions.json"]
+    assert json.loads((tmp_path / "metrics.json").read_text())["metrics"]["bag_mse"] == 1.5
+    assert [r["bag_label"] for r in json.loads((tmp_path / "predictions.json").read_text())] == [7.0, 3.0]

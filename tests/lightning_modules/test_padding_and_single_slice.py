@@ -74,5 +74,5 @@ def test_bags_of_one_slice_train_and_predict() -> None:
     assert torch.isfinite(locals_).all()
     rec = gp.predict_records(batch)
     assert all(np.isfinite(r["bag_prob"]) and len(r["slice_probs"]) == 1 for r in rec)
-    # a bag of one: the bag probability is its slice's probability (noisy-OR of one)
+    # a bag of one: the bag probability is its slice's probability (every bag rule of one instance, uncalibrated)
     assert all(abs(r["bag_prob"] - r["slice_probs"][0]) < 1e-6 for r in rec)

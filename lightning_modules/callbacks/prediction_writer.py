@@ -1,0 +1,94 @@
+"""Predictions for new scans from ``predict``: per scan and per slice, CSV + JSON + one PNG per scan."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import BasePredictionWriter
+
+from lightning_modules.bag_module_base import BagModuleBase
+from lightning_modules.callbacks.run_metadata import run_metadata, slice_positions
+from lightning_modules.callbacks.tables import csv_text
+from milgp.data.atomic import atomic_write_json, atomic_write_text
+from milgp.data.cache import bag_file_stem
+from milgp.metrics import json_safe
+from milgp.plots import plot_scan_predictions
+
+__all__ = ["PredictionWriter", "flatten_records"]
+
+
+def flatten_records(predictions: Any) -> list[dict]:
+    """The per-bag records of ``trainer.predict``'s nested outputs (per dataloader, per batch)."""
+    if isinstance(predictions, dict):
+        return [predictions]
+    return [r for item in predictions for r in flatten_records(item)]
+
+
+def _std(value: Any) -> float | None:
+    return None if value is None or not math.isfinite(float(value)) else float(value)
+
+
+class PredictionWriter(BasePredictionWriter):
+    """At the end of ``predict``, writes into the run's version folder (``<run>/predict/version_<n>``):
+
+    * ``predictions.csv``: one row per scan — id, number of slices, probability that the scan is
+      positive ± std, the decision at ``threshold`` (the model's calibrated ½), and the label when
+      the input has one;
+    * ``slices.csv``: one row per slice in scan order — scan id, slice number, position along the
+      scan axis (mm for DICOM input, the slice index otherwise), probability ± std;
+    * ``predictions.json``: the same, nested per scan, with the model, checkpoint and data used;
+    * ``scans/<id>.png`` (``plots``): every scan's slice probabilities ± std along the scan axis.
+
+    Aggregate-output models write their predicted aggregate (``prediction``) instead of a
+    probability and no decision. Under DDP the ranks' scans are gathered and rank 0 writes.
+
+    Args:
+        threshold: decision threshold of the scan probability.
+        plots: draw one PNG per scan.
+    """
+
+    def __init__(self, threshold: float = 0.5, plots: bool = True):
+        super().__init__(write_interval="epoch")
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"the decision threshold must lie in (0, 1), got {threshold}")
+        self.threshold = threshold
+        self.plots = plots
+
+    def write_on_epoch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
+    ) -> None:
+        records = BagModuleBase.gather_records(flatten_records(predictions))
+        if trainer.global_rank != 0:
+            return
+        out = Path(trainer.log_dir or trainer.default_root_dir)
+        aggregate = bool(getattr(pl_module, "is_aggregate", False))
+        value = "prediction" if aggregate else "probability"
+        scans, slice_rows = [], []
+        for r in records:
+            positions, axis = slice_positions(trainer, r["bag_id"], len(r["slice_probs"]))
+            stds = r.get("slice_stds") or [None] * len(r["slice_probs"])
+            labels = r.get("slice_labels") or [None] * len(r["slice_probs"])
+            scan = {"bag_id": r["bag_id"], "num_slices": len(r["slice_probs"]), value: float(r["bag_prob"]), "std": _std(r.get("bag_std")),
+                    "bag_label": float(r["bag_label"]) if math.isfinite(float(r["bag_label"])) else None, "position_axis": axis}
+            if not aggregate:
+                scan["decision"] = int(r["bag_prob"] > self.threshold)
+            scan["slices"] = [{"slice": k, "position": float(x), value: float(pk), "std": _std(sk), "label": lk}
+                              for k, (x, pk, sk, lk) in enumerate(zip(positions, r["slice_probs"], stds, labels))]
+            scans.append(scan)
+            slice_rows += [[r["bag_id"], s["slice"], s["position"], s[value], s["std"], s["label"]] for s in scan["slices"]]
+            if self.plots:
+                plot_scan_predictions(
+                    out / "scans" / f"{bag_file_stem(r['bag_id'])}.png", r["slice_probs"], r.get("slice_stds"), r.get("slice_labels"),
+                    r["bag_label"], r["bag_prob"], _std(r.get("bag_std")), title=r["bag_id"], positions=positions, position_label=axis,
+                    threshold=None if aggregate else self.threshold, score_name="E[rate]" if aggregate else "P(slice positive)",
+                )
+        header = ["bag_id", "num_slices", value, "std"] + ([] if aggregate else ["decision"]) + ["bag_label"]
+        atomic_write_text(out / "predictions.csv", csv_text(header, [[s.get(k) for k in header] for s in scans]))
+        atomic_write_text(out / "slices.csv", csv_text(["bag_id", "slice", "position", value, "std", "label"], slice_rows))
+        meta = run_metadata(trainer, pl_module, "predict")
+        atomic_write_json(out / "predictions.json", json_safe({**meta, "threshold": None if aggregate else self.threshold, "scans": scans}))
+        called = sum(s.get("decision", 0) for s in scans)
+        print(f"wrote predictions of {len(scans)} scans to {out}" + ("" if aggregate else f" ({called} above the threshold {self.threshold:g})"))
+

@@ -1,0 +1,36 @@
+"""What every report and prediction file records about its run: model, checkpoint, data, folder."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+
+__all__ = ["run_metadata", "slice_positions"]
+
+
+def run_metadata(trainer: pl.Trainer, pl_module: pl.LightningModule, subcommand: str) -> dict[str, Any]:
+    """``{"subcommand", "run_folder", "output_folder", "model", "checkpoint", "data"}``: the model's
+    :meth:`describe`, the checkpoint the weights came from (``None``: the model as trained in this
+    process) and the data module's ``describe(subcommand)``."""
+    dm = getattr(trainer, "datamodule", None)
+    describe_model = getattr(pl_module, "describe", None)
+    describe_data = getattr(dm, "describe", None)
+    return {
+        "subcommand": subcommand,
+        "run_folder": str(trainer.default_root_dir),
+        "output_folder": str(trainer.log_dir),
+        "model": describe_model() if callable(describe_model) else {"class": type(pl_module).__qualname__},
+        "checkpoint": None if trainer.ckpt_path is None else str(trainer.ckpt_path),
+        "data": describe_data(subcommand) if callable(describe_data) else {"class": type(dm).__qualname__ if dm else None},
+    }
+
+
+def slice_positions(trainer: pl.Trainer, bag_id: str, num_slices: int) -> tuple[np.ndarray, str]:
+    """A scan's slice positions along the scan axis and their axis label, from the data module's
+    ``slice_positions`` (``None`` or absent: slice numbers in scan order)."""
+    lookup = getattr(getattr(trainer, "datamodule", None), "slice_positions", None)
+    found = lookup(bag_id) if callable(lookup) else None
+    if found is None or len(found[0]) != num_slices:
+        return np.arange(num_slices, dtype=float), "slice (scan order)"
+    return np.asarray(found[0], dtype=float), found[1]

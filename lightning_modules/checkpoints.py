@@ -1,0 +1,89 @@
+"""Reading checkpoints: one-line errors, state dicts checked before loading, another model's extractor.
+
+Every checkpoint of a milgp module carries ``checkpoint["milgp"] = {"module": class path,
+"preprocessing": the CT windows and slice size its inputs were made with (or None)}``
+(:meth:`lightning_modules.bag_module_base.BagModuleBase.on_save_checkpoint`), and its saved
+hyperparameters hold the configuration of its extractor and likelihood, so the checkpoint alone
+rebuilds the model (``Module.load_from_checkpoint(path)``, :func:`load_module`).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from lightning_modules.input_error import InputError
+from lightning_modules.module_config import instantiate
+
+__all__ = ["CHECKPOINT_KEY", "check_state", "extractor_from_checkpoint", "load_module", "read_checkpoint"]
+
+CHECKPOINT_KEY = "milgp"
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A checkpoint's contents (``torch.load(weights_only=True)``, memory-mapped, on the CPU)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such checkpoint file")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # any unpickling or format failure: the file is not a checkpoint we can read
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"{path}: not a readable PyTorch checkpoint ({reason})") from err
+
+
+def check_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str, source: str) -> None:
+    """Raise a one-line :class:`InputError` when ``state`` does not fit ``module`` (other tensor
+    shapes, missing or extra entries) instead of PyTorch's list of every mismatch."""
+    own = module.state_dict()
+    for key, value in own.items():
+        if key in state and isinstance(value, torch.Tensor) and tuple(state[key].shape) != tuple(value.shape):
+            differ = sum(1 for k, v in own.items() if k in state and isinstance(v, torch.Tensor) and tuple(state[k].shape) != tuple(v.shape))
+            raise InputError(
+                f"{source}: {what} does not match: {key} is {tuple(state[key].shape)} there and {tuple(value.shape)} here "
+                f"({differ} tensors differ); build the model from the checkpoint alone (load_from_checkpoint(path)) "
+                "or with the architecture it was trained with"
+            )
+    missing = [k for k in own if k not in state]
+    extra = [k for k in state if k not in own]
+    if missing or extra:
+        first = f"{missing[0]!r} is missing there" if missing else f"{extra[0]!r} is not in this model"
+        raise InputError(f"{source}: {what} does not match: {first} ({len(missing)} missing, {len(extra)} unexpected entries)")
+
+
+def extractor_from_checkpoint(path: str | os.PathLike[str], extractor: nn.Module | None = None) -> tuple[nn.Module, dict | None]:
+    """The per-slice extractor of a model checkpoint (keys ``extractor.*``) or of a plain state dict.
+
+    Args:
+        path: the checkpoint (e.g. an AttCNN's ``best.ckpt``).
+        extractor: the architecture to load into; ``None`` builds the one the checkpoint records.
+
+    Returns:
+        ``(extractor with the checkpoint's weights, the checkpoint's input preprocessing or None)``.
+    """
+    ckpt = read_checkpoint(path)
+    state = ckpt.get("state_dict", ckpt)
+    sub = {k[len("extractor."):]: v for k, v in state.items() if k.startswith("extractor.")} or dict(state)
+    if extractor is None:
+        config = (ckpt.get("hyper_parameters") or {}).get("extractor")
+        if not (isinstance(config, Mapping) and "class_path" in config and "repr" not in config):
+            raise InputError(f"{path}: the checkpoint does not record its extractor's configuration; give the extractor it was trained with")
+        extractor = instantiate(config)
+    check_state(extractor, sub, "the extractor", str(path))
+    extractor.load_state_dict(sub)
+    return extractor, (ckpt.get(CHECKPOINT_KEY) or {}).get("preprocessing")
+
+
+def load_module(path: str | os.PathLike[str], map_location: str = "cpu") -> Any:
+    """Rebuild the milgp Lightning module saved in ``path`` from the checkpoint alone."""
+    ckpt = read_checkpoint(path)
+    class_path = (ckpt.get(CHECKPOINT_KEY) or {}).get("module")
+    if not class_path:
+        raise InputError(f"{path}: not a checkpoint of a milgp module (no {CHECKPOINT_KEY!r} entry)")
+    module_name, _, class_name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return cls.load_from_checkpoint(str(path), map_location=map_location)

@@ -1,0 +1,46 @@
+"""Checks of a data module's bags before any training work: finite features, usable labels.
+
+Every error is one line naming the file (or source), the bag and the field.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import pytorch_lightning as pl
+
+from lightning_modules.input_error import InputError
+
+__all__ = ["check_bag_labels", "check_features", "label_kind"]
+
+
+def label_kind(trainer: pl.Trainer | None) -> str | None:
+    """What the attached model needs of bag labels: ``"binary"`` (0/1, MIL classifiers),
+    ``"aggregate"`` (real-valued targets) or ``None`` (no model attached: not checked)."""
+    module = getattr(trainer, "lightning_module", None) if trainer is not None else None
+    return None if module is None else getattr(module, "bag_label_kind", "binary")
+
+
+def check_bag_labels(source: str, bag_ids: Sequence[str], labels: Sequence[float], kind: str | None, required: bool = True) -> None:
+    """Every bag label 0 or 1 for a ``"binary"`` model, and finite when ``required`` (the splits a
+    run trains or tests on; unlabelled scans are fine to predict)."""
+    for bag_id, y in zip(bag_ids, labels):
+        y = float(y)
+        if not math.isfinite(y):
+            if required:
+                raise InputError(f"{source}: bag {bag_id!r} has no usable label ({y}); training and testing need every bag labelled")
+            continue
+        if kind == "binary" and y not in (0.0, 1.0):
+            raise InputError(f"{source}: bag {bag_id!r} has label {y:g}; a MIL classifier needs bag labels 0 or 1")
+
+
+def check_features(source: str, bag_ids: Sequence[str], bags: Sequence[np.ndarray]) -> None:
+    """Every feature value finite (a NaN would otherwise surface deep inside k-means or a solver)."""
+    for bag_id, x in zip(bag_ids, bags):
+        x = np.asarray(x)
+        bad = np.argwhere(~np.isfinite(x))
+        if len(bad):
+            row, col = (int(bad[0][0]), int(bad[0][1])) if x.ndim == 2 else (int(bad[0][0]), None)
+            field = f"f{col}" if col is not None else "pixels"
+            raise InputError(f"{source}: bag {bag_id!r}, slice {row}, field {field} is {x[tuple(bad[0])]} (features must be finite)")

@@ -1,0 +1,103 @@
+"""Data module for new, unlabelled scans given as DICOM folders (``predict`` only)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from lightning_modules.data.dicom_series_dataset import DicomSeriesDataset
+from lightning_modules.input_error import InputError
+from milgp.data.bags import collate_bags
+from milgp.data.ct_dataset import uniform_subsample
+from milgp.data.dicom import list_files, order_slices, read_headers
+
+__all__ = ["DicomDataModule"]
+
+
+class DicomDataModule(pl.LightningDataModule):
+    """CT series from DICOM folders, to predict: every series found under the inputs (one scan per
+    SeriesInstanceUID, searched recursively; files that are not DICOM images are skipped) is one
+    bag, its id the SeriesInstanceUID, its slices ordered along the scan axis and preprocessed with
+    the model's own CT windows and slice size (``input_preprocessing``, saved in its checkpoint)
+    unless ``windows``/``size`` are given.
+
+    Args:
+        inputs: study or series folders.
+        windows: ``(center, width)`` windows in HU (``None``: the model's).
+        size: slice size in pixels (``None``: the model's).
+        max_slices: keep at most this many evenly spaced slices per series (``None``: all).
+        eval_batch_size: series per batch.
+        num_workers: DataLoader workers (each reads and windows whole series).
+    """
+
+    def __init__(
+        self,
+        inputs: list[str],
+        windows: list[tuple[float, float]] | None = None,
+        size: int | None = None,
+        max_slices: int | None = None,
+        eval_batch_size: int = 1,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        if not inputs:
+            raise InputError("DicomDataModule needs at least one DICOM folder")
+        missing = [p for p in inputs if not Path(p).is_dir()]
+        if missing:
+            raise InputError(f"{missing[0]}: no such folder")
+        self.inputs = [str(p) for p in inputs]
+        self.windows, self.size, self.max_slices = windows, size, max_slices
+        self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
+        self._series: list[tuple[str, list[str]]] = []
+        self._positions: dict[str, tuple[np.ndarray, str]] = {}
+        self._source: dict[str, str] = {}
+
+    def setup(self, stage: str) -> None:
+        """Read the headers (no pixels), group the files by series and order each series."""
+        if stage != "predict":
+            raise InputError("DICOM folders are unlabelled scans: use them with predict (milgp-train predict, milgp-predict)")
+        if self._series:
+            return
+        for folder in self.inputs:
+            headers, _ = read_headers(list_files(folder))
+            by_series: dict[str, list] = {}
+            for h in headers:
+                by_series.setdefault(h.series_uid, []).append(h)
+            for uid, group in sorted(by_series.items()):
+                if uid in self._source:
+                    raise InputError(f"{folder}: series {uid} was found in {self._source[uid]} too")
+                order, positions, ordering = order_slices(group, series_name=uid)
+                self._series.append((uid, [group[i].path for i in order]))
+                self._positions[uid] = (positions, "position along the scan axis (mm)" if ordering == "geometry" else "InstanceNumber")
+                self._source[uid] = folder
+        if not self._series:
+            raise InputError(f"{', '.join(self.inputs)}: no DICOM image found")
+
+    def _preprocessing(self) -> tuple[Sequence[Sequence[float]], Any]:
+        model = getattr(getattr(self, "trainer", None), "lightning_module", None)
+        stored = getattr(model, "input_preprocessing", None) or {}
+        windows = self.windows if self.windows is not None else stored.get("windows")
+        size = self.size if self.size is not None else stored.get("size")
+        if windows is None:
+            raise InputError("the model records no CT preprocessing (it was trained on features): give windows and size, "
+                             "or predict with a model that holds its extractor")
+        return windows, size
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        windows, size = self._preprocessing()
+        ds = DicomSeriesDataset(self._series, windows, size, self.max_slices)
+        return torch.utils.data.DataLoader(ds, batch_size=self.eval_batch_size, collate_fn=collate_bags, num_workers=self.num_workers)
+
+    def slice_positions(self, bag_id: str) -> tuple[np.ndarray, str] | None:
+        """The slice positions of a series (mm along the scan axis), as served (``max_slices``)."""
+        found = self._positions.get(bag_id)
+        if found is None:
+            return None
+        positions, axis = found
+        return positions[uniform_subsample(len(positions), self.max_slices)], axis
+
+    def describe(self, subcommand: str) -> dict[str, Any]:
+        return {"class": type(self).__qualname__, "inputs": self.inputs, "series": dict(self._source), "max_slices": self.max_slices}

@@ -1,0 +1,101 @@
+"""The LightningCLI behind ``milgp-train``: run folder, checkpoints, reports and predictions."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
+
+# the modules' classes are imported so that class_path names resolve and subclasses are found
+from lightning_modules.attention_mil import AttentionMILModule  # noqa: F401
+from lightning_modules.bag_module_base import BagModuleBase
+from lightning_modules.callbacks import FeatureWriter, PredictionWriter, ReportWriter  # noqa: F401
+from lightning_modules.data import BagArrayDataModule, CTCacheDataModule, DicomDataModule, FeatureDataModule  # noqa: F401
+from lightning_modules.gp_mil import GPMILModule  # noqa: F401
+from lightning_modules.input_error import InputError
+from lightning_modules.run_folder import RunFolder
+
+__all__ = ["MilgpCLI"]
+
+
+def _checkpoint_dir(root: str | None) -> str | None:
+    return None if not root else str(RunFolder(root).checkpoint_dir)
+
+
+def _constructor_message(err: ValueError) -> str:
+    """The constructor's own message in a jsonargparse error, which lists, for an optional class
+    argument, every type it tried (``Errors:`` then ``  - <message>`` lines)."""
+    lines = str(err).strip().splitlines()
+    if "Errors:" in lines:
+        tried = [line.strip()[2:] for line in lines[lines.index("Errors:") + 1:] if line.startswith("  - ")]
+        own = [t for t in tried if not t.startswith("Expected a")]
+        if own:
+            return own[0]
+    return lines[0] if lines else type(err).__name__
+
+
+class MilgpCLI(LightningCLI):
+    """LightningCLI with milgp's model/data base classes in subclass mode, where every output path
+    derives from ``trainer.default_root_dir`` (:mod:`lightning_modules.run_folder`):
+
+    * ``checkpoint`` (a ``ModelCheckpoint``): ``<run>/checkpoints/best.ckpt`` (lowest validation
+      bag NLL; ``--checkpoint.monitor``/``--checkpoint.mode`` change it) and ``last.ckpt``;
+    * ``report`` (:class:`ReportWriter`) and ``prediction`` (:class:`PredictionWriter`);
+    * the logger: ``<run>/<subcommand>/version_<n>``, a new version per command;
+    * ``--ckpt_path best`` / ``last`` name this folder's checkpoints.
+
+    The folder rules (a second fit refused unless it resumes, a checkpoint that exists) are checked
+    right after parsing, before anything is built.
+    """
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        monitor, mode = BagModuleBase.selection_metric
+        parser.set_defaults({"checkpoint.filename": "best", "checkpoint.monitor": monitor, "checkpoint.mode": mode,
+                             "checkpoint.save_last": True, "checkpoint.save_top_k": 1, "checkpoint.enable_version_counter": False})
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=_checkpoint_dir)
+        parser.add_lightning_class_args(ReportWriter, "report")
+        parser.add_lightning_class_args(PredictionWriter, "prediction")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is None:
+            return
+        cfg = self.config[subcommand]
+        root = cfg.trainer.default_root_dir
+        if not root:
+            raise InputError("give the run folder with --trainer.default_root_dir DIR (or in the config): every output goes under it")
+        self.run_folder = RunFolder(root)
+        cfg.ckpt_path = self.run_folder.resolve_checkpoint(cfg.get("ckpt_path"))
+        self._history = self.run_folder.check_fit(cfg.ckpt_path) if subcommand == "fit" else (None, None)
+
+    def instantiate_classes(self) -> None:
+        """Build the classes; a constructor's argument check (``ValueError``) is bad input."""
+        try:
+            super().instantiate_classes()
+        except InputError:
+            raise
+        except ValueError as err:
+            raise InputError(_constructor_message(err)) from err
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """The trainer with the run folder's logger first (extra configured loggers after it)."""
+        configured = self._get(self.config_init, "trainer", default={}).get("logger")
+        extra = [] if configured in (None, True, False) else list(configured) if isinstance(configured, (list, tuple)) else [configured]
+        return super().instantiate_trainer(logger=[self.run_folder.logger(self.subcommand, *self._history), *extra], **kwargs)
+
+
+def make_cli(args: Any, run: bool) -> MilgpCLI:
+    """The CLI over milgp's modules (``args`` as on the command line)."""
+    return MilgpCLI(
+        BagModuleBase,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
+        args=args,
+        run=run,
+    )
+

@@ -1,0 +1,101 @@
+"""``milgp-predict CHECKPOINT INPUT...``: predictions for new scans from a checkpoint alone.
+
+INPUT is one or more DICOM folders (every CT series found under them is one scan), one CT cache
+(a ``milgp-cache`` folder: all its scans) or one feature file (``.npz``/``.csv``: all its bags).
+The checkpoint brings everything else: the model and its extractor, the CT windows and slice size
+of its training data, the feature standardisation, the bag rule and its calibration. Outputs go to
+a new ``predict/version_<n>`` folder of the checkpoint's run folder (or of ``--out``):
+``predictions.csv`` (per scan: probability ± std, decision at the calibrated threshold ½),
+``slices.csv`` (per slice, in scan order, with its position), ``predictions.json`` and one PNG per
+scan (:class:`lightning_modules.callbacks.PredictionWriter`). Also ``python -m lightning_modules.predict``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["build_parser", "data_module_for", "main", "predict", "run_folder_of"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="milgp-predict", description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+                                     epilog="Outputs: predictions.csv, slices.csv, predictions.json, scans/<id>.png.")
+    parser.add_argument("checkpoint", help="a checkpoint written by milgp-train (e.g. <run>/checkpoints/best.ckpt)")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="DICOM folders, or one CT cache folder, or one feature file")
+    parser.add_argument("--out", help="run folder to write predict/version_<n>/ into (default: the checkpoint's run folder)")
+    parser.add_argument("--max-slices", type=int, default=None, help="keep at most this many evenly spaced slices per scan (default: all)")
+    parser.add_argument("--batch-size", type=int, default=1, help="scans per batch (default 1)")
+    parser.add_argument("--threshold", type=float, default=0.5, help="decision threshold of the calibrated probability (default 0.5)")
+    parser.add_argument("--no-plots", action="store_true", help="no per-scan PNG")
+    parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default auto)")
+    return parser
+
+
+def run_folder_of(checkpoint: str | Path) -> Path:
+    """The run folder a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` → ``<run>``), else its folder."""
+    parent = Path(checkpoint).resolve().parent
+    return parent.parent if parent.name == "checkpoints" else parent
+
+
+def data_module_for(inputs: Sequence[str], max_slices: int | None = None, batch_size: int = 1) -> Any:
+    """The data module serving ``inputs`` whole: a feature file, a CT cache, or DICOM folders."""
+    from lightning_modules.data import CTCacheDataModule, DicomDataModule, FeatureDataModule
+    from lightning_modules.input_error import InputError
+
+    paths = [Path(p) for p in inputs]
+    if any(p.suffix in (".npz", ".csv") for p in paths):
+        if len(paths) > 1:
+            raise InputError(f"give one feature file, not {len(paths)} inputs")
+        return FeatureDataModule(str(paths[0]), predict_split="all", eval_batch_size=batch_size)
+    if any((p / "params.json").is_file() for p in paths):
+        if len(paths) > 1:
+            raise InputError(f"give one CT cache folder, not {len(paths)} inputs")
+        return CTCacheDataModule(str(paths[0]), predict_split="all", eval_batch_size=batch_size, max_slices=max_slices)
+    return DicomDataModule([str(p) for p in paths], max_slices=max_slices, eval_batch_size=batch_size)
+
+
+def predict(
+    checkpoint: str | Path,
+    inputs: Sequence[str],
+    out: str | Path | None = None,
+    max_slices: int | None = None,
+    batch_size: int = 1,
+    threshold: float = 0.5,
+    plots: bool = True,
+    accelerator: str = "auto",
+    progress: bool = True,
+) -> Path:
+    """Predict ``inputs`` with the model of ``checkpoint``; returns the version folder written."""
+    import pytorch_lightning as pl
+
+    from lightning_modules.callbacks import PredictionWriter
+    from lightning_modules.checkpoints import load_module
+    from lightning_modules.run_folder import RunFolder
+
+    model = load_module(checkpoint)
+    data = data_module_for(inputs, max_slices, batch_size)
+    folder = RunFolder(out if out is not None else run_folder_of(checkpoint))
+    trainer = pl.Trainer(
+        accelerator=accelerator, devices=1, default_root_dir=str(folder.root), logger=folder.logger("predict"),
+        callbacks=[PredictionWriter(threshold=threshold, plots=plots)], enable_checkpointing=False, enable_model_summary=False,
+        enable_progress_bar=progress,
+    )
+    trainer.predict(model, datamodule=data, ckpt_path=str(checkpoint))
+    return Path(trainer.log_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point: 0 on success, 2 on bad input (one line on stderr)."""
+    args = build_parser().parse_args(argv)
+    from lightning_modules.input_error import run_reporting_input_errors
+    from lightning_modules.quiet import quiet_entry_point
+
+    quiet_entry_point()
+    return run_reporting_input_errors("milgp-predict", lambda: predict(
+        args.checkpoint, args.inputs, args.out, args.max_slices, args.batch_size, args.threshold, not args.no_plots, args.accelerator))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

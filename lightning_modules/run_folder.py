@@ -1,0 +1,155 @@
+"""The run folder: every output of ``milgp-train`` and ``milgp-predict`` lives under one folder.
+
+::
+
+    <run>/                                  trainer.default_root_dir
+      checkpoints/best.ckpt, last.ckpt      fit: best validation bag NLL, last epoch
+      fit/version_<n>/                      metrics.csv, hparams.yaml, config.yaml, training_curves.png
+      validate/version_<n>/, test/version_<n>/
+                                            metrics.json, predictions.json, predictions.csv,
+                                            calibration.png, scans/*.png
+      predict/version_<n>/                  predictions.csv, slices.csv, predictions.json, scans/*.png,
+                                            features.npz (feature extraction)
+
+Every command writes a new version folder of its subcommand and never touches another's. A folder
+holds one training history: a fit into a folder whose ``checkpoints/`` is not empty must resume
+from one of those checkpoints (``--ckpt_path last``) and is refused otherwise, so checkpoints of
+two runs are never mixed. A resumed fit writes ``fit/version_<n+1>``, whose ``metrics.csv`` starts
+with the rows of the latest earlier version up to the checkpoint's epoch: the log (and the
+training-curve plot) covers the whole run.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import re
+from pathlib import Path
+
+from lightning_fabric.loggers.csv_logs import _ExperimentWriter
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+from pytorch_lightning.loggers.logger import rank_zero_experiment
+
+from lightning_modules.checkpoints import read_checkpoint
+from lightning_modules.input_error import InputError
+
+__all__ = ["RunFolder", "RunLogger"]
+
+_VERSION = re.compile(r"^version_(\d+)$")
+
+
+class RunFolder:
+    """Paths and rules of one run folder (module docstring).
+
+    Args:
+        root: the folder (``trainer.default_root_dir``).
+    """
+
+    CHECKPOINT_ALIASES = ("best", "last")
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoints(self) -> list[Path]:
+        """The checkpoints of this folder's fit."""
+        return sorted(self.checkpoint_dir.glob("*.ckpt")) if self.checkpoint_dir.is_dir() else []
+
+    def versions(self, subcommand: str) -> list[int]:
+        folder = self.root / subcommand
+        if not folder.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _VERSION.match(p.name)) and p.is_dir())
+
+    def next_version(self, subcommand: str) -> int:
+        versions = self.versions(subcommand)
+        return versions[-1] + 1 if versions else 0
+
+    def version_dir(self, subcommand: str, version: int) -> Path:
+        return self.root / subcommand / f"version_{version}"
+
+    def resolve_checkpoint(self, ckpt_path: str | None) -> str | None:
+        """``"best"``/``"last"`` → this folder's ``checkpoints/<alias>.ckpt``; any path must exist."""
+        if ckpt_path is None:
+            return None
+        path = self.checkpoint_dir / f"{ckpt_path}.ckpt" if ckpt_path in self.CHECKPOINT_ALIASES else Path(ckpt_path)
+        if not path.is_file():
+            raise InputError(f"--ckpt_path {ckpt_path}: no checkpoint at {path}")
+        return str(path)
+
+    def check_fit(self, ckpt_path: str | None) -> tuple[Path | None, int | None]:
+        """Refuse a fit that would mix two runs in this folder; for a resumed fit return the
+        ``metrics.csv`` to continue and the checkpoint's epoch (``(None, None)`` otherwise)."""
+        existing = self.checkpoints()
+        if not existing:
+            return None, None
+        names = ", ".join(p.name for p in existing)
+        if ckpt_path is None:
+            raise InputError(
+                f"{self.root} holds a fit already (checkpoints/{names}): resume it with --ckpt_path last, "
+                "or give another run folder (--trainer.default_root_dir)"
+            )
+        if Path(ckpt_path).resolve().parent != self.checkpoint_dir.resolve():
+            raise InputError(
+                f"{self.root} holds a fit already (checkpoints/{names}): fitting from {ckpt_path} there would mix two runs' "
+                "checkpoints; give another run folder (--trainer.default_root_dir)"
+            )
+        versions = self.versions("fit")
+        history = self.version_dir("fit", versions[-1]) / "metrics.csv" if versions else None
+        epoch = int(read_checkpoint(ckpt_path).get("epoch", -1))
+        return (history if history is not None and history.is_file() else None), epoch
+
+    def logger(self, subcommand: str, history: Path | None = None, until_epoch: int | None = None) -> "RunLogger":
+        """The CSV logger of the next version of ``subcommand`` (continuing ``history``)."""
+        return RunLogger(str(self.root), subcommand, self.next_version(subcommand), history, until_epoch)
+
+
+class _RunExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer that never deletes a metrics file and may start from earlier rows."""
+
+    def __init__(self, log_dir: str, history: Path | None, until_epoch: int | None):
+        super().__init__(log_dir)
+        if history is None:
+            return
+        with open(history, newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            header = list(reader.fieldnames or [])
+            rows = [r for r in reader if until_epoch is None or not r.get("epoch") or float(r["epoch"]) <= until_epoch]
+        with open(self.metrics_file_path, "w", newline="", encoding="utf-8") as fh:
+            writer = csv.DictWriter(fh, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(rows)
+        self.metrics_keys = sorted(header)
+
+    def _check_log_dir_exists(self) -> None:
+        """Lightning deletes an existing ``metrics.csv`` here; a run folder's versions are new, and
+        the continued history must stay."""
+
+
+class RunLogger(CSVLogger):
+    """``CSVLogger`` writing ``<save_dir>/<name>/version_<version>/metrics.csv``, optionally starting
+    with the rows of an earlier ``metrics.csv`` up to epoch ``until_epoch`` (a resumed fit).
+
+    Args:
+        save_dir: the run folder.
+        name: the subcommand.
+        version: the version number.
+        history: an earlier ``metrics.csv`` to continue.
+        until_epoch: keep its rows of epochs up to this one (the resumed checkpoint's epoch).
+    """
+
+    def __init__(self, save_dir: str, name: str, version: int, history: Path | None = None, until_epoch: int | None = None):
+        super().__init__(save_dir, name=name, version=version)
+        self._history = history
+        self._until_epoch = until_epoch
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> _ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _RunExperimentWriter(self.log_dir, self._history, self._until_epoch)
+        return self._experiment

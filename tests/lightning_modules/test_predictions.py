@@ -1,0 +1,94 @@
+"""Predictions for new, unlabelled scans: per scan and per slice, CSV + JSON + one PNG per scan."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lightning_modules.cli import run_cli
+from lightning_modules.predict import main as predict_main
+from milgp.data.synthetic import write_rsna_dataset
+from lm_helpers import trainer_cfg, write_config
+
+SMALL_CNN = {"class_path": "lightning_modules.SmallCNN", "init_args": {"feature_dim": 6, "widths": [4, 8]}}
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+@pytest.fixture(scope="module")
+def gp_run(tiny_cache: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An end-to-end GP fitted for one epoch on the tiny CT cache through milgp-train."""
+    root = tmp_path_factory.mktemp("gp_run")
+    cfg = {"seed_everything": 0, "trainer": trainer_cfg(root, "run", max_epochs=1),
+           "model": {"class_path": "lightning_modules.GPMILModule",
+                     "init_args": {"mode": "end_to_end", "extractor": SMALL_CNN, "num_inducing": 4, "warmup_epochs": 0}},
+           "data": {"class_path": "lightning_modules.CTCacheDataModule", "init_args": {"cache_dir": tiny_cache, "batch_size": 3}}}
+    run_cli(["fit", "--config", write_config(root / "gp.yaml", cfg)])
+    return root / "run"
+
+
+def test_milgp_train_predict_writes_scan_and_slice_predictions(gp_run: Path) -> None:
+    """`milgp-train predict` on a GP model writes, in its own version folder, one row per scan
+    (probability ± std, decision at ½) and one per slice in scan order, JSON and one PNG per scan.
+
+    It ran with a progress bar and wrote nothing."""
+    run_cli(["predict", "--config", str(gp_run.parent / "gp.yaml"), "--ckpt_path", "last", "--data.init_args.predict_split", "test"])
+    out = gp_run / "predict" / "version_0"
+    scans = _rows(out / "predictions.csv")
+    assert scans and set(scans[0]) == {"bag_id", "num_slices", "probability", "std", "decision", "bag_label"}
+    for s in scans:
+        assert 0 <= float(s["probability"]) <= 1 and float(s["std"]) >= 0 and s["decision"] == str(int(float(s["probability"]) > 0.5))
+    slices = _rows(out / "slices.csv")
+    assert len(slices) == sum(int(s["num_slices"]) for s in scans)
+    summary = json.loads((out / "predictions.json").read_text())
+    assert summary["checkpoint"].endswith("last.ckpt") and summary["data"]["cache_dir"] and summary["threshold"] == 0.5
+    assert len(list((out / "scans").glob("*.png"))) == len(scans)
+
+
+def test_milgp_predict_on_new_dicom_from_the_checkpoint_alone(gp_run: Path, tmp_path: Path) -> None:
+    """`milgp-predict CHECKPOINT DICOM_FOLDER` predicts new, unlabelled scans with nothing but the
+    checkpoint (the CT windows and slice size of the training cache, the extractor and the bag
+    decision come from it): per slice probabilities in geometric order with their positions in
+    mm along the scan axis, into a new predict version of the checkpoint's run folder."""
+    new = write_rsna_dataset(tmp_path / "new", n_scans=2, slices=(3, 4), size=48, seed=9, slice_factor=2)
+    assert predict_main([str(gp_run / "checkpoints" / "best.ckpt"), new.image_dir, "--no-plots"]) == 0
+    out = max((gp_run / "predict").iterdir())
+    scans = {s["bag_id"]: s for s in _rows(out / "predictions.csv")}
+    assert set(scans) == {s.series_uid for s in new.scans} and all(s["bag_label"] == "" for s in scans.values())
+    slices = _rows(out / "slices.csv")
+    for truth in new.scans:
+        rows = [r for r in slices if r["bag_id"] == truth.series_uid]
+        positions = [float(r["position"]) for r in rows]
+        assert len(rows) == len(truth.paths) == int(scans[truth.series_uid]["num_slices"])
+        np.testing.assert_allclose(positions, truth.z_mm, atol=1e-3)  # ascending, 2.5 mm apart: geometric order
+    summary = json.loads((out / "predictions.json").read_text())
+    assert summary["scans"][0]["position_axis"].startswith("position along the scan axis (mm)")
+    assert summary["data"]["inputs"] == [new.image_dir] and summary["checkpoint"].endswith("best.ckpt")
+
+
+def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache: str, tmp_path: Path) -> None:
+    """The same entry point serves a whole CT cache (slice positions: indices in the cached scan)
+    and a feature file (its slice_index), each into a new version folder of --out."""
+    assert predict_main([str(gp_run / "checkpoints" / "last.ckpt"), tiny_cache, "--out", str(tmp_path / "cache_run"), "--no-plots"]) == 0
+    scans = _rows(tmp_path / "cache_run" / "predict" / "version_0" / "predictions.csv")
+    assert len(scans) == 12 and {s["bag_label"] for s in scans} <= {"0.0", "1.0"}
+    from lightning_modules.features import FeatureTable, save_features
+    from lm_helpers import feature_bags
+
+    bags = feature_bags(num_bags=10, dim=4)
+    save_features(tmp_path / "f.npz", FeatureTable.from_bags(bags["bags"], [f"b{i}" for i in range(10)], [float("nan")] * 10))
+    cfg = {"trainer": trainer_cfg(tmp_path, "gp2", max_epochs=2),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, "num_inducing": 4}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "train.npz")}}}
+    train = feature_bags(num_bags=20, dim=4, seed=3)
+    save_features(tmp_path / "train.npz", FeatureTable.from_bags(train["bags"], [f"t{i}" for i in range(20)], train["bag_labels"]))
+    run_cli(["fit", "--config", write_config(tmp_path / "gp2.yaml", cfg)])
+    assert predict_main([str(tmp_path / "gp2" / "checkpoints" / "last.ckpt"), str(tmp_path / "f.npz"), "--no-plots"]) == 0
+    slices = _rows(tmp_path / "gp2" / "predict" / "version_0" / "slices.csv")
+    assert len(slices) == sum(len(b) for b in bags["bags"]) and slices[0]["position"] == "0.0"

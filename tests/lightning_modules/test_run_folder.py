@@ -1,0 +1,112 @@
+"""One run folder: every output under trainer.default_root_dir, versioned per subcommand, never mixed."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from lightning_modules.cli import main, run_cli
+from lightning_modules.features import FeatureTable, save_features
+from lightning_modules.input_error import InputError
+from lm_helpers import feature_bags, report, trainer_cfg, write_config
+
+
+def _gp_config(tmp_path: Path, name: str = "gp", epochs: int = 3, data: str = "feat.npz", seed: int = 1) -> str:
+    """A two-stage GP config on a feature file (written once per data name)."""
+    if not (tmp_path / data).exists():
+        bags = feature_bags(num_bags=30, dim=4, seed=seed)
+        save_features(tmp_path / data, FeatureTable.from_bags(bags["bags"], [f"b{i:02d}" for i in range(30)], bags["bag_labels"],
+                                                              bags["instance_labels"]))
+    cfg = {"seed_everything": 0, "trainer": trainer_cfg(tmp_path, name, max_epochs=epochs),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, "num_inducing": 8, "warmup_epochs": 1}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / data)}}}
+    return write_config(tmp_path / f"{name}.yaml", cfg)
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_each_subcommand_writes_its_own_versioned_logs(tmp_path: Path) -> None:
+    """fit, test, predict, a second test and validate each write their own version folder, and none
+    touches another's: the fit's metrics.csv keeps every training epoch after the others ran.
+
+    On the shipped configs every subcommand logged to one pinned `logs/fit` folder: a test replaced
+    the fit's metrics.csv by one test row and predict deleted it."""
+    path = _gp_config(tmp_path)
+    run = tmp_path / "gp"
+    run_cli(["fit", "--config", path])
+    fit_log = run / "fit" / "version_0" / "metrics.csv"
+    before = fit_log.read_text()
+    assert {int(r["epoch"]) for r in _rows(fit_log)} == {0, 1, 2}
+    run_cli(["test", "--config", path, "--ckpt_path", "best"])
+    run_cli(["predict", "--config", path, "--ckpt_path", "best"])
+    run_cli(["test", "--config", path, "--ckpt_path", "last"])
+    run_cli(["validate", "--config", path, "--ckpt_path", "best"])
+    assert fit_log.read_text() == before
+    assert report(run, "validate")["data"]["split"] == "val" and (run / "validate" / "version_0" / "predictions.csv").is_file()
+    assert (run / "test" / "version_0" / "metrics.csv").is_file() and (run / "test" / "version_1" / "metrics.csv").is_file()
+    assert (run / "predict" / "version_0" / "predictions.csv").is_file()
+    assert report(run, version=0)["checkpoint"].endswith("best.ckpt") and report(run, version=1)["checkpoint"].endswith("last.ckpt")
+
+
+def test_resumed_fit_continues_its_history(tmp_path: Path) -> None:
+    """A fit resumed from the folder's last.ckpt writes a new fit version whose metrics.csv holds
+    the earlier epochs followed by the new ones (the training-curve plot shows the whole run), and
+    the earlier version is left as it was.
+
+    Resuming into the pinned `logs/fit` folder kept only the epochs after the checkpoint."""
+    path = _gp_config(tmp_path, epochs=2)
+    run = tmp_path / "gp"
+    run_cli(["fit", "--config", path])
+    first = (run / "fit" / "version_0" / "metrics.csv").read_text()
+    run_cli(["fit", "--config", path, "--ckpt_path", "last", "--trainer.max_epochs", "4"])
+    assert (run / "fit" / "version_0" / "metrics.csv").read_text() == first
+    epochs = [int(r["epoch"]) for r in _rows(run / "fit" / "version_1" / "metrics.csv")]
+    assert sorted(set(epochs)) == [0, 1, 2, 3] and epochs == sorted(epochs)
+    assert (run / "fit" / "version_1" / "training_curves.png").is_file()
+
+
+def test_every_output_lies_under_the_run_folder_and_folders_are_never_mixed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With only trainer.default_root_dir set, checkpoints, logs and reports all land under it; a
+    second fit into the same folder is refused with one line (it would have left last.ckpt of the
+    first run beside last-v1.ckpt of the second), a fit from another run's checkpoint into it too,
+    and a resumed fit keeps exactly best.ckpt and last.ckpt.
+
+    The shipped configs hard-coded five or six paths each and ignored --trainer.default_root_dir."""
+    path = _gp_config(tmp_path)
+    run_cli(["fit", "--config", path, "--trainer.default_root_dir", str(tmp_path / "elsewhere")])
+    run_cli(["test", "--config", path, "--trainer.default_root_dir", str(tmp_path / "elsewhere"), "--ckpt_path", "best"])
+    assert not (tmp_path / "gp").exists()
+    assert sorted(p.name for p in (tmp_path / "elsewhere").iterdir()) == ["checkpoints", "fit", "test"]
+    assert main(["fit", "--config", path, "--trainer.default_root_dir", str(tmp_path / "elsewhere")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds a fit already" in err and "--ckpt_path last" in err
+    run_cli(["fit", "--config", _gp_config(tmp_path, name="other", epochs=1)])
+    with pytest.raises(InputError, match="mix two runs"):
+        run_cli(["fit", "--config", path, "--trainer.default_root_dir", str(tmp_path / "elsewhere"),
+                 "--ckpt_path", str(tmp_path / "other" / "checkpoints" / "last.ckpt")])
+    run_cli(["fit", "--config", path, "--trainer.default_root_dir", str(tmp_path / "elsewhere"), "--ckpt_path", "last",
+             "--trainer.max_epochs", "5"])
+    assert sorted(p.name for p in (tmp_path / "elsewhere" / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
+
+
+def test_reports_name_model_checkpoint_and_data(tmp_path: Path) -> None:
+    """Two models tested on the same external data write two reports, each in its own run folder,
+    each naming its model, its checkpoint and the data it was computed on.
+
+    With `cq500_test.yaml` both wrote one `cq500_metrics.json` that recorded `model: cq500`."""
+    external = write_config(tmp_path / "external.yaml", {"data": {"init_args": {"path": str(tmp_path / "ext.npz"), "predict_split": "all"}}})
+    for name, seed in (("a", 1), ("b", 2)):
+        path = _gp_config(tmp_path, name=name, data=f"{name}.npz", seed=seed)
+        run_cli(["fit", "--config", path])
+        _gp_config(tmp_path, name="unused", data="ext.npz", seed=3)
+        run_cli(["test", "--config", path, "--config", external, "--ckpt_path", "best"])
+    for name in ("a", "b"):
+        r = report(tmp_path / name)
+        assert r["checkpoint"] == str(tmp_path / name / "checkpoints" / "best.ckpt")
+        assert r["data"]["path"] == str(tmp_path / "ext.npz") and r["data"]["split"] == "test"
+        assert r["model"]["class"].endswith("GPMILModule") and r["model"]["bag_decision"]["bag_rule"] in ("max", "top_k_mean", "mean")
+    assert report(tmp_path / "a")["metrics"] != report(tmp_path / "b")["metrics"]
