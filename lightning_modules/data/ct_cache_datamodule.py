@@ -89,8 +89,13 @@ class CTCacheDataModule(pl.LightningDataModule):
             cache = self._cache
             path = self.splits_file or os.path.join(self.cache_dir, "splits.json")
             if os.path.isfile(path):
-                with open(path, encoding="utf-8") as fh:
-                    self._splits = {k: [str(b) for b in v] for k, v in json.load(fh).items()}
+                try:
+                    with open(path, encoding="utf-8") as fh:
+                        self._splits = {k: [str(b) for b in v] for k, v in json.load(fh).items()}
+                except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as err:
+                    raise ValueError(
+                        f"{path} is not a splits file ({type(err).__name__}: {err}); rerun milgp-cache with --splits to rewrite it"
+                    ) from None
             elif self.splits_file:
                 raise FileNotFoundError(f"splits file {self.splits_file} does not exist")
             else:

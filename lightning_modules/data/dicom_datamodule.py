@@ -1,6 +1,8 @@
 """Data module for new, unlabelled scans given as DICOM folders (``predict`` only)."""
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -12,7 +14,9 @@ from lightning_modules.data.dicom_series_dataset import DicomSeriesDataset
 from lightning_modules.input_error import InputError
 from milgp.data.bags import collate_bags
 from milgp.data.ct_dataset import uniform_subsample
-from milgp.data.dicom import list_files, order_slices, read_headers
+from milgp.data.dicom import read_headers, walk_files
+from milgp.data.report_entry import printable
+from milgp.data.series_check import SeriesRefused, check_series
 
 __all__ = ["DicomDataModule"]
 
@@ -54,27 +58,43 @@ class DicomDataModule(pl.LightningDataModule):
         self._series: list[tuple[str, list[str]]] = []
         self._positions: dict[str, tuple[np.ndarray, str]] = {}
         self._source: dict[str, str] = {}
+        self.skipped: list[tuple[str, str]] = []
+        """Files and series left out of the prediction, with the reason."""
 
     def setup(self, stage: str) -> None:
-        """Read the headers (no pixels), group the files by series and order each series."""
+        """Read the headers (no pixels), group the files by series, and check and order each series
+        as the cache does (:func:`milgp.data.series_check.check_series`: non-CT, non-axial,
+        interleaved or mixed series are refused, duplicates dropped). A refused series or an
+        unreadable file is skipped and reported on stderr; the other series are predicted."""
         if stage != "predict":
             raise InputError("DICOM folders are unlabelled scans: use them with predict (milgp-train predict, milgp-predict)")
         if self._series:
             return
         for folder in self.inputs:
-            headers, _ = read_headers(list_files(folder))
+            paths, problems = walk_files(folder)
+            headers, unreadable = read_headers(paths)
+            self.skipped.extend((str(e.path), e.reason) for e in problems)
+            self.skipped.extend((str(path), reason) for path, reason in unreadable)
             by_series: dict[str, list] = {}
             for h in headers:
                 by_series.setdefault(h.series_uid, []).append(h)
             for uid, group in sorted(by_series.items()):
                 if uid in self._source:
                     raise InputError(f"{folder}: series {uid} was found in {self._source[uid]} too")
-                order, positions, ordering = order_slices(group, series_name=uid)
-                self._series.append((uid, [group[i].path for i in order]))
-                self._positions[uid] = (positions, "position along the scan axis (mm)" if ordering == "geometry" else "InstanceNumber")
+                try:
+                    checked = check_series(group, bag_id=uid)
+                except SeriesRefused as err:
+                    self.skipped.append((f"{folder} (series {uid})", str(err)))
+                    continue
+                self.skipped.extend((str(e.path), e.reason) for e in checked.skipped)
+                self._series.append((uid, [h.path for h in checked.headers]))
+                axis = "position along the scan axis (mm)" if checked.ordering == "geometry" else "InstanceNumber"
+                self._positions[uid] = (checked.positions, axis)
                 self._source[uid] = folder
+        for path, reason in self.skipped:
+            print(f"milgp: skipped {printable(path)}: {reason}", file=sys.stderr)
         if not self._series:
-            raise InputError(f"{', '.join(self.inputs)}: no DICOM image found")
+            raise InputError(f"{', '.join(self.inputs)}: no readable CT series found")
 
     def _preprocessing(self) -> tuple[Sequence[Sequence[float]], Any]:
         model = getattr(getattr(self, "trainer", None), "lightning_module", None)

@@ -8,15 +8,16 @@ import torch
 from torch import Tensor
 
 from milgp.data.ct_dataset import uniform_subsample
-from milgp.data.dicom import ct_channels, load_series
+from milgp.data.ct_series import load_series
+from milgp.data.windows import ct_channels
 
 __all__ = ["DicomSeriesDataset"]
 
 
 class DicomSeriesDataset(torch.utils.data.Dataset):
     """Items ``(slices (S, C, H, W) float32 in [0, 1], None, nan, series id)``: one CT series per
-    item, ordered along the scan axis (:func:`milgp.data.dicom.load_series`) and windowed and
-    resized as a cache would (:func:`milgp.data.dicom.ct_channels`); the label is unknown.
+    item, ordered along the scan axis (:func:`milgp.data.ct_series.load_series`) and windowed and
+    resized as a cache would (:func:`milgp.data.windows.ct_channels`); the label is unknown.
 
     Args:
         series: ``(id, file paths)`` of every series.

@@ -1,6 +1,7 @@
 """Patient-grouped splits for the data modules, by the data path's :func:`split_by_patient`."""
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from milgp.data.ct_index import BagIndex, BagRecord, split_by_patient
@@ -8,6 +9,8 @@ from milgp.data.ct_index import BagIndex, BagRecord, split_by_patient
 __all__ = ["SPLIT_NAMES", "patient_split"]
 
 SPLIT_NAMES = ("train", "val", "test")
+UNLABELLED = -1.0
+"""The stratum of unlabelled bags when splitting (bag labels are 0/1 or non-negative targets)."""
 
 
 def patient_split(
@@ -18,9 +21,10 @@ def patient_split(
     seed: int = 0,
 ) -> dict[str, str]:
     """``{bag_id: "train" | "val" | "test"}``: patient-grouped, label-stratified
-    (:func:`milgp.data.ct_index.split_by_patient`; a bag without a patient id is its own patient)."""
+    (:func:`milgp.data.ct_index.split_by_patient`; a bag without a patient id is its own patient,
+    unlabelled bags — label NaN, e.g. new scans to predict — form a stratum of their own)."""
     records = [
-        BagRecord(bag_id=str(b), patient_id=str(p) or f"bag:{b}", bag_label=float(y), slice_paths=(str(b),))
+        BagRecord(bag_id=str(b), patient_id=str(p) or f"bag:{b}", bag_label=float(y) if math.isfinite(float(y)) else UNLABELLED, slice_paths=(str(b),))
         for b, p, y in zip(bag_ids, patient_ids, bag_labels)
     ]
     parts = split_by_patient(BagIndex(records), tuple(fractions), seed=seed, names=SPLIT_NAMES)

@@ -64,7 +64,8 @@ class ConstantRateRegressor(RegressorMixin, BaseEstimator):
 
 class BagPixelRegressor(RegressorMixin, BaseEstimator):
     """"bag-pixel" (Law et al. 2018, Appendix B): a VBAgg model trained on one weighted-mean covariate per
-    bag. Keyword arguments are those of :class:`~milgp.estimators.VBAggRegressor`."""
+    bag, its kernel learned on the ELBO as in the paper (unit initial variance). Keyword arguments
+    are those of :class:`~milgp.estimators.VBAggRegressor`."""
 
     def __init__(self, likelihood: str = "poisson", link: str | None = None, num_inducing: int = 50, max_iter: int = 100, random_state: int = 0):
         self.likelihood = likelihood
@@ -89,6 +90,8 @@ class BagPixelRegressor(RegressorMixin, BaseEstimator):
             link=self.link,
             num_inducing=min(self.num_inducing, len(xbar)),
             max_iter=self.max_iter,
+            outputscale=1.0,
+            learn_hyperparameters=True,
             hyper_max_instances=len(xbar),
             random_state=self.random_state,
         ).fit([x[None, :] for x in xbar], y, [np.array([p]) for p in pops])

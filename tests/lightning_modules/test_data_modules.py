@@ -141,3 +141,13 @@ def test_report_writer_handles_aggregate_targets(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.json", "predictions.json"]
     assert json.loads((tmp_path / "metrics.json").read_text())["metrics"]["bag_mse"] == 1.5
     assert [r["bag_label"] for r in json.loads((tmp_path / "predictions.json").read_text())] == [7.0, 3.0]
+
+
+def test_truncated_splits_file_is_a_one_line_error_naming_it(tiny_cache: str, tmp_path: Path) -> None:
+    """A truncated splits file must stop the data module with one line naming the file (not a bare
+    JSONDecodeError from deep inside setup)."""
+    bad = tmp_path / "splits.json"
+    bad.write_text(Path(tiny_cache, "splits.json").read_text()[:25])
+    dm = CTCacheDataModule(tiny_cache, splits_file=str(bad))
+    with pytest.raises(ValueError, match=r"splits\.json is not a splits file .*rerun milgp-cache with --splits"):
+        dm.splits
