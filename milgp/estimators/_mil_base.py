@@ -109,34 +109,56 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         rules = self._rule_candidates()
         for r in rules:
             make_bag_rule(r)
-        dtype = torch_dtype(self.dtype)
-        flat = np.concatenate(bags_np, 0)
-        self.n_features_in_ = flat.shape[1]
+        self.n_features_in_ = bags_np[0].shape[1]
         self.classes_ = np.array([0, 1])
         candidates = self._kernel_candidates(self.n_features_in_)
+        batch, Z = self._prepare(bags_np, y_np)
+        _, self.model_, self.likelihood_, self.fit_result_, decision = self._search(batch, Z, candidates, rules)
+        if self.learn_hyperparameters:
+            self._learn_hyperparameters(batch)
+            heldout = leave_bag_out_posterior(self.model_, self.likelihood_, batch, self.fit_result_.locals)
+            decision = fit_bag_decision(heldout, self.likelihood_.instance_link, batch.bag_labels, rules, self._generator(batch.x))
+        if not self.calibrate:
+            decision = BagDecision(decision.rule, BagCalibrator(), decision.heldout_nll, decision.candidates)
+        self.decision_ = decision
+        self.elbo_ = self.fit_result_.objective[-1]
+        self._after_fit(batch)
+        return self
+
+    def _prepare(self, bags_np: list[np.ndarray], y_np: np.ndarray) -> tuple[BagBatch, torch.Tensor]:
+        """The bag-size cap, the standardisation and the inducing points (both weighted by the cap),
+        and the standardised training batch."""
         sizes = np.array([len(b) for b in bags_np])
         self.bag_size_cap_ = self._resolve_bag_size_cap(sizes)
         weights = np.repeat(np.minimum(1.0, self.bag_size_cap_ / sizes) if self.bag_size_cap_ else np.ones(len(sizes)), sizes)
-        self.scaler_ = FeatureScaler(self.standardize).fit(flat, weights)
+        self.scaler_ = FeatureScaler(self.standardize).fit(np.concatenate(bags_np, 0), weights)
         x, bag_index = self._to_tensor(bags_np)
-        labels = torch.as_tensor(y_np, dtype=dtype, device=self.device)
-        batch = BagBatch(x, bag_index, labels)
+        batch = BagBatch(x, bag_index, torch.as_tensor(y_np, dtype=x.dtype, device=self.device))
         x_np = x.detach().cpu().numpy()
-        Z = torch.as_tensor(
-            kmeans_pp_inducing(
-                x_np, y_np[bag_index.cpu().numpy()], min(self.num_inducing, len(x_np)), seed=self.random_state, weights=weights
-            ),
-            dtype=dtype,
-            device=self.device,
+        Z = kmeans_pp_inducing(
+            x_np, y_np[bag_index.cpu().numpy()], min(self.num_inducing, len(x_np)), seed=self.random_state, weights=weights
         )
-        share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * x.shape[0] <= SHARED_GRAM_MAX_ENTRIES
-        gram = SharedGram(Z, x) if share else None
-        generator = torch.Generator(device=x.device).manual_seed(self.random_state)
+        return batch, torch.as_tensor(Z, dtype=x.dtype, device=self.device)
+
+    def _generator(self, x: torch.Tensor) -> torch.Generator:
+        return torch.Generator(device=x.device).manual_seed(self.random_state)
+
+    def _search(
+        self, batch: BagBatch, Z: torch.Tensor, candidates: list[tuple[str, float, float]], rules: Sequence[str | BagRule]
+    ) -> tuple[float, SparseGP, AugmentedBagLikelihood, FitResult, BagDecision]:
+        """Fit every candidate kernel (the first from scratch, the others warm-started from its local
+        variables), score each by its out-of-bag decision, and return the best ``(NLL, model,
+        likelihood, fit, decision)``; every candidate is recorded in :attr:`search_`."""
+        share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * batch.num_instances <= SHARED_GRAM_MAX_ENTRIES
+        gram = SharedGram(Z, batch.x) if share else None
+        generator = self._generator(batch.x)
         self.search_: list[dict[str, Any]] = []
-        best: tuple[float, SparseGP, AugmentedBagLikelihood, FitResult, BagDecision] | None = None
+        best = None
         warm = None
         for i, (kind, ls, scale) in enumerate(candidates):
-            model = SparseGP(Z, kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard, learn_inducing_locations=self.learn_inducing_locations).to(self.device)
+            model = SparseGP(
+                Z, kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard, learn_inducing_locations=self.learn_inducing_locations
+            ).to(self.device)
             likelihood = self._make_likelihood()
             likelihood.bag_size_cap = self.bag_size_cap_
             projection = gram.projection(model) if gram is not None else None
@@ -146,30 +168,19 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
                 initial_locals=warm, projection=projection, bags_per_batch=self.bags_per_batch, seed=self.random_state,
                 progress=self.verbose,
             )
-            if i == 0:
-                warm = result.locals
-            if len(candidates) == 1 and len(rules) == 1 and not self.calibrate:
+            warm = result.locals if i == 0 else warm
+            if len(candidates) == 1 and len(rules) == 1 and not self.calibrate:  # nothing to choose or fit
                 decision = BagDecision(make_bag_rule(rules[0]), BagCalibrator(), float("nan"), {})
             else:
                 heldout = leave_bag_out_posterior(model, likelihood, batch, result.locals, projection=projection, moments=result.moments)
-                decision = fit_bag_decision(heldout, likelihood.instance_link, labels, rules, generator)
+                decision = fit_bag_decision(heldout, likelihood.instance_link, batch.bag_labels, rules, generator)
             self.search_.append(
                 {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale,
                  "heldout_nll": decision.heldout_nll, "rule": repr(decision.rule), "iterations": result.iterations}
             )
             if best is None or decision.heldout_nll < best[0]:
                 best = (decision.heldout_nll, model, likelihood, result, decision)
-        _, self.model_, self.likelihood_, self.fit_result_, decision = best
-        if self.learn_hyperparameters:
-            self._learn_hyperparameters(batch)
-            heldout = leave_bag_out_posterior(self.model_, self.likelihood_, batch, self.fit_result_.locals)
-            decision = fit_bag_decision(heldout, self.likelihood_.instance_link, labels, rules, generator)
-        if not self.calibrate:
-            decision = BagDecision(decision.rule, BagCalibrator(), decision.heldout_nll, decision.candidates)
-        self.decision_ = decision
-        self.elbo_ = self.fit_result_.objective[-1]
-        self._after_fit(batch)
-        return self
+        return best
 
     def _learn_hyperparameters(self, batch: BagBatch) -> None:
         """Adam steps on the kernel (on the objective of :meth:`hyperparameter_terms`) alternating
