@@ -41,11 +41,17 @@ from milgp.variational.leave_bag_out import leave_bag_out_posterior
 
 __all__ = ["MILClassifierBase"]
 
-SEARCH_LENGTHSCALES = (1.0, 2.0)
-"""RBF lengthscales of the search, in units of ``√D`` (the scale of distances between z-scored
-``D``-dimensional instances; the reference code's fixed choice is ``√D``)."""
-SEARCH_OUTPUTSCALES = (1.0, 10.0)
-"""Kernel variances of the search (the logistic scale: σ(±1) to σ(±3) at one prior std)."""
+KERNEL_GRID: tuple[tuple[str, float, float], ...] = (
+    ("rbf", 1.0, 1.0),
+    ("rbf", 1.0, 10.0),
+    ("rbf", 2.0, 10.0),
+    ("linear", 1.0, 10.0),
+)
+"""The candidate kernels ``(kernel, lengthscale in units of √D, variance)``. ``√D`` is the scale of
+distances between z-scored ``D``-dimensional instances (the reference code's fixed lengthscale);
+variances 1 and 10 span σ(±1) to σ(±3) at one prior standard deviation. The first is fitted from
+scratch, the others warm-started from it. (Two more candidates — RBF 2√D and linear at variance
+1 — were never chosen on the development data and cost a quarter of the fit; docs/core.md.)"""
 SHARED_GRAM_MAX_ENTRIES = 50_000_000
 """The kernel search shares ``Z xᵀ`` (``M·N`` floats) across candidates up to this size."""
 
@@ -59,31 +65,35 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     # -- what subclasses provide -----------------------------------------------------------------
     @abstractmethod
-    def _make_likelihood(self) -> AugmentedBagLikelihood:
-        """A fresh likelihood for one candidate fit."""
+    def _make_likelihood(self, variant: Any = None) -> AugmentedBagLikelihood:
+        """A fresh likelihood for one candidate fit (``variant``: one of :meth:`_likelihood_variants`)."""
 
     def _after_fit(self, batch: BagBatch) -> None:
         """Hook after the kernel and the bag decision are chosen (e.g. a Gibbs sampler)."""
 
     # -- fit ---------------------------------------------------------------------------------------
     def _kernel_candidates(self, dim: int) -> list[tuple[str, float, float]]:
-        """``(kernel, lengthscale, outputscale)`` candidates; a given value fixes that axis."""
+        """``(kernel, lengthscale, outputscale)`` candidates from :data:`KERNEL_GRID`; ``kernel``,
+        ``lengthscale`` or ``outputscale`` given fix that axis."""
         if self.kernel != "auto" and self.kernel not in KERNELS:
             raise ValueError(f"kernel must be 'auto' or one of {KERNELS}, got {self.kernel!r}")
         for name in ("lengthscale", "outputscale"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be None (searched) or a positive number, got {value!r}")
-        kinds = ("rbf", "linear") if self.kernel == "auto" else (self.kernel,)
-        lengthscales = [f * math.sqrt(dim) for f in SEARCH_LENGTHSCALES] if self.lengthscale is None else [float(self.lengthscale)]
-        outputscales = list(SEARCH_OUTPUTSCALES) if self.outputscale is None else [float(self.outputscale)]
-        out = []
-        for kind in kinds:
-            for ls in lengthscales if kind == "rbf" else [1.0]:
-                out.extend((kind, ls, s) for s in outputscales)
-        # the first candidate is fitted from scratch: the RBF one nearest the centre of the grid
-        out.sort(key=lambda c: (c[0] != "rbf", c[1] != lengthscales[0], abs(math.log(c[2] / 3.0))))
+        out: list[tuple[str, float, float]] = []
+        for kind, factor, scale in KERNEL_GRID:
+            if self.kernel not in ("auto", kind):
+                continue
+            ls = 1.0 if kind == "linear" else float(self.lengthscale) if self.lengthscale is not None else factor * math.sqrt(dim)
+            candidate = (kind, ls, float(self.outputscale) if self.outputscale is not None else scale)
+            if candidate not in out:
+                out.append(candidate)
         return out
+
+    def _likelihood_variants(self) -> tuple[Any, ...]:
+        """Variants of the likelihood to choose among at the first kernel (``(None,)``: one)."""
+        return (None,)
 
     def _resolve_bag_size_cap(self, sizes: np.ndarray) -> float | None:
         """``bag_size_cap``: ``"median"`` → the median training bag size, a number as is, or ``None``."""
@@ -146,20 +156,27 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def _search(
         self, batch: BagBatch, Z: torch.Tensor, candidates: list[tuple[str, float, float]], rules: Sequence[str | BagRule]
     ) -> tuple[float, SparseGP, AugmentedBagLikelihood, FitResult, BagDecision]:
-        """Fit every candidate kernel (the first from scratch, the others warm-started from its local
-        variables), score each by its out-of-bag decision, and return the best ``(NLL, model,
-        likelihood, fit, decision)``; every candidate is recorded in :attr:`search_`."""
+        """Fit every candidate kernel (the first from scratch, the others warm-started from the local
+        variables of the best fit at the first kernel), score each by its out-of-bag decision, and
+        return the best ``(NLL, model, likelihood, fit, decision)``; every fit is recorded in
+        :attr:`search_`. With several likelihood variants (e.g. VGPMIL's π rules) each is fitted at
+        the first kernel and the best one is used for the other kernels."""
         share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * batch.num_instances <= SHARED_GRAM_MAX_ENTRIES
         gram = SharedGram(Z, batch.x) if share else None
         generator = self._generator(batch.x)
         self.search_: list[dict[str, Any]] = []
         best = None
         warm = None
-        for i, (kind, ls, scale) in enumerate(candidates):
+        variants = self._likelihood_variants()
+        # the likelihood variant is chosen at the first kernel, then the kernels with that variant
+        plan = [(candidates[0], v) for v in variants] + [(c, None) for c in candidates[1:]]
+        chosen_variant = variants[0]
+        for i, ((kind, ls, scale), variant) in enumerate(plan):
+            variant = chosen_variant if i >= len(variants) else variant
             model = SparseGP(
                 Z, kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard, learn_inducing_locations=self.learn_inducing_locations
             ).to(self.device)
-            likelihood = self._make_likelihood()
+            likelihood = self._make_likelihood(variant)
             likelihood.bag_size_cap = self.bag_size_cap_
             projection = gram.projection(model) if gram is not None else None
             result = fit_closed_form(
@@ -168,18 +185,19 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
                 initial_locals=warm, projection=projection, bags_per_batch=self.bags_per_batch, seed=self.random_state,
                 progress=self.verbose,
             )
-            warm = result.locals if i == 0 else warm
-            if len(candidates) == 1 and len(rules) == 1 and not self.calibrate:  # nothing to choose or fit
+            if len(plan) == 1 and len(rules) == 1 and not self.calibrate:  # nothing to choose or fit
                 decision = BagDecision(make_bag_rule(rules[0]), BagCalibrator(), float("nan"), {})
             else:
                 heldout = leave_bag_out_posterior(model, likelihood, batch, result.locals, projection=projection, moments=result.moments)
                 decision = fit_bag_decision(heldout, likelihood.instance_link, batch.bag_labels, rules, generator)
             self.search_.append(
-                {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale,
+                {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale, "likelihood": variant,
                  "heldout_nll": decision.heldout_nll, "rule": repr(decision.rule), "iterations": result.iterations}
             )
             if best is None or decision.heldout_nll < best[0]:
                 best = (decision.heldout_nll, model, likelihood, result, decision)
+            if i == 0 or (i < len(variants) and best[2] is likelihood):
+                warm, chosen_variant = result.locals, variant
         return best
 
     def _learn_hyperparameters(self, batch: BagBatch) -> None:

@@ -103,7 +103,7 @@ class ProbitMILClassifier(MILClassifierBase):
         self.random_state = random_state
         self.verbose = verbose
 
-    def _make_likelihood(self) -> MILProbitLikelihood:
+    def _make_likelihood(self, variant: None = None) -> MILProbitLikelihood:
         return MILProbitLikelihood()
 
     def _bag_rule_object(self) -> BagRule:

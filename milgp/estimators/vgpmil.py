@@ -20,14 +20,18 @@ class VGPMILClassifier(MILClassifierBase):
     The defaults were chosen on real MIL data (docs/core.md, ``benchmarks/real_mil.py``): the
     reference code's largest-other-π rule for ``E[max y_{b∖n}]`` with ``H = 10¹²`` (the exact
     mean-field noisy-OR and the exact within-bag posterior both fit the ELBO better and predict
-    worse), a kernel chosen among linear and RBF candidates and a length-invariant bag rule chosen
-    by out-of-bag likelihood, calibrated so that ½ is a meaningful threshold for every ψ.
+    worse), a kernel chosen among linear
+    and RBF candidates and a length-invariant bag rule chosen by out-of-bag likelihood, calibrated
+    so that ½ is a meaningful threshold for every ψ.
 
     Args:
         psi: ``"pg"``, ``"gamma"`` or a :class:`milgp.likelihoods.psi.GSMDensity`.
         num_inducing: M.
         H: bag-label noise (Eq. 4 of Castro-Macías et al.; ``H = 10¹²`` as the reference code).
-        max_rule: ``"max"`` (largest other π, default) or ``"exact"`` (mean-field noisy-OR).
+        max_rule: how ``E[max y_{b∖n}]`` enters the π update: ``"max"`` (default: the largest other
+            π, the reference code's), ``"single"`` (0: every instance of a positive bag is pushed up,
+            single-instance learning), ``"auto"`` (``"max"`` or ``"single"``, chosen by out-of-bag NLL
+            at the first kernel) or ``"exact"`` (the mean-field noisy-OR).
         damping: step of the ``"max"`` rule's parallel π update; 1 is the reference code's undamped
             update, which falls into 2-cycles and never converges on real data.
         bag_size_cap: ``"median"`` (default): instances of a bag longer than the median training bag
@@ -108,5 +112,13 @@ class VGPMILClassifier(MILClassifierBase):
         self.random_state = random_state
         self.verbose = verbose
 
-    def _make_likelihood(self) -> MILBernoulliLikelihood:
-        return MILBernoulliLikelihood(psi=self.psi, H=self.H, max_rule=self.max_rule, damping=self.damping)
+    def _likelihood_variants(self) -> tuple[str, ...]:
+        """The π rules to choose among: ``"max"`` and ``"single"`` for ``max_rule="auto"``."""
+        if self.max_rule == "auto":
+            return ("max", "single")
+        if self.max_rule not in ("exact", "max", "single"):
+            raise ValueError(f"max_rule must be 'auto', 'exact', 'max' or 'single', got {self.max_rule!r}")
+        return (self.max_rule,)
+
+    def _make_likelihood(self, variant: str | None = None) -> MILBernoulliLikelihood:
+        return MILBernoulliLikelihood(psi=self.psi, H=self.H, max_rule=variant or self.max_rule, damping=self.damping)

@@ -73,7 +73,9 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
     Args:
         psi: the GSM density (``"pg"`` = VGPMIL, ``"gamma"`` = G-VGPMIL, or a :class:`GSMDensity`).
         H: bag-label noise parameter of Eq. 4 (the paper uses 100; some reference code 1e12).
-        max_rule: ``"exact"`` leave-one-out noisy-OR for ``E[max y_{b∖n}]`` or ``"max"`` (reference).
+        max_rule: ``"exact"`` leave-one-out noisy-OR for ``E[max y_{b∖n}]``, ``"max"`` (the largest
+            other π, the reference code's) or ``"single"`` (0: single-instance learning); see
+            :mod:`milgp.likelihoods.noisy_or`.
         damping: step of the ``"max"`` rule's parallel update (1: the reference code's undamped
             update, which can oscillate; see :data:`milgp.likelihoods.noisy_or.MAX_RULE_DAMPING`).
         bag_size_cap: temper the instance terms of bags longer than this
@@ -98,8 +100,8 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         super().__init__()
         if not H > 1:
             raise ValueError(f"H must be > 1 (bag labels more likely right than wrong), got {H}")
-        if max_rule not in ("exact", "max"):
-            raise ValueError(f"max_rule must be 'exact' or 'max', got {max_rule!r}")
+        if max_rule not in ("exact", "max", "single"):
+            raise ValueError(f"max_rule must be 'exact', 'max' or 'single', got {max_rule!r}")
         if not 0 < damping <= 1:
             raise ValueError(f"damping must be in (0, 1], got {damping}")
         self.psi = make_psi(psi)

@@ -7,6 +7,12 @@ reference code approximates it by the largest other ``π_i`` (``"max"``). The le
 product is computed in log space as ``Σ_{i∈b} log1p(−π_i) − log1p(−π_n)`` with ``π`` clamped
 away from 1.
 
+``"single"`` takes ``E[max y_{b∖n}] = 0``: every instance of a bag answers for the bag's label on
+its own, so all instances of a positive bag are pushed up — the assumption of single-instance
+learning, a strong baseline on MIL benchmarks whose positive bags hold many witnesses (wrong when
+positives are rare, e.g. a few lesion slices of a CT scan; the estimators choose between ``"max"``
+and ``"single"`` on out-of-bag predictions).
+
 ``"exact"`` updates are true coordinate ascent: instances are visited by their position within
 the bag, all bags at once (bags are independent given q(f)), so every update sees the latest
 ``π`` of its bag-mates and the ELBO cannot decrease. ``"max"`` updates all ``π`` in parallel from
@@ -102,16 +108,21 @@ def update_instance_labels(
         pi: ``(N,)`` current ``π_n``.
         bag_labels: ``(B,)`` in ``{0, 1}``.
         log_h: ``log H``.
-        rule: ``"exact"`` (noisy-OR leave-one-out) or ``"max"`` (largest other π).
+        rule: ``"exact"`` (noisy-OR leave-one-out), ``"max"`` (largest other π) or ``"single"``
+            (``E[max y_{b∖n}] = 0``: every instance answers for its bag's label on its own).
         positions: cached :func:`bag_layout` (or :func:`positions_in_bag`); computed when ``None``.
-        damping: step ``δ ∈ (0, 1]`` of the ``"max"`` rule's parallel update (:data:`MAX_RULE_DAMPING`).
+        damping: step ``δ ∈ (0, 1]`` of the parallel updates (``"max"``, ``"single"``;
+            :data:`MAX_RULE_DAMPING`).
     """
     sign = (2 * bag_labels - 1).to(mean.dtype)[bag_index]
-    if rule == "max":
-        target = _parallel_max_update(mean, pi, bag_index, sign, num_bags, log_h)
+    if rule in ("max", "single"):
+        if rule == "max":
+            target = _parallel_max_update(mean, pi, bag_index, sign, num_bags, log_h)
+        else:
+            target = torch.sigmoid(mean + log_h * sign).clamp(PI_CLAMP, 1 - PI_CLAMP)
         return (1 - damping) * pi + damping * target
     if rule != "exact":
-        raise ValueError(f"unknown rule {rule!r} for E[max y_b\\n]: use 'exact' or 'max'")
+        raise ValueError(f"unknown rule {rule!r} for E[max y_b\\n]: use 'exact', 'max' or 'single'")
     positions = bag_layout(bag_index, num_bags) if positions is None else positions
     pi = pi.clamp(PI_CLAMP, 1 - PI_CLAMP).clone()
     log_keep = log_prob_bag_all_negative(pi, bag_index, num_bags)

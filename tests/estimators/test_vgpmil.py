@@ -149,8 +149,22 @@ def test_a_fixed_kernel_runs_cavi_to_convergence():
     """With the kernel fixed (one candidate) the fit must run CAVI until its tolerance is met and
     keep the given kernel values."""
     bags, y = toy_bags(B=16, seed=1)
-    clf = VGPMILClassifier(num_inducing=6, kernel="rbf", lengthscale=1.2, outputscale=2.0, max_iter=300, tol=1e-8).fit(bags, y)
+    clf = VGPMILClassifier(num_inducing=6, kernel="rbf", lengthscale=1.2, outputscale=2.0, max_rule="max", max_iter=300, tol=1e-8).fit(bags, y)
     assert clf.fit_result_.converged and clf.fit_result_.iterations > 2
     assert len(clf.search_) == 1
     assert float(clf.model_.covar_module.outputscale) == pytest.approx(2.0)
     assert float(clf.model_.covar_module.base_kernel.lengthscale) == pytest.approx(1.2)
+
+
+def test_auto_max_rule_chooses_the_pi_rule_at_the_first_kernel():
+    """``max_rule="auto"`` fits both π rules at the first kernel and searches the other kernels
+    with the one whose out-of-bag NLL is lower; the chosen model carries that rule."""
+    bags, y = toy_bags(B=20, seed=2)
+    clf = VGPMILClassifier(max_rule="auto", **FAST).fit(bags, y)
+    first, second, *rest = clf.search_
+    assert (first["likelihood"], second["likelihood"]) == ("max", "single")
+    assert first["kernel"] == second["kernel"] and first["outputscale"] == second["outputscale"]
+    winner = min((first, second), key=lambda s: s["heldout_nll"])["likelihood"]
+    assert rest and all(s["likelihood"] == winner for s in rest)
+    best = min(clf.search_, key=lambda s: s["heldout_nll"])
+    assert clf.likelihood_.max_rule == best["likelihood"]

@@ -306,3 +306,20 @@ def test_robbins_monro_schedule():
         RobbinsMonro(tau=0.0)  # (0 + 0)**-kappa would divide by zero at the first step
     with pytest.raises(ValueError, match="tau"):
         RobbinsMonro(tau=-1)
+
+
+def test_single_instance_rule_against_brute_force():
+    """``rule="single"``: every instance answers for its bag's label on its own,
+    ``π_n ← (1 − δ)π_n + δ σ(μ_n + log H (2T_b − 1))``, whatever its bag-mates' π."""
+    g = torch.Generator().manual_seed(4)
+    bag_index = bag_index_from_sizes([3, 1, 4])
+    labels = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    mean = torch.randn(8, generator=g, dtype=torch.float64)
+    pi = torch.rand(8, generator=g, dtype=torch.float64)
+    log_h = math.log(50.0)
+    new = update_instance_labels(mean, pi, bag_index, labels, 3, log_h, rule="single", damping=0.3)
+    sign = 2 * labels[bag_index] - 1
+    expected = 0.7 * pi + 0.3 * torch.sigmoid(mean + log_h * sign)
+    torch.testing.assert_close(new, expected, rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match="'single'"):
+        update_instance_labels(mean, pi, bag_index, labels, 3, log_h, rule="witness")
