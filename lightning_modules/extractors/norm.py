@@ -1,4 +1,4 @@
-"""Normalisation layers for per-slice CNNs where one batch may be one patient (DESIGN §6).
+"""Normalisation layers for per-slice CNNs where one batch may be one patient (one scan's slices: BatchNorm statistics would be one patient's).
 
 ``"group"`` (GroupNorm, default): statistics per slice, so a bag's features never depend on the
 other slices in the batch, on the batch size, or on padding. ``"frozen_batch"``: BatchNorm with

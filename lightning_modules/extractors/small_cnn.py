@@ -1,4 +1,4 @@
-"""A small per-slice CNN in the spirit of the seed's AttCNN feature extractor (seed 000 §6.3)."""
+"""A small per-slice CNN in the spirit of the AttCNN feature extractor of Castro-Macías et al. (2024), §6.3."""
 from __future__ import annotations
 
 from typing import Sequence
