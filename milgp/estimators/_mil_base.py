@@ -60,8 +60,12 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     """Base of :class:`VGPMILClassifier` and :class:`ProbitMILClassifier` (see the module docstring).
 
     Subclasses store their ``__init__`` arguments (scikit-learn style) and implement
-    :meth:`_make_likelihood`; they may override :meth:`_after_fit` and :meth:`_bag_probability`.
+    :meth:`_make_likelihood`; they may override :attr:`kernel_grid`, :meth:`_likelihood_variants`,
+    :meth:`_after_fit` and :meth:`_bag_probability`.
     """
+
+    kernel_grid: tuple[tuple[str, float, float], ...] = KERNEL_GRID
+    """The candidate kernels of the search (:data:`KERNEL_GRID` for the logistic models)."""
 
     # -- what subclasses provide -----------------------------------------------------------------
     @abstractmethod
@@ -82,7 +86,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be None (searched) or a positive number, got {value!r}")
         out: list[tuple[str, float, float]] = []
-        for kind, factor, scale in KERNEL_GRID:
+        for kind, factor, scale in self.kernel_grid:
             if self.kernel not in ("auto", kind):
                 continue
             ls = 1.0 if kind == "linear" else float(self.lengthscale) if self.lengthscale is not None else factor * math.sqrt(dim)
