@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import gpytorch
+import numpy as np
 import torch
 from scipy.linalg import blas
 from torch import Tensor
@@ -31,6 +32,8 @@ from milgp.linalg import cholesky_inverse_from_precision, robust_cholesky
 __all__ = ["KERNELS", "Projection", "WhitenedPosterior", "SparseGP"]
 
 _BLAS_TRMM = {torch.float64: blas.dtrmm, torch.float32: blas.strmm}
+_MARGINAL_BLOCK = 2048
+"""Instances per triangular product in :meth:`SparseGP.marginals` (an ``M × 2048`` block stays in cache)."""
 
 KERNELS = ("rbf", "linear")
 
@@ -238,17 +241,22 @@ class SparseGP(gpytorch.models.ApproximateGP):
 
         ``σ²_n = k_nn − ‖A_n‖² + A_nᵀSA_n``. Without gradients on the CPU, and with ``A`` the
         transposed view of a row-major ``Aᵀ`` (the fit's cache), ``A_nᵀSA_n = ‖L_Sᵀ A_n‖²`` with
-        ``S = L_S L_Sᵀ`` is one BLAS triangular product (half the flops of the general product);
+        ``S = L_S L_Sᵀ`` is a BLAS triangular product (half the flops of the general product), taken over column blocks;
         otherwise ``A_nᵀ(S − I)A_n`` by one matrix product.
         """
         A = proj.A
         mean = proj.prior_mean + A.mT @ q.m
         differentiable = torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad)
         if not differentiable and A.device.type == "cpu" and A.dtype in _BLAS_TRMM and A.mT.is_contiguous():
-            L_S = torch.linalg.cholesky_ex(q.S)[0]
-            W = _BLAS_TRMM[A.dtype](1.0, L_S.numpy(), A.numpy(), side=0, lower=1, trans_a=1)  # L_Sᵀ A, (M, N)
+            L_S = torch.linalg.cholesky_ex(q.S)[0].numpy()
+            A_np = A.numpy()
+            quad = np.empty(A_np.shape[1], dtype=A_np.dtype)
+            # column blocks keep L_Sᵀ A_block in cache for the squared column sums (no N×M temporaries)
+            for start in range(0, A_np.shape[1], _MARGINAL_BLOCK):
+                W = _BLAS_TRMM[A.dtype](1.0, L_S, A_np[:, start : start + _MARGINAL_BLOCK], side=0, lower=1, trans_a=1)
+                quad[start : start + _MARGINAL_BLOCK] = np.einsum("ij,ij->j", W, W)
             residual = proj.residual if proj.residual is not None else proj.prior_var - (A * A).sum(0)
-            var = residual + torch.from_numpy((W * W).sum(0))
+            var = residual + torch.from_numpy(quad)
             return mean, var.clamp_min(1e-10)
         # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
         S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)

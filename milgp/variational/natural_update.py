@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from scipy.linalg import blas
 from torch import Tensor
 
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
@@ -85,14 +84,10 @@ def weighted_gram(A: Tensor, w: Tensor) -> Tensor:
     if Yt.device.type != "cpu" or Yt.dtype not in (torch.float64, torch.float32) or Yt.requires_grad:
         G = Yt.mT @ Yt
         return 0.5 * (G + G.mT)
-    syrk = blas.dsyrk if Yt.dtype == torch.float64 else blas.ssyrk
-    # BLAS is column-major: pass whichever view is already Fortran-ordered (no copy)
-    if Yt.is_contiguous():  # Yt C-ordered (N, M) = Y Fortran-ordered (M, N): Y Yᵀ
-        upper = syrk(1.0, Yt.numpy().T, trans=0)
-    else:  # Y = Ytᵀ C-ordered (M, N) = Yt Fortran-ordered (N, M): Ytᵀ Yt
-        upper = syrk(1.0, Yt.mT.contiguous().numpy().T, trans=1)
-    G = torch.from_numpy(upper)
-    return torch.triu(G) + torch.triu(G, 1).mT
+    # numpy runs ``Xᵀ X`` on two views of one buffer as a BLAS syrk and fills the lower triangle
+    # from the upper one: exactly symmetric, no copy in either memory layout of A
+    Yt_np = Yt.numpy()
+    return torch.from_numpy(Yt_np.T @ Yt_np)
 
 
 def natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> WhitenedPosterior:
