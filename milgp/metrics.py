@@ -7,6 +7,9 @@ Everything takes probabilities (or scores) and binary labels as NumPy arrays or 
 * :func:`expected_calibration_error` — equal-width bins on the predicted probability of the
   positive class: ``ECE = Σ_k (n_k / n) · |mean(y in bin k) − mean(p in bin k)|`` with bins
   ``[0, 1/K], (1/K, 2/K], …`` (a probability of exactly 0 falls in the first bin);
+* :func:`calibrated_ece` — the ECE a perfectly calibrated forecaster with these probabilities
+  would show on this many samples (labels drawn from the probabilities themselves): the floor
+  against which a measured ECE on a small test set should be read;
 * :func:`log_loss` — mean binary cross-entropy;
 * :func:`calibration_curve` — the per-bin points of that reliability diagram;
 * :func:`classification_metrics` — all of them as a dict with a common prefix, the format of the
@@ -28,6 +31,7 @@ from torchmetrics.functional.classification import binary_accuracy, binary_auroc
 __all__ = [
     "accuracy",
     "auroc",
+    "calibrated_ece",
     "calibration_curve",
     "classification_metrics",
     "expected_calibration_error",
@@ -136,6 +140,33 @@ def expected_calibration_error(probs: Any, labels: Any, n_bins: int = 10) -> flo
     curve = calibration_curve(probs, labels, n_bins)
     weights = curve["count"] / p.size
     return float(np.sum(weights * np.abs(curve["fraction_positive"] - curve["mean_predicted"])))
+
+
+def calibrated_ece(probs: Any, n_bins: int = 10, draws: int = 1000, seed: int = 0) -> float:
+    """Mean ECE when the labels are drawn from ``probs`` themselves (consistency resampling:
+    Bröcker & Smith, "Increasing the reliability of reliability diagrams", Weather and Forecasting
+    2007, §3).
+
+    A perfectly calibrated forecaster still shows a positive ECE on a finite sample, roughly
+    ``√(p(1−p) / n_k)`` per bin; on a few dozen bags that floor is several hundredths. An ECE near
+    this value is what calibration can achieve on that many samples; one well above it is
+    miscalibration. ``draws`` label vectors are drawn with a private generator seeded by ``seed``
+    (global RNG untouched).
+    """
+    p = np.asarray(probs.detach().cpu() if isinstance(probs, torch.Tensor) else probs, dtype=np.float64).reshape(-1)
+    if not np.isfinite(p).all() or ((p < 0) | (p > 1)).any():
+        bad = int(np.flatnonzero(~(np.isfinite(p) & (p >= 0) & (p <= 1)))[0])
+        raise ValueError(f"probability {bad} is {p[bad]}; calibrated_ece needs probabilities in [0, 1]")
+    if p.size == 0:
+        return float("nan")
+    ids = _bin_ids(p, n_bins)
+    count = np.bincount(ids, minlength=n_bins)
+    sum_p = np.bincount(ids, weights=p, minlength=n_bins)
+    labels = np.random.default_rng(seed).random((draws, p.size)) < p  # (draws, N)
+    # per-draw positives per bin: (draws, n_bins) by one scatter-add over the flattened draws
+    flat = (np.arange(draws)[:, None] * n_bins + ids[None, :]).reshape(-1)
+    sum_y = np.bincount(flat, weights=labels.reshape(-1), minlength=draws * n_bins).reshape(draws, n_bins)
+    return float(np.mean(np.abs(sum_y - sum_p).sum(1)) / p.size)
 
 
 def classification_metrics(

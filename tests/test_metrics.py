@@ -79,3 +79,30 @@ def test_non_binary_or_nan_labels_are_refused_naming_the_index() -> None:
         metrics.auroc([0.1, 0.2, 0.3], [0, float("nan"), 1])
     with pytest.raises(ValueError, match=r"label 2 is 2.0"):
         metrics.classification_metrics([0.1, 0.2, 0.3], [0, 1, 2])
+
+
+def test_calibrated_ece_is_the_mean_ece_of_labels_drawn_from_the_probabilities() -> None:
+    """calibrated_ece must equal a plain Monte-Carlo average of expected_calibration_error over
+    labels drawn from the probabilities; otherwise it is not the floor it claims to be."""
+    rng = np.random.default_rng(3)
+    p = rng.beta(1.0, 2.0, 60)
+    direct = np.mean([metrics.expected_calibration_error(p, rng.random(p.size) < p) for _ in range(4000)])
+    assert metrics.calibrated_ece(p, draws=4000) == pytest.approx(direct, abs=0.004)
+
+
+def test_calibrated_ece_shrinks_with_the_sample_and_vanishes_for_certain_forecasts() -> None:
+    """The floor is a small-sample effect (≈ 1/√n): more samples, lower floor; a forecaster that
+    only says 0 or 1 and is calibrated can never be wrong."""
+    rng = np.random.default_rng(0)
+    floors = [metrics.calibrated_ece(rng.uniform(size=n)) for n in (20, 80, 320, 1280)]
+    assert all(a > b for a, b in zip(floors, floors[1:]))
+    assert floors[0] / floors[-1] == pytest.approx(8.0, rel=0.35)
+    assert metrics.calibrated_ece(np.array([0.0, 1.0, 1.0, 0.0])) == 0.0
+
+
+def test_calibrated_ece_leaves_global_rng_alone_and_refuses_non_probabilities() -> None:
+    state = np.random.get_state()
+    metrics.calibrated_ece(np.full(10, 0.3), seed=5)
+    assert np.array_equal(np.random.get_state()[1], state[1])
+    with pytest.raises(ValueError, match="probability 1 is 1.5"):
+        metrics.calibrated_ece(np.array([0.2, 1.5]))
