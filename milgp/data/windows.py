@@ -10,8 +10,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 __all__ = ["HEAD_CT_WINDOWS", "HEAD_CT_WINDOW_NAMES", "apply_window", "ct_channels", "resize_images"]
 
@@ -58,6 +56,9 @@ def resize_images(images: np.ndarray, size: int | tuple[int, int]) -> np.ndarray
     arr = np.asarray(images, dtype=np.float32)
     if arr.shape[-2:] == out_hw:
         return arr
+    import torch  # here, not at module level: milgp-cache's parser needs this module's windows, not torch
+    import torch.nn.functional as F
+
     lead = arr.shape[:-2]
     t = torch.from_numpy(np.ascontiguousarray(arr.reshape((-1, 1) + arr.shape[-2:])))
     resized = F.interpolate(t, size=out_hw, mode="bilinear", align_corners=False, antialias=True)
