@@ -354,11 +354,8 @@ class GPHead(nn.Module):
     # -- bag decisions ---------------------------------------------------------------------------
     def bag_posterior(self, z: Tensor, bag_index: Tensor, num_bags: int) -> BagPosterior:
         """The predictive ``q(f*)`` of bags of standardised features ``z`` ``(N, D)``: marginals, and
-        the within-bag covariance blocks on demand (joint rules)."""
-        z = z.to(torch.float64)
-        q = self.posterior()
-        mean, var = self.moments(z, q)
-        return BagPosterior(mean, var, bag_index, num_bags, lambda inst, local, n: self.gp.bag_covariances(z[inst], local, n, q))
+        the within-bag covariance blocks on demand (joint rules); no gradients."""
+        return BagPosterior.from_model(self.gp, z.to(torch.float64), bag_index, num_bags)
 
     @torch.no_grad()
     def leave_bag_out(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> BagPosterior:

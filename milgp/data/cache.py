@@ -301,7 +301,3 @@ class CTCache:
             return open_array_file(path, self.entry(bag_id).shape, self.params.dtype, mmap)
         except ValueError as err:
             raise CacheCorruptError(f"cached bag {bag_id!r}: {printable(path)}: {err}; {repair_hint(self.root)}") from None
-
-    def skipped_report(self) -> dict:
-        """The ``skipped.json`` content of the last build (``{}`` when absent)."""
-        return CacheReport.read(self.root)

@@ -1,7 +1,6 @@
 """What one cache build did, bag by bag and file by file (``skipped.json`` and the printed summary)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,18 +89,3 @@ class CacheReport:
     def write(self) -> None:
         """Write ``skipped.json`` atomically."""
         atomic_write_json(self.report_path, self.to_json_dict())
-
-    @staticmethod
-    def read(cache_dir: str | Path) -> dict:
-        """The ``skipped.json`` content of a cache's last build (``{}`` when absent).
-
-        Raises:
-            ValueError: naming the file when it is not valid JSON.
-        """
-        path = Path(cache_dir) / REPORT_FILE_NAME
-        if not path.is_file():
-            return {}
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as err:
-            raise ValueError(f"{printable(path)}: unreadable report ({err})") from None

@@ -120,9 +120,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)`` in {0, 1}."""
         bags_np = check_bags(bags)
         y_np = check_binary_bag_labels(y, len(bags_np))
-        rules = self._rule_candidates()
-        for r in rules:
-            make_bag_rule(r)
+        rules = self._rule_candidates()  # an unknown bag_rule is refused here, before any fitting
         self.n_features_in_ = bags_np[0].shape[1]
         self.classes_ = np.array([0, 1])
         candidates = self._kernel_candidates(self.n_features_in_)
@@ -234,8 +232,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     # -- predictions ---------------------------------------------------------------------------------
     def _bag_probability(self, x: torch.Tensor, posterior: BagPosterior) -> tuple[torch.Tensor, torch.Tensor]:
         """Calibrated bag probability and std ``(B,)`` by the chosen decision."""
-        generator = torch.Generator(device=x.device).manual_seed(self.random_state)
-        return self.decision_(posterior, self.likelihood_.instance_link, generator)
+        return self.decision_(posterior, self.likelihood_.instance_link, self._generator(x))
 
     def predict_bag_proba(self, bags: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """Positive-bag probability and its standard deviation, each ``(B,)``: the chosen bag rule,

@@ -255,8 +255,7 @@ class SparseGP(gpytorch.models.ApproximateGP):
             for start in range(0, A_np.shape[1], _MARGINAL_BLOCK):
                 W = _BLAS_TRMM[A.dtype](1.0, L_S, A_np[:, start : start + _MARGINAL_BLOCK], side=0, lower=1, trans_a=1)
                 quad[start : start + _MARGINAL_BLOCK] = np.einsum("ij,ij->j", W, W)
-            residual = proj.residual if proj.residual is not None else proj.prior_var - (A * A).sum(0)
-            var = residual + torch.from_numpy(quad)
+            var = proj.with_residual().residual + torch.from_numpy(quad)
             return mean, var.clamp_min(1e-10)
         # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
         S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)
@@ -264,12 +263,9 @@ class SparseGP(gpytorch.models.ApproximateGP):
         var = proj.prior_var + ((SA * A).sum(0) if differentiable else SA.mul_(A).sum(0))
         return mean, var.clamp_min(1e-10)
 
-    def predict_marginals(
-        self, x: Tensor, chunk_size: int = 65536, q: WhitenedPosterior | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients
-        (``q``: the posterior to use, default the model's own)."""
-        q = self.whitened_posterior() if q is None else q
+    def predict_marginals(self, x: Tensor, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
+        """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients."""
+        q = self.whitened_posterior()
         with torch.no_grad():
             L = self.inducing_cholesky()
             means, variances = [], []
@@ -290,13 +286,24 @@ class SparseGP(gpytorch.models.ApproximateGP):
         q = self.whitened_posterior() if q is None else q
         L = self.inducing_cholesky()
         proj = self.projection(x, L)
-        x_pad, mask = to_padded(x, bag_index, num_bags)
         A_pad, _ = to_padded(proj.A.mT, bag_index, num_bags)  # (B, N_max, M)
         mean_pad, _ = to_padded(proj.prior_mean + proj.A.mT @ q.m, bag_index, num_bags)
+        cov, mask = self.block_covariances(x, bag_index, num_bags, A_pad, A_pad @ q.S @ A_pad.mT)
+        return mean_pad, cov, mask
+
+    def block_covariances(
+        self, x: Tensor, bag_index: Tensor, num_bags: int | None, A_pad: Tensor, cov_v: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Padded within-bag covariances ``K_bb + jitter·I − A_bᵀA_b + cov_v`` ``(B, N_max, N_max)``
+        and the mask ``(B, N_max)``, for ``A_pad`` ``(B, N_max, M)`` the bags' padded projections and
+        ``cov_v`` ``(B, N_max, N_max)`` the covariance of ``A_bᵀv`` under whichever ``q(v)`` (the
+        posterior's, or a leave-one-bag-out cavity's). Padded rows/columns are the identity; exactly
+        symmetric."""
+        x_pad, mask = to_padded(x, bag_index, num_bags)
         K = self.covar_module(x_pad).to_dense()  # (B, N_max, N_max)
         n_max = mask.shape[1]
         eye = torch.eye(n_max, dtype=x.dtype, device=x.device)
-        cov = K + self.jitter * eye - A_pad @ A_pad.mT + A_pad @ q.S @ A_pad.mT
+        cov = K + self.jitter * eye - A_pad @ A_pad.mT + cov_v
         pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
         cov = torch.where(pair, cov, eye.expand_as(cov))
-        return mean_pad, 0.5 * (cov + cov.mT), mask
+        return 0.5 * (cov + cov.mT), mask

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from milgp.likelihoods.instance_link import InstanceLink
+from milgp.metrics import log_loss
 from milgp.prediction.bag_posterior import BagPosterior
 from milgp.prediction.bag_rules import BagRule, make_bag_rule
 from milgp.prediction.calibration import BagCalibrator
@@ -54,11 +55,6 @@ class BagDecision:
         return p_cal, std_cal
 
 
-def _nll(p: Tensor, y: Tensor) -> float:
-    p = p.clamp(1e-7, 1 - 1e-7)
-    return float(-(y * torch.log(p) + (1 - y) * torch.log1p(-p)).mean())
-
-
 def fit_bag_decision(
     heldout: BagPosterior,
     link: InstanceLink,
@@ -82,7 +78,7 @@ def fit_bag_decision(
         rule = make_bag_rule(cand)
         p, _ = rule(heldout, link, generator)
         calibrator = BagCalibrator().fit(p, y)
-        nll = _nll(calibrator(p.detach().to(torch.float64).cpu())[0], y)
+        nll = log_loss(calibrator(p.detach().to(torch.float64).cpu())[0], y)
         scores[repr(rule)] = nll
         if best is None or nll < best[0] - 1e-12:
             best = (nll, rule, calibrator)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from milgp.data.bags import bag_sizes, make_bag_groups
-from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
 
 __all__ = ["BLOCK_BUDGET", "BagPosterior", "JointBlocks", "MAX_JOINT_INSTANCES"]
 
@@ -72,12 +72,11 @@ class BagPosterior:
         x: Tensor,
         bag_index: Tensor,
         num_bags: int,
-        q: WhitenedPosterior | None = None,
         block_budget: int | None = None,
     ) -> "BagPosterior":
-        """The predictive ``q(f*)`` of ``model`` at inputs ``x`` ``(N, D)``."""
-        q = model.whitened_posterior() if q is None else q
-        mean, var = model.predict_marginals(x, q=q)
+        """The predictive ``q(f*)`` of ``model`` at inputs ``x`` ``(N, D)`` (no gradients)."""
+        q = model.whitened_posterior()
+        mean, var = model.predict_marginals(x)
 
         def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
             return model.bag_covariances(x[inst], local, n_bags, q)

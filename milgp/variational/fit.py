@@ -119,7 +119,7 @@ class _Projector:
                 prior_var[s : s + self.chunk_size] = proj.prior_var
                 prior_mean[s : s + self.chunk_size] = proj.prior_mean
         self._AT, self._prior_var, self._prior_mean = AT, prior_var, prior_mean
-        self._residual = prior_var - (AT * AT).sum(1)
+        self._residual = Projection(AT.mT, prior_var, prior_mean).with_residual().residual
 
     def chunks(self):
         """Yield ``(start, Projection)`` over all inputs in chunks of ``chunk_size``."""

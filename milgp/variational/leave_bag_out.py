@@ -26,8 +26,7 @@ from torch import Tensor
 
 from milgp.data.bags import BagBatch, make_bag_groups, to_padded
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.linalg import cholesky_inverse_from_precision
-from milgp.models.sparse_gp import Projection, SparseGP
+from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
 from milgp.prediction.bag_posterior import BagPosterior
 from milgp.variational.natural_update import natural_statistics
 
@@ -68,9 +67,8 @@ def leave_bag_out_posterior(
         bag rules, the cavity's within-bag covariance blocks.
     """
     x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
-    q = model.whitened_posterior()
-    proj = model.projection(x) if projection is None else projection[1]
-    mean, var = model.marginals(proj, q) if moments is None else moments
+    proj = (model.projection(x) if projection is None else projection[1]).with_residual()
+    mean, var = model.marginals(proj, model.whitened_posterior()) if moments is None else moments
     beta, lam = likelihood.quadratic_terms(mean, var, bag_index, batch.bag_labels, B, locals_)
     beta = beta - lam * proj.prior_mean
     AT = proj.A.mT  # (N, M)
@@ -78,8 +76,8 @@ def leave_bag_out_posterior(
     # the Gaussian these statistics define (q(v) itself may lag one update behind the locals)
     stats = natural_statistics(proj.A, beta, lam)
     eta, P = stats.targets()
-    S, _ = cholesky_inverse_from_precision(P, what="q(v) precision")
-    m = S @ eta
+    target = WhitenedPosterior.from_natural(eta, P)
+    m, S = target.m, target.S
     SAT = AT @ S  # (N, M): rows (S A_n)ᵀ
 
     def cavity_v(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -107,22 +105,17 @@ def leave_bag_out_posterior(
         return (A_pad @ m_c.unsqueeze(-1)).squeeze(-1), W.mT @ W, mask
 
     cav_mean, cav_var = torch.empty_like(mean), torch.empty_like(var)
-    residual = proj.prior_var - (AT * AT).sum(1)
+    residual = proj.residual
     for g in make_bag_groups(bag_index, B, chunk_instances=max(1, block_budget // M), block_budget=block_budget):
         mean_v, cov_v, mask = cavity_v(g.inst, g.local, g.num_bags)
         cav_mean[g.inst] = proj.prior_mean[g.inst] + mean_v[mask]
         cav_var[g.inst] = residual[g.inst] + torch.diagonal(cov_v, dim1=-2, dim2=-1)[mask]
 
     def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
-        _, cov_v, mask = cavity_v(inst, local, n_bags)
+        _, cov_v, _ = cavity_v(inst, local, n_bags)
         A_pad, _ = to_padded(AT[inst], local, n_bags)
-        x_pad, _ = to_padded(x[inst], local, n_bags)
         mean_pad, _ = to_padded(cav_mean[inst], local, n_bags)
-        n = mask.shape[1]
-        eye_n = torch.eye(n, dtype=x.dtype, device=x.device)
-        cov = model.covar_module(x_pad).to_dense() + model.jitter * eye_n - A_pad @ A_pad.mT + cov_v
-        pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
-        cov = torch.where(pair, cov, eye_n.expand_as(cov))
-        return mean_pad, 0.5 * (cov + cov.mT), mask
+        cov, mask = model.block_covariances(x[inst], local, n_bags, A_pad, cov_v)
+        return mean_pad, cov, mask
 
     return BagPosterior(cav_mean, cav_var.clamp_min(1e-10), bag_index, B, blocks, block_budget)
