@@ -94,12 +94,18 @@ class BagIndex:
     refused: list[ReportEntry] = field(default_factory=list)
     warnings: list[ReportEntry] = field(default_factory=list)
 
+    _ids: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _by_series_uid: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Bag ids, and bag id by series UID, of :attr:`bags` (kept by :meth:`add_series`, so that
+    indexing an archive of ``n`` series costs ``O(n)``, not ``O(n²)``)."""
+
     def __post_init__(self) -> None:
-        seen: set[str] = set()
         for b in self.bags:
-            if b.bag_id in seen:
+            if b.bag_id in self._ids:
                 raise ValueError(f"bag id {b.bag_id!r} appears twice in the index")
-            seen.add(b.bag_id)
+            self._ids.add(b.bag_id)
+            if b.series_uid:
+                self._by_series_uid.setdefault(b.series_uid, b.bag_id)
 
     def __len__(self) -> int:
         return len(self.bags)
@@ -122,16 +128,19 @@ class BagIndex:
         except ValueError as err:
             self.refused.append(ReportEntry(bag_id, where, f"left out: {err}"))
             return
-        if any(b.bag_id == bag_id for b in self.bags):
+        if bag_id in self._ids:
             raise ValueError(f"bag id {bag_id!r} appears twice in the index")
-        twin = next((b for b in self.bags if record.series_uid and b.series_uid == record.series_uid), None)
+        twin = self._by_series_uid.get(record.series_uid) if record.series_uid else None
         if twin is not None:
             self.refused.append(ReportEntry(
-                bag_id, where, f"left out: the same series (SeriesInstanceUID {record.series_uid}) as bag {twin.bag_id!r}, "
+                bag_id, where, f"left out: the same series (SeriesInstanceUID {record.series_uid}) as bag {twin!r}, "
                 "a duplicate export; keeping both would count the scan twice and could put it in two splits",
             ))
             return
         self.bags.append(record)
+        self._ids.add(bag_id)
+        if record.series_uid:
+            self._by_series_uid[record.series_uid] = bag_id
         self.skipped += dropped
         self.warnings += notes
 
