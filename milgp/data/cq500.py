@@ -8,8 +8,9 @@ labels are unknown (``None``).
 
 Series selection rule (:func:`choose_series`), applied to the series of one study:
 
-1. keep axial series only (slice normal within ~25 degrees of the patient z axis; series without
-   geometry are kept);
+1. keep axial series only: the slice normal within ``SeriesPolicy.max_tilt_deg`` (40 degrees) of
+   the patient z axis, the rule every layout's series check applies (series without geometry are
+   kept); with ``allow_non_axial`` the others are kept too, ranked after every axial one;
 2. drop contrast-enhanced series: ContrastBolusAgent set to anything but empty/``NONE``/``NO``,
    or a SeriesDescription matching ``POST``, ``CONTRAST``, ``C+`` or ``CE`` -- unless it says
    ``PRE``/``NON``/``NO``/``WITHOUT``/``W/O`` contrast, or ``PLAIN``;
@@ -32,7 +33,7 @@ from milgp.data.ct_index import BagIndex
 from milgp.data.dicom import SliceHeader, read_headers, walk_files
 from milgp.data.label_rule import LabelRule
 from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_check import slice_normal
+from milgp.data.series_check import tilt_deg
 from milgp.data.series_policy import SeriesPolicy
 
 __all__ = [
@@ -52,7 +53,6 @@ _NEGATED_CONTRAST_RE = re.compile(r"\b(PRE|NON|NO|WITHOUT|W/O)[\s_-]*(CONTRAST|C
 _CONTRAST_RE = re.compile(r"\bPOST\b|CONTRAST|C\+|\bCE\b", re.IGNORECASE)
 _NO_AGENT = {"", "NONE", "NO", "N/A", "NA", "0"}
 _TARGET_THICKNESS_MM = 5.0
-_AXIAL_MIN_COS = 0.9
 
 
 def cq500_number(name: str) -> int:
@@ -132,11 +132,16 @@ class SeriesSummary:
     axial: bool
 
     @classmethod
-    def from_headers(cls, headers: Sequence[SliceHeader]) -> "SeriesSummary":
+    def from_headers(cls, headers: Sequence[SliceHeader], policy: SeriesPolicy = SeriesPolicy()) -> "SeriesSummary":
+        """Summary of one series; ``axial`` by ``policy.max_tilt_deg`` (a degenerate orientation is
+        not axial)."""
         h = headers[0]
         axial = True
         if h.orientation is not None:
-            axial = abs(float(slice_normal(h.orientation)[2])) >= _AXIAL_MIN_COS
+            try:
+                axial = tilt_deg(h.orientation) <= policy.max_tilt_deg
+            except ValueError:
+                axial = False
         return cls(
             series_uid=h.series_uid,
             description=h.series_description,
@@ -148,16 +153,17 @@ class SeriesSummary:
         )
 
 
-def choose_series(series: Sequence[SeriesSummary]) -> SeriesSummary | None:
-    """Pick one non-contrast series of a study by the rule in the module docstring (``None`` if none qualifies)."""
-    candidates = [s for s in series if s.axial and not is_contrast_series(s.description, s.contrast_agent)]
+def choose_series(series: Sequence[SeriesSummary], allow_non_axial: bool = False) -> SeriesSummary | None:
+    """Pick one non-contrast series of a study by the rule in the module docstring (``None`` if none
+    qualifies); ``allow_non_axial`` admits non-axial series after every axial one."""
+    candidates = [s for s in series if (s.axial or allow_non_axial) and not is_contrast_series(s.description, s.contrast_agent)]
     if not candidates:
         return None
 
-    def rank(s: SeriesSummary) -> tuple[int, float, int, str]:
+    def rank(s: SeriesSummary) -> tuple[int, int, float, int, str]:
         bone = int("BONE" in s.description.upper() or "BONE" in s.kernel.upper())
         thickness_gap = abs(s.thickness_mm - _TARGET_THICKNESS_MM) if s.thickness_mm is not None else np.inf
-        return bone, thickness_gap, -s.num_slices, s.series_uid
+        return int(not s.axial), bone, thickness_gap, -s.num_slices, s.series_uid
 
     return min(candidates, key=rank)
 
@@ -235,7 +241,7 @@ def index_cq500(
     for number, by_series in by_study.items():
         name, label = labels[number]
         folder = studies[number]
-        chosen = choose_series([SeriesSummary.from_headers(hs) for hs in by_series.values()])
+        chosen = choose_series([SeriesSummary.from_headers(hs, policy) for hs in by_series.values()], policy.allow_non_axial)
         if chosen is None:
             index.refused.append(ReportEntry(name, str(folder), f"study {name}: no axial non-contrast CT series among {len(by_series)}"))
             continue

@@ -30,7 +30,7 @@ from milgp.data.hounsfield import read_pixel_bytes
 from milgp.data.report_entry import ReportEntry, printable
 from milgp.data.series_policy import SeriesPolicy
 
-__all__ = ["CheckedSeries", "SeriesRefused", "check_series", "check_single_series", "order_slices", "slice_normal"]
+__all__ = ["CheckedSeries", "SeriesRefused", "check_series", "check_single_series", "order_slices", "slice_normal", "tilt_deg"]
 
 _ZIGZAG_STEP = 0.25  # relative change between neighbouring spacings that counts as a zigzag step
 _ZIGZAG_SHARE = 0.5  # share of zigzag steps that makes a series two interleaved stacks ...
@@ -49,6 +49,12 @@ def slice_normal(orientation: Sequence[float]) -> np.ndarray:
     if norm < 1e-6:
         raise ValueError(f"degenerate ImageOrientationPatient {tuple(o)}: row and column cosines are parallel")
     return n / norm
+
+
+def tilt_deg(orientation: Sequence[float]) -> float:
+    """Angle in degrees between the slice normal and the patient z axis (0: axial; a gantry-tilted
+    head CT is 10–30; sagittal and coronal are 90). Raises ``ValueError`` on a degenerate orientation."""
+    return float(np.degrees(np.arccos(min(1.0, abs(float(slice_normal(orientation)[2]))))))
 
 
 def check_single_series(headers: Sequence[SliceHeader], series_name: str) -> None:
@@ -147,7 +153,7 @@ class CheckedSeries:
 
 def _check_axial(headers: Sequence[SliceHeader], name: str, policy: SeriesPolicy) -> None:
     normal = slice_normal(headers[0].orientation)  # type: ignore[arg-type]
-    tilt = float(np.degrees(np.arccos(min(1.0, abs(float(normal[2]))))))
+    tilt = tilt_deg(headers[0].orientation)  # type: ignore[arg-type]
     if tilt > policy.max_tilt_deg:
         raise SeriesRefused(
             f"{name}: slice normal {tuple(round(float(v), 3) for v in normal)} is {tilt:.0f} degrees from the patient "

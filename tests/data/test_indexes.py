@@ -6,12 +6,15 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
+import pydicom
 import pytest
 
 from milgp.data.cq500 import SeriesSummary, choose_series, cq500_number, index_cq500, is_contrast_series
 from milgp.data.ct_index import BagIndex, BagRecord, split_by_patient
 from milgp.data.generic_layout import index_generic
 from milgp.data.rsna import index_rsna, read_rsna_labels
+from milgp.data.series_policy import SeriesPolicy
 from milgp.data.synthetic import SyntheticDataset, write_cq500_dataset, write_generic_dataset
 
 
@@ -215,3 +218,27 @@ def test_generic_layout_errors_name_the_bag_or_slice(tmp_path: Path) -> None:
     (Path(ds.image_dir) / "unlisted").mkdir()
     index = index_generic(ds.image_dir, ds.labels_csv)
     assert any("'unlisted' is not listed" in e.reason for e in index.skipped)
+
+
+def test_cq500_series_rule_uses_the_same_tilt_limit_and_option_as_every_layout(tmp_path: Path) -> None:
+    """A study acquired with a 30 degree gantry tilt is axial for the generic and RSNA layouts (limit 40
+    degrees); CQ500 must index it too instead of refusing the study, and --allow-non-axial must reach
+    its series rule (a non-axial series then ranks after every axial one)."""
+    ds = write_cq500_dataset(tmp_path / "cq500", n_studies=2, slices=(4, 4), size=16, seed=3)
+    c, s_ = np.cos(np.radians(30)), np.sin(np.radians(30))
+    study = Path(ds.scan("CQ500-CT-0").paths[0]).parents[2]
+    for path in sorted(study.rglob("*.dcm")):
+        dcm = pydicom.dcmread(path)
+        z = float(dcm.ImagePositionPatient[2])
+        dcm.ImageOrientationPatient = [1, 0, 0, 0, c, -s_]
+        dcm.ImagePositionPatient = [-125, -125 + z * s_, z * c]
+        dcm.save_as(path)
+    index = index_cq500(ds.image_dir, ds.labels_csv)
+    assert index.bag_ids == ["CQ500-CT-0", "CQ500-CT-1"] and not index.refused
+    assert index.bags[0].series_uid == ds.scan("CQ500-CT-0").series_uid
+    sagittal = SeriesSummary("4", "CT SAG", "", "STANDARD", 5.0, 90, False)
+    bone = SeriesSummary("2", "CT 5mm BONE", "", "H70h", 5.0, 40, True)
+    assert choose_series([sagittal], allow_non_axial=True) == sagittal
+    assert choose_series([sagittal, bone], allow_non_axial=True) == bone
+    assert choose_series([sagittal], allow_non_axial=False) is None
+    assert SeriesPolicy().max_tilt_deg >= 30
