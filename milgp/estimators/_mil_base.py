@@ -1,22 +1,25 @@
-"""What the MIL classifiers share: validation, standardisation, inducing points, the kernel search
-and the calibrated bag decision, and the prediction API.
+"""What the MIL classifiers share: validation, standardisation, inducing points, the kernel search,
+the calibrated and averaged bag decision, and the prediction API.
 
 **Fit.** Features are z-scored; ``M`` inducing points are placed by k-means++, half on instances of
-positive bags and half on negative (as the VGPMIL reference code does). Each candidate kernel
-(``kernel``, ``lengthscale``, ``outputscale``; by default a linear kernel and RBF kernels with
-lengthscale ``√D`` and ``2√D``, each at outputscale 1 and 10) is fitted by closed-form coordinate
-ascent (Algorithm 1 of Castro-Macías et al. 2024 without hyperparameter steps): the first from
-scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
+positive bags and half on negative (as the VGPMIL reference code does). Every likelihood variant
+(VGPMIL: the reference code's largest-other-π rule and single-instance learning) is fitted at
+every candidate kernel (``kernel``, ``lengthscale``, ``outputscale``; by default a linear kernel
+and RBF kernels with lengthscale ``√D`` and ``2√D`` at outputscale 1 and 10) by closed-form
+coordinate ascent (Algorithm 1 of Castro-Macías et al. 2024 without hyperparameter steps): the
+first from scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
 ``search_iter`` sweeps. The inner products ``Z xᵀ`` are computed once for all candidates
 (:class:`~milgp.models.shared_gram.SharedGram`).
 
-**Selection and calibration on out-of-bag predictions.** For each candidate the leave-one-bag-out
-cavity predictive of every training bag (:func:`~milgp.variational.leave_bag_out.leave_bag_out_posterior`,
-about one sweep) is scored by every candidate bag rule, a Platt calibration is fitted to each, and
-the (kernel, rule, calibration) with the smallest out-of-bag negative log-likelihood is kept
-(:func:`~milgp.prediction.bag_decision.fit_bag_decision`). No hyperparameter is learned by gradient
-steps by default: on a few dozen bags that objective collapsed the kernel variance to a flat GP
-(ucsb_breast_cancer: outputscale 0.007–0.08, every bag p = 1.000; docs/core.md).
+**Out-of-bag scores, calibration and averaging.** For each fit the leave-one-bag-out cavity
+predictive of every training bag (:func:`~milgp.variational.leave_bag_out.leave_bag_out_posterior`,
+about one sweep) is scored by every candidate bag rule, with a Platt calibration fitted to each
+(:func:`~milgp.prediction.bag_decision.score_bag_rules`). The (fit, rule) candidates are then
+averaged with pseudo-BMA+ weights from their out-of-bag likelihoods
+(:class:`~milgp.prediction.model_average.ModelAverage`); ``average=False`` keeps the single
+candidate with the smallest out-of-bag negative log-likelihood. No hyperparameter is learned by
+gradient steps by default: on a few dozen bags that objective collapsed the kernel variance to a
+flat GP (ucsb_breast_cancer: outputscale 0.007–0.08, every bag p = 1.000; docs/core.md).
 """
 from __future__ import annotations
 
@@ -35,7 +38,16 @@ from milgp.inducing import kmeans_pp_inducing
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.shared_gram import SharedGram
 from milgp.models.sparse_gp import KERNELS, SparseGP
-from milgp.prediction import AUTO_BAG_RULES, BagCalibrator, BagDecision, BagPosterior, BagRule, fit_bag_decision, make_bag_rule
+from milgp.prediction import (
+    AUTO_BAG_RULES,
+    AveragedFit,
+    BagCalibrator,
+    BagDecision,
+    BagRule,
+    ModelAverage,
+    make_bag_rule,
+    score_bag_rules,
+)
 from milgp.variational.fit import FitResult, fit_closed_form
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
 
@@ -116,6 +128,10 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def _bag_rule_object(self) -> BagRule:
         return make_bag_rule(self.bag_rule)
 
+    def _averages(self) -> bool:
+        """Whether the candidates are averaged (``average``) rather than the best one kept."""
+        return bool(self.average)
+
     def fit(self, bags: Sequence[Any], y: Any) -> "MILClassifierBase":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)`` in {0, 1}."""
         bags_np = check_bags(bags)
@@ -125,14 +141,23 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         self.classes_ = np.array([0, 1])
         candidates = self._kernel_candidates(self.n_features_in_)
         batch, Z = self._prepare(bags_np, y_np)
-        _, self.model_, self.likelihood_, self.fit_result_, decision = self._search(batch, Z, candidates, rules)
+        fits = self._search(batch, Z, candidates, rules)
+        generator = self._generator(batch.x)
         if self.learn_hyperparameters:
-            self._learn_hyperparameters(batch)
-            heldout = leave_bag_out_posterior(self.model_, self.likelihood_, batch, self.fit_result_.locals)
-            decision = fit_bag_decision(heldout, self.likelihood_.instance_link, batch.bag_labels, rules, self._generator(batch.x))
-        if not self.calibrate:
-            decision = BagDecision(decision.rule, BagCalibrator(), decision.heldout_nll, decision.candidates)
-        self.decision_ = decision
+            best = min(fits, key=lambda f: f[3].heldout_nll)
+            self.fit_result_ = self._learn_hyperparameters(batch, *best[:3])
+            heldout = leave_bag_out_posterior(best[0], best[1], batch, self.fit_result_.locals)
+            scored = score_bag_rules(heldout, best[1].instance_link, batch.bag_labels, rules, generator, self.calibrate)
+            self.ensemble_ = ModelAverage([AveragedFit(best[0], best[1], min(scored, key=lambda d: d.heldout_nll), 1.0)])
+        elif self._averages() and len(fits) > 1:
+            self.ensemble_ = ModelAverage.from_candidates([f[:2] + (f[3],) for f in fits], batch.bag_labels, generator)
+        else:
+            best = min(fits, key=lambda f: f[3].heldout_nll)
+            self.ensemble_ = ModelAverage([AveragedFit(best[0], best[1], best[3], 1.0)])
+        top = self.ensemble_.top
+        self.model_, self.likelihood_, self.decision_ = top.model, top.likelihood, top.decision
+        if not self.learn_hyperparameters:
+            self.fit_result_ = next(f[2] for f in fits if f[0] is top.model)
         self.elbo_ = self.fit_result_.objective[-1]
         self._after_fit(batch)
         return self
@@ -157,63 +182,64 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     def _search(
         self, batch: BagBatch, Z: torch.Tensor, candidates: list[tuple[str, float, float]], rules: Sequence[str | BagRule]
-    ) -> tuple[float, SparseGP, AugmentedBagLikelihood, FitResult, BagDecision]:
-        """Fit every candidate kernel (the first from scratch, the others warm-started from the local
-        variables of the best fit at the first kernel), score each by its out-of-bag decision, and
-        return the best ``(NLL, model, likelihood, fit, decision)``; every fit is recorded in
-        :attr:`search_`. With several likelihood variants (e.g. VGPMIL's π rules) each is fitted at
-        the first kernel and the best one is used for the other kernels."""
+    ) -> list[tuple[SparseGP, AugmentedBagLikelihood, FitResult, BagDecision]]:
+        """Fit every likelihood variant (e.g. VGPMIL's π rules) at every candidate kernel — the first
+        from scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
+        ``search_iter`` — and score every bag rule of each on its out-of-bag predictions. Returns one
+        ``(model, likelihood, fit, decision)`` per fit and rule; every fit is recorded in
+        :attr:`search_` with its best rule."""
         share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * batch.num_instances <= SHARED_GRAM_MAX_ENTRIES
         gram = SharedGram(Z, batch.x) if share else None
         generator = self._generator(batch.x)
         self.search_: list[dict[str, Any]] = []
-        best = None
+        fits: list[tuple[SparseGP, AugmentedBagLikelihood, FitResult, BagDecision]] = []
+        projections: dict[tuple[str, float, float], Any] = {}
         warm = None
-        variants = self._likelihood_variants()
-        # the likelihood variant is chosen at the first kernel, then the kernels with that variant
-        plan = [(candidates[0], v) for v in variants] + [(c, None) for c in candidates[1:]]
-        chosen_variant = variants[0]
+        plan = [(c, v) for v in self._likelihood_variants() for c in candidates]
         for i, ((kind, ls, scale), variant) in enumerate(plan):
-            variant = chosen_variant if i >= len(variants) else variant
             model = SparseGP(
                 Z, kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard, learn_inducing_locations=self.learn_inducing_locations
             ).to(self.device)
             likelihood = self._make_likelihood(variant)
             likelihood.bag_size_cap = self.bag_size_cap_
-            projection = gram.projection(model) if gram is not None else None
+            if gram is not None and (kind, ls, scale) not in projections:  # one per kernel, shared by the variants
+                projections[(kind, ls, scale)] = gram.projection(model)
+            projection = projections.get((kind, ls, scale))
             result = fit_closed_form(
                 model, likelihood, batch,
                 max_iter=max(1, self.max_iter if i == 0 else self.search_iter), tol=self.tol, learn_hyperparameters=False,
                 initial_locals=warm, projection=projection, bags_per_batch=self.bags_per_batch, seed=self.random_state,
                 progress=self.verbose,
             )
+            if i == 0:
+                warm = result.locals
             if len(plan) == 1 and len(rules) == 1 and not self.calibrate:  # nothing to choose or fit
-                decision = BagDecision(make_bag_rule(rules[0]), BagCalibrator(), float("nan"), {})
+                scored = [BagDecision(make_bag_rule(rules[0]), BagCalibrator(), float("nan"), {})]
             else:
                 heldout = leave_bag_out_posterior(model, likelihood, batch, result.locals, projection=projection, moments=result.moments)
-                decision = fit_bag_decision(heldout, likelihood.instance_link, batch.bag_labels, rules, generator)
+                scored = score_bag_rules(heldout, likelihood.instance_link, batch.bag_labels, rules, generator, self.calibrate)
+            best = min(scored, key=lambda d: d.heldout_nll) if len(scored) > 1 else scored[0]
             self.search_.append(
                 {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale, "likelihood": variant,
-                 "heldout_nll": decision.heldout_nll, "rule": repr(decision.rule), "iterations": result.iterations}
+                 "heldout_nll": best.heldout_nll, "rule": repr(best.rule), "iterations": result.iterations}
             )
-            if best is None or decision.heldout_nll < best[0]:
-                best = (decision.heldout_nll, model, likelihood, result, decision)
-            if i == 0 or (i < len(variants) and best[2] is likelihood):
-                warm, chosen_variant = result.locals, variant
-        return best
+            fits.extend((model, likelihood, result, d) for d in scored)
+        return fits
 
-    def _learn_hyperparameters(self, batch: BagBatch) -> None:
+    def _learn_hyperparameters(
+        self, batch: BagBatch, model: SparseGP, likelihood: AugmentedBagLikelihood, start: FitResult
+    ) -> FitResult:
         """Adam steps on the kernel (on the objective of :meth:`hyperparameter_terms`) alternating
-        with the natural steps, from the chosen kernel and its local variables (Algorithm 1)."""
+        with the natural steps, from a fitted candidate and its local variables (Algorithm 1)."""
         main = fit_closed_form(
-            self.model_, self.likelihood_, batch, max_iter=self.max_iter, tol=self.tol, learn_hyperparameters=True,
-            lr=self.lr, hyper_steps=self.hyper_steps, initial_locals=self.fit_result_.locals,
+            model, likelihood, batch, max_iter=self.max_iter, tol=self.tol, learn_hyperparameters=True,
+            lr=self.lr, hyper_steps=self.hyper_steps, initial_locals=start.locals,
             bags_per_batch=self.bags_per_batch, seed=self.random_state, progress=self.verbose,
         )
-        main.elbo = self.fit_result_.elbo + main.elbo
-        main.iterations += self.fit_result_.iterations
-        main.seconds += self.fit_result_.seconds
-        self.fit_result_ = main
+        main.elbo = start.elbo + main.elbo
+        main.iterations += start.iterations
+        main.seconds += start.seconds
+        return main
 
     # -- data --------------------------------------------------------------------------------------
     def _to_tensor(self, bags: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,25 +247,27 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         x = self.scaler_.transform(x.to(dtype=torch_dtype(self.dtype), device=self.device))
         return x, bag_index.to(self.device)
 
-    def _posterior(self, bags: Sequence[Any]) -> tuple[torch.Tensor, BagPosterior]:
-        check_is_fitted(self, "model_")
+    def _features(self, bags: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Standardised instances ``(N, D)``, their bag ids ``(N,)`` and the number of bags."""
+        check_is_fitted(self, "ensemble_")
         bags_np = check_bags(bags)
         if bags_np[0].shape[1] != self.n_features_in_:
             raise ValueError(f"bags have {bags_np[0].shape[1]} features, the model was fitted on {self.n_features_in_}")
         x, bag_index = self._to_tensor(bags_np)
-        return x, BagPosterior.from_model(self.model_, x, bag_index, len(bags_np))
+        return x, bag_index, len(bags_np)
 
     # -- predictions ---------------------------------------------------------------------------------
-    def _bag_probability(self, x: torch.Tensor, posterior: BagPosterior) -> tuple[torch.Tensor, torch.Tensor]:
-        """Calibrated bag probability and std ``(B,)`` by the chosen decision."""
-        return self.decision_(posterior, self.likelihood_.instance_link, self._generator(x))
+    def _bag_probability(self, x: torch.Tensor, bag_index: torch.Tensor, num_bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Calibrated bag probability and std ``(B,)``: the weighted candidates (:attr:`ensemble_`)."""
+        return self.ensemble_.bag_probability(x, bag_index, num_bags, self._generator(x))
 
     def predict_bag_proba(self, bags: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
-        """Positive-bag probability and its standard deviation, each ``(B,)``: the chosen bag rule,
-        calibrated on out-of-bag predictions of the training bags (:attr:`decision_`)."""
-        x, posterior = self._posterior(bags)
+        """Positive-bag probability and its standard deviation, each ``(B,)``: each candidate's bag
+        rule, calibrated on out-of-bag predictions of the training bags, averaged with the
+        candidates' weights (:attr:`ensemble_`)."""
+        x, bag_index, num_bags = self._features(bags)
         with torch.no_grad():
-            p, s = self._bag_probability(x, posterior)
+            p, s = self._bag_probability(x, bag_index, num_bags)
         return p.cpu().numpy(), s.cpu().numpy()
 
     def predict_proba(self, bags: Sequence[Any]) -> np.ndarray:
@@ -251,16 +279,16 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """Bag labels ``(B,)``: 1 where the calibrated positive-bag probability exceeds ½."""
         return (self.predict_proba(bags)[:, 1] > 0.5).astype(int)
 
-    def _instance_moments(self, x: torch.Tensor, posterior: BagPosterior) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.likelihood_.instance_link.moments(posterior.mean, posterior.var)
+    def _instance_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ensemble_.instance_moments(x)
 
     def predict_instance_proba(self, bags: Sequence[Any], return_std: bool = False) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per-bag lists of instance probabilities ``(n_b,)`` (and their stds): the model's own
-        ``E[p(y=1|f*)]`` (not recalibrated)."""
-        x, posterior = self._posterior(bags)
+        """Per-bag lists of instance probabilities ``(n_b,)`` (and their stds): the models' own
+        ``E[p(y=1|f*)]`` (not recalibrated), averaged with the candidates' weights."""
+        x, bag_index, num_bags = self._features(bags)
         with torch.no_grad():
-            p, s = self._instance_moments(x, posterior)
-        probs = [t.cpu().numpy() for t in split_by_bag(p, posterior.bag_index, posterior.num_bags)]
+            p, s = self._instance_moments(x)
+        probs = [t.cpu().numpy() for t in split_by_bag(p, bag_index, num_bags)]
         if not return_std:
             return probs
-        return probs, [t.cpu().numpy() for t in split_by_bag(s, posterior.bag_index, posterior.num_bags)]
+        return probs, [t.cpu().numpy() for t in split_by_bag(s, bag_index, num_bags)]

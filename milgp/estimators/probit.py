@@ -6,7 +6,7 @@ import torch
 from milgp.data.bags import BagBatch
 from milgp.estimators._mil_base import KERNEL_GRID, MILClassifierBase
 from milgp.likelihoods.mil_probit import MILProbitLikelihood
-from milgp.prediction import BagPosterior, BagRule, MarginalBagRule, OrthantRule, make_bag_rule
+from milgp.prediction import BagRule, MarginalBagRule, OrthantRule, make_bag_rule
 from milgp.sampling.probit_gibbs import sample_probit_posterior
 
 __all__ = ["PROBIT_KERNEL_GRID", "ProbitMILClassifier"]
@@ -32,7 +32,9 @@ class ProbitMILClassifier(MILClassifierBase):
     with the full within-bag covariance (Genz separation of variables with randomised QMC; bags up
     to 4096 instances, and like every noisy-OR-type rule it rises with the bag's length).
 
-    ``inference="gibbs"`` then runs the collapsed Gibbs sampler (§3.5 of the paper) at the chosen
+    With ``inference="vi"`` the (kernel, bag rule) candidates are averaged by their out-of-bag
+    likelihood (``average``, as :class:`VGPMILClassifier`); ``inference="gibbs"`` keeps the best
+    one and then runs the collapsed Gibbs sampler (§3.5 of the paper) at the chosen
     kernel, started from over-dispersed draws around the VI posterior; instance probabilities come
     from its draws, bag probabilities from the chosen rule applied to them (``"orthant"``/``"joint"``:
     the exact per-draw product under the FITC conditional, with its Monte-Carlo standard error),
@@ -54,6 +56,7 @@ class ProbitMILClassifier(MILClassifierBase):
         num_inducing: int = 100,
         bag_rule: str | BagRule = "auto",
         calibrate: bool = True,
+        average: bool = True,
         bag_size_cap: float | str | None = "median",
         kernel: str = "auto",
         lengthscale: float | None = None,
@@ -84,6 +87,7 @@ class ProbitMILClassifier(MILClassifierBase):
         self.num_inducing = num_inducing
         self.bag_rule = bag_rule
         self.calibrate = calibrate
+        self.average = average
         self.bag_size_cap = bag_size_cap
         self.kernel = kernel
         self.lengthscale = lengthscale
@@ -137,18 +141,22 @@ class ProbitMILClassifier(MILClassifierBase):
             )
             self.gibbs_summary_ = self.gibbs_.summary()
 
-    def _bag_probability(self, x: torch.Tensor, posterior: BagPosterior) -> tuple[torch.Tensor, torch.Tensor]:
+    def _averages(self) -> bool:
+        """The Gibbs sampler runs at one kernel: ``inference="gibbs"`` keeps the best candidate."""
+        return bool(self.average) and self.inference == "vi"
+
+    def _bag_probability(self, x: torch.Tensor, bag_index: torch.Tensor, num_bags: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gibbs_ is None:
-            return super()._bag_probability(x, posterior)
+            return super()._bag_probability(x, bag_index, num_bags)
         rule = self.decision_.rule
         if isinstance(rule, MarginalBagRule):
             p_inst, s_inst = self.gibbs_.instance_probability(self.model_, x)
-            p, s = rule.combine(p_inst, s_inst, posterior.bag_index, posterior.num_bags)
+            p, s = rule.combine(p_inst, s_inst, bag_index, num_bags)
         else:  # joint rules: the exact per-draw product over the Gibbs draws
-            p, s = self.gibbs_.bag_probability(self.model_, x, posterior.bag_index, posterior.num_bags)
+            p, s = self.gibbs_.bag_probability(self.model_, x, bag_index, num_bags)
         return self.decision_.calibrator(p, s)
 
-    def _instance_moments(self, x: torch.Tensor, posterior: BagPosterior) -> tuple[torch.Tensor, torch.Tensor]:
+    def _instance_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gibbs_ is None:
-            return super()._instance_moments(x, posterior)
+            return super()._instance_moments(x)
         return self.gibbs_.instance_probability(self.model_, x)

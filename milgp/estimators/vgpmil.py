@@ -18,20 +18,21 @@ class VGPMILClassifier(MILClassifierBase):
 
     Fitting, kernel search and the calibrated bag decision: :mod:`milgp.estimators._mil_base`.
     The defaults were chosen on real MIL data (docs/core.md, ``benchmarks/real_mil.py``): the
-    reference code's largest-other-π rule for ``E[max y_{b∖n}]`` with ``H = 10¹²`` (the exact
-    mean-field noisy-OR and the exact within-bag posterior both fit the ELBO better and predict
-    worse), a kernel chosen among linear
-    and RBF candidates and a length-invariant bag rule chosen by out-of-bag likelihood, calibrated
-    so that ½ is a meaningful threshold for every ψ.
+    reference code's largest-other-π rule for ``E[max y_{b∖n}]`` with ``H = 10¹²`` beside
+    single-instance learning (the exact mean-field noisy-OR and the exact within-bag posterior
+    both fit the ELBO better and predict worse), linear and RBF candidate kernels and
+    length-invariant bag rules, each calibrated so that ½ is a meaningful threshold for every ψ,
+    and averaged by their out-of-bag likelihood.
 
     Args:
         psi: ``"pg"``, ``"gamma"`` or a :class:`milgp.likelihoods.psi.GSMDensity`.
         num_inducing: M.
         H: bag-label noise (Eq. 4 of Castro-Macías et al.; ``H = 10¹²`` as the reference code).
-        max_rule: how ``E[max y_{b∖n}]`` enters the π update: ``"max"`` (default: the largest other
-            π, the reference code's), ``"single"`` (0: every instance of a positive bag is pushed up,
-            single-instance learning), ``"auto"`` (``"max"`` or ``"single"``, chosen by out-of-bag NLL
-            at the first kernel) or ``"exact"`` (the mean-field noisy-OR).
+        max_rule: how ``E[max y_{b∖n}]`` enters the π update: ``"auto"`` (default: both ``"max"``
+            and ``"single"`` are fitted at every kernel and averaged, or the better one kept with
+            ``average=False``), ``"max"`` (the largest other π, the reference code's), ``"single"``
+            (0: every instance of a positive bag is pushed up, single-instance learning) or
+            ``"exact"`` (the mean-field noisy-OR).
         damping: step of the ``"max"`` rule's parallel π update; 1 is the reference code's undamped
             update, which falls into 2-cycles and never converges on real data.
         bag_size_cap: ``"median"`` (default): instances of a bag longer than the median training bag
@@ -42,6 +43,9 @@ class VGPMILClassifier(MILClassifierBase):
             :mod:`milgp.prediction.bag_rules` name or a :class:`~milgp.prediction.BagRule`.
         calibrate: map the rule's score to a calibrated probability (Platt scaling fitted on
             leave-one-bag-out predictions of the training bags); ``False``: the raw rule output.
+        average: average the calibrated bag probabilities of every (π rule, kernel, bag rule)
+            candidate with pseudo-BMA+ weights from their out-of-bag likelihoods
+            (:class:`~milgp.prediction.ModelAverage`); ``False``: keep the best candidate.
         kernel: ``"auto"`` (linear and RBF candidates), ``"rbf"`` or ``"linear"``.
         lengthscale, outputscale: fix these (standardised units); ``None`` searches
             ``{1, 2}·√D`` and ``{1, 10}``.
@@ -53,9 +57,10 @@ class VGPMILClassifier(MILClassifierBase):
         ard, learn_inducing_locations, standardize, bags_per_batch, dtype, device, random_state,
             verbose.
 
-    Fitted attributes: ``model_``, ``likelihood_``, ``fit_result_``, ``decision_`` (rule and
-    calibration), ``search_`` (every candidate's out-of-bag NLL), ``elbo_`` (the un-augmented ELBO of
-    the chosen fit, a lower bound of ``log p(T)`` for the logistic MIL model), ``scaler_``.
+    Fitted attributes: ``ensemble_`` (the weighted candidates, :class:`~milgp.prediction.ModelAverage`);
+    ``model_``, ``likelihood_``, ``fit_result_``, ``decision_`` (rule and calibration) of its
+    heaviest candidate; ``search_`` (every fit's out-of-bag NLL); ``elbo_`` (the un-augmented ELBO
+    of the heaviest fit, a lower bound of ``log p(T)`` for the logistic MIL model), ``scaler_``.
     """
 
     def __init__(
@@ -63,11 +68,12 @@ class VGPMILClassifier(MILClassifierBase):
         psi: str | GSMDensity = "pg",
         num_inducing: int = 100,
         H: float = 1e12,
-        max_rule: str = "max",
+        max_rule: str = "auto",
         damping: float = 0.5,
         bag_size_cap: float | str | None = "median",
         bag_rule: str | BagRule = "auto",
         calibrate: bool = True,
+        average: bool = True,
         kernel: str = "auto",
         lengthscale: float | None = None,
         outputscale: float | None = None,
@@ -94,6 +100,7 @@ class VGPMILClassifier(MILClassifierBase):
         self.bag_size_cap = bag_size_cap
         self.bag_rule = bag_rule
         self.calibrate = calibrate
+        self.average = average
         self.kernel = kernel
         self.lengthscale = lengthscale
         self.outputscale = outputscale
@@ -113,7 +120,7 @@ class VGPMILClassifier(MILClassifierBase):
         self.verbose = verbose
 
     def _likelihood_variants(self) -> tuple[str, ...]:
-        """The π rules to choose among: ``"max"`` and ``"single"`` for ``max_rule="auto"``."""
+        """The π rules fitted at every kernel: ``"max"`` and ``"single"`` for ``max_rule="auto"``."""
         if self.max_rule == "auto":
             return ("max", "single")
         if self.max_rule not in ("exact", "max", "single"):

@@ -1,5 +1,5 @@
 """From the instance posterior to bag decisions: bag rules and bag-level calibration."""
-from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, fit_bag_decision
+from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, fit_bag_decision, score_bag_rules
 from milgp.prediction.bag_posterior import BagPosterior, JointBlocks
 from milgp.prediction.bag_rules import (
     BAG_RULES,
@@ -15,11 +15,16 @@ from milgp.prediction.bag_rules import (
     make_bag_rule,
 )
 from milgp.prediction.calibration import BagCalibrator
+from milgp.prediction.model_average import AveragedFit, ModelAverage, pseudo_bma_plus_weights
 
 __all__ = [
     "AUTO_BAG_RULES",
     "BagDecision",
     "fit_bag_decision",
+    "score_bag_rules",
+    "AveragedFit",
+    "ModelAverage",
+    "pseudo_bma_plus_weights",
     "BAG_RULES",
     "DEFAULT_BAG_RULE",
     "BagCalibrator",

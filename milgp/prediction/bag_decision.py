@@ -20,10 +20,10 @@ from torch import Tensor
 from milgp.likelihoods.instance_link import InstanceLink
 from milgp.metrics import log_loss
 from milgp.prediction.bag_posterior import BagPosterior
-from milgp.prediction.bag_rules import BagRule, make_bag_rule
+from milgp.prediction.bag_rules import BagRule, MarginalBagRule, make_bag_rule
 from milgp.prediction.calibration import BagCalibrator
 
-__all__ = ["AUTO_BAG_RULES", "BagDecision", "fit_bag_decision"]
+__all__ = ["AUTO_BAG_RULES", "BagDecision", "fit_bag_decision", "score_bag_rules"]
 
 AUTO_BAG_RULES = ("max", "top_k_mean", "mean")
 """The candidates of ``bag_rule="auto"``: length-invariant rules from the most to the least
@@ -39,12 +39,15 @@ class BagDecision:
         calibrator: fitted on the held-out scores of ``rule``.
         heldout_nll: mean held-out negative log-likelihood of the calibrated probabilities.
         candidates: ``{rule name: held-out NLL}`` of every candidate tried.
+        heldout_proba: the calibrated held-out probabilities ``(B,)`` behind ``heldout_nll``
+            (``None`` when the decision was not scored).
     """
 
     rule: BagRule
     calibrator: BagCalibrator
     heldout_nll: float
     candidates: dict[str, float]
+    heldout_proba: Tensor | None = None
 
     def __call__(
         self, posterior: BagPosterior, link: InstanceLink, generator: torch.Generator | None = None
@@ -55,6 +58,42 @@ class BagDecision:
         return p_cal, std_cal
 
 
+def score_bag_rules(
+    heldout: BagPosterior,
+    link: InstanceLink,
+    labels: Tensor,
+    candidates: Sequence[str | BagRule] = AUTO_BAG_RULES,
+    generator: torch.Generator | None = None,
+    calibrate: bool = True,
+) -> list[BagDecision]:
+    """One scored decision per candidate rule on held-out bags: the rule, a calibration fitted to
+    its held-out scores (identity with ``calibrate=False``), the calibrated held-out probabilities
+    and their mean negative log-likelihood.
+
+    Args:
+        heldout: posterior of bags whose labels the model has not used (``B`` bags).
+        labels: ``(B,)`` their labels in {0, 1}.
+        candidates: rule names or :class:`BagRule` objects.
+    """
+    if len(candidates) == 0:
+        raise ValueError("fit_bag_decision needs at least one candidate bag rule")
+    y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
+    out = []
+    moments = None  # instance moments, computed once for every marginal rule
+    for cand in candidates:
+        rule = make_bag_rule(cand)
+        if isinstance(rule, MarginalBagRule) and not rule.uses_log_negative:
+            moments = link.moments(heldout.mean, heldout.var) if moments is None else moments
+            p, _ = rule.combine(*moments, heldout.bag_index, heldout.num_bags)
+        else:
+            p, _ = rule(heldout, link, generator)
+        calibrator = BagCalibrator().fit(p, y) if calibrate else BagCalibrator()
+        proba = calibrator(p.detach().to(torch.float64).cpu())[0]
+        nll = log_loss(proba, y)
+        out.append(BagDecision(rule, calibrator, nll, {repr(rule): nll}, proba))
+    return out
+
+
 def fit_bag_decision(
     heldout: BagPosterior,
     link: InstanceLink,
@@ -62,24 +101,12 @@ def fit_bag_decision(
     candidates: Sequence[str | BagRule] = AUTO_BAG_RULES,
     generator: torch.Generator | None = None,
 ) -> BagDecision:
-    """Choose and calibrate a bag rule on held-out bags.
-
-    Args:
-        heldout: posterior of bags whose labels the model has not used (``B`` bags).
-        labels: ``(B,)`` their labels in {0, 1}.
-        candidates: rule names or :class:`BagRule` objects; ties go to the earlier one.
-    """
-    if len(candidates) == 0:
-        raise ValueError("fit_bag_decision needs at least one candidate bag rule")
-    y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
-    best: tuple[float, BagRule, BagCalibrator] | None = None
-    scores: dict[str, float] = {}
-    for cand in candidates:
-        rule = make_bag_rule(cand)
-        p, _ = rule(heldout, link, generator)
-        calibrator = BagCalibrator().fit(p, y)
-        nll = log_loss(calibrator(p.detach().to(torch.float64).cpu())[0], y)
-        scores[repr(rule)] = nll
-        if best is None or nll < best[0] - 1e-12:
-            best = (nll, rule, calibrator)
-    return BagDecision(rule=best[1], calibrator=best[2], heldout_nll=best[0], candidates=scores)
+    """Choose and calibrate a bag rule on held-out bags: the candidate of
+    :func:`score_bag_rules` with the smallest held-out NLL (ties go to the earlier one)."""
+    scored = score_bag_rules(heldout, link, labels, candidates, generator)
+    best = scored[0]
+    for d in scored[1:]:
+        if d.heldout_nll < best.heldout_nll - 1e-12:
+            best = d
+    best.candidates = {repr(d.rule): d.heldout_nll for d in scored}
+    return best

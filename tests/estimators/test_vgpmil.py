@@ -7,6 +7,7 @@ from sklearn.model_selection import GridSearchCV, cross_val_score
 
 from milgp.estimators import VGPMILClassifier
 from milgp.linalg import CholeskyError
+from milgp.prediction import BagPosterior
 
 FAST = dict(num_inducing=6, max_iter=8, search_iter=3)
 
@@ -156,15 +157,26 @@ def test_a_fixed_kernel_runs_cavi_to_convergence():
     assert float(clf.model_.covar_module.base_kernel.lengthscale) == pytest.approx(1.2)
 
 
-def test_auto_max_rule_chooses_the_pi_rule_at_the_first_kernel():
-    """``max_rule="auto"`` fits both π rules at the first kernel and searches the other kernels
-    with the one whose out-of-bag NLL is lower; the chosen model carries that rule."""
+def test_auto_max_rule_fits_both_pi_rules_at_every_kernel_and_averages_them():
+    """``max_rule="auto"`` (the default) must fit both π rules at every candidate kernel; the
+    predicted bag probability is the weighted mean of the kept candidates' calibrated
+    probabilities (weights summing to 1, heaviest first, the fitted ``model_`` the heaviest's),
+    and ``average=False`` keeps the single candidate with the smallest out-of-bag NLL."""
     bags, y = toy_bags(B=20, seed=2)
-    clf = VGPMILClassifier(max_rule="auto", **FAST).fit(bags, y)
-    first, second, *rest = clf.search_
-    assert (first["likelihood"], second["likelihood"]) == ("max", "single")
-    assert first["kernel"] == second["kernel"] and first["outputscale"] == second["outputscale"]
-    winner = min((first, second), key=lambda s: s["heldout_nll"])["likelihood"]
-    assert rest and all(s["likelihood"] == winner for s in rest)
-    best = min(clf.search_, key=lambda s: s["heldout_nll"])
-    assert clf.likelihood_.max_rule == best["likelihood"]
+    clf = VGPMILClassifier(**FAST).fit(bags, y)
+    fits = [(s["likelihood"], s["kernel"], s["lengthscale"], s["outputscale"]) for s in clf.search_]
+    kernels = sorted({f[1:] for f in fits}, key=str)
+    assert len(kernels) == 4 and sorted(fits, key=str) == sorted([(v, *k) for v in ("max", "single") for k in kernels], key=str)
+    weights = [m.weight for m in clf.ensemble_.members]
+    assert sum(weights) == pytest.approx(1.0) and weights == sorted(weights, reverse=True)
+    assert clf.model_ is clf.ensemble_.members[0].model
+    test, _ = toy_bags(B=8, seed=9)
+    manual = sum(
+        m.weight * m.decision(BagPosterior.from_model(m.model, *clf._features(test)), m.likelihood.instance_link)[0]
+        for m in clf.ensemble_.members
+    )
+    np.testing.assert_allclose(clf.predict_proba(test)[:, 1], manual.numpy(), rtol=1e-12)
+    single = VGPMILClassifier(average=False, **FAST).fit(bags, y)
+    assert len(single.ensemble_.members) == 1
+    best = min(single.search_, key=lambda s: s["heldout_nll"])
+    assert single.likelihood_.max_rule == best["likelihood"] and repr(single.decision_.rule) == best["rule"]

@@ -103,3 +103,27 @@ def test_fit_bag_decision_picks_the_rule_that_predicts_held_out_bags():
     assert ((p > 0) & (p < 1)).all() and (s >= 0).all()
     with pytest.raises(ValueError, match="at least one"):
         fit_bag_decision(post, LogisticLink(), y, candidates=())
+
+
+def test_score_bag_rules_keeps_each_rules_heldout_probabilities():
+    """Every scored decision must carry the calibrated held-out probabilities behind its NLL (what
+    the model average weighs), equal to applying that decision to the same posterior; with
+    ``calibrate=False`` the calibration is the identity and the probabilities are the raw rule's."""
+    from milgp.likelihoods.instance_link import LogisticLink
+    from milgp.metrics import log_loss
+    from milgp.prediction import BagPosterior, score_bag_rules
+
+    g = torch.Generator().manual_seed(1)
+    B, n = 60, 6
+    y = (torch.arange(B) % 2).double()
+    mean = torch.randn(B, n, generator=g, dtype=torch.float64) + 1.5 * y.unsqueeze(1) - 0.5
+    post = BagPosterior(mean.reshape(-1), torch.full((B * n,), 0.3, dtype=torch.float64), torch.arange(B).repeat_interleave(n), B)
+    link = LogisticLink()
+    for calibrate in (True, False):
+        scored = score_bag_rules(post, link, y, ("max", "top_k_mean", "mean", "noisy_or"), calibrate=calibrate)
+        assert [d.rule.name for d in scored] == ["max", "top_k_mean", "top_k_mean", "noisy_or"]
+        for d in scored:
+            torch.testing.assert_close(d.heldout_proba, d(post, link)[0], rtol=1e-12, atol=1e-14)
+            assert d.heldout_nll == pytest.approx(log_loss(d.heldout_proba, y), rel=1e-12)
+            if not calibrate:
+                torch.testing.assert_close(d.heldout_proba, d.rule(post, link)[0], rtol=1e-12, atol=1e-14)
