@@ -62,7 +62,7 @@ class BagArrayDataModule(pl.LightningDataModule):
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.shuffle, self.predict_split, self.num_workers, self.seed = shuffle, predict_split, num_workers, seed
         self.source = "in-memory bags"
-        self._checked = False
+        self._checked_stages: set[str] = set()
         self._assign(bags, bag_labels, instance_labels, bag_ids, patient_ids, splits)
 
     def _assign(
@@ -90,17 +90,19 @@ class BagArrayDataModule(pl.LightningDataModule):
         self._patient_by_id = dict(zip(self.bag_ids, self.patient_ids))
 
     def setup(self, stage: str) -> None:
-        """Check the bags (class docstring) once, before any training work."""
-        if self._checked:
+        """Check the bags (class docstring) before any work: features and any given labels once,
+        and the labels each stage needs (train/val for fit, val, test) once per stage."""
+        if stage in self._checked_stages:
             return
-        check_features(self.source, self.bag_ids, self.bags)
         kind = label_kind(self.trainer)
-        check_bag_labels(self.source, self.bag_ids, self.labels, kind, required=False)
+        if not self._checked_stages:
+            check_features(self.source, self.bag_ids, self.bags)
+            check_bag_labels(self.source, self.bag_ids, self.labels, kind, required=False)
         if stage != "predict":
             names = ("train", "val") if stage == "fit" else ("val",) if stage == "validate" else ("test",)
             keep = [i for i, s in enumerate(self.split_names) if s in names]
             check_bag_labels(self.source, [self.bag_ids[i] for i in keep], [self.labels[i] for i in keep], kind)
-        self._checked = True
+        self._checked_stages.add(stage)
 
     def describe(self, subcommand: str) -> dict[str, Any]:
         """The data a run used, for its reports."""

@@ -151,3 +151,18 @@ def test_truncated_splits_file_is_a_one_line_error_naming_it(tiny_cache: str, tm
     dm = CTCacheDataModule(tiny_cache, splits_file=str(bad))
     with pytest.raises(ValueError, match=r"splits\.json is not a splits file .*rerun milgp-cache with --splits"):
         dm.splits
+
+
+def test_each_stage_checks_the_labels_it_needs_after_an_earlier_stage() -> None:
+    """``trainer.test`` after ``trainer.fit`` on the same data module must still refuse an
+    unlabelled test bag (the check ran once per data module, so the test split went unchecked
+    after fit), while an unlabelled bag outside the stage's splits stays allowed."""
+    from lightning_modules import InputError
+
+    data = feature_bags(num_bags=10)
+    data["bag_labels"] = [float("nan") if i == 9 else y for i, y in enumerate(data["bag_labels"])]
+    dm = BagArrayDataModule(**data, splits=["train"] * 6 + ["val"] * 2 + ["test"] * 2)
+    dm.setup("fit")
+    dm.setup("predict")
+    with pytest.raises(InputError, match="'bag_9' has no usable label"):
+        dm.setup("test")
