@@ -142,15 +142,14 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         candidates = self._kernel_candidates(self.n_features_in_)
         batch, Z = self._prepare(bags_np, y_np)
         fits = self._search(batch, Z, candidates, rules)
-        generator = self._generator(batch.x)
         if self.learn_hyperparameters:
             best = min(fits, key=lambda f: f[3].heldout_nll)
             self.fit_result_ = self._learn_hyperparameters(batch, *best[:3])
             heldout = leave_bag_out_posterior(best[0], best[1], batch, self.fit_result_.locals)
-            scored = score_bag_rules(heldout, best[1].instance_link, batch.bag_labels, rules, generator, self.calibrate)
+            scored = score_bag_rules(heldout, best[1].instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
             self.ensemble_ = ModelAverage([AveragedFit(best[0], best[1], min(scored, key=lambda d: d.heldout_nll), 1.0)])
         elif self._averages() and len(fits) > 1:
-            self.ensemble_ = ModelAverage.from_candidates([f[:2] + (f[3],) for f in fits], batch.bag_labels, generator)
+            self.ensemble_ = ModelAverage.from_candidates([f[:2] + (f[3],) for f in fits], batch.bag_labels, self.random_state)
         else:
             best = min(fits, key=lambda f: f[3].heldout_nll)
             self.ensemble_ = ModelAverage([AveragedFit(best[0], best[1], best[3], 1.0)])

@@ -37,7 +37,8 @@ MIN_WEIGHT = 1e-3
 
 def pseudo_bma_plus_weights(heldout_loglik: Tensor, num_bootstrap: int = 1000, generator: torch.Generator | None = None) -> Tensor:
     """Pseudo-BMA+ weights ``(K,)`` from held-out log predictive densities ``(B, K)`` (bags ×
-    candidates); see the module docstring. Raises ``ValueError`` on a non-finite density."""
+    candidates); see the module docstring. ``generator``: a CPU generator for the bootstrap.
+    Raises ``ValueError`` on a non-finite density."""
     ll = torch.as_tensor(heldout_loglik, dtype=torch.float64).cpu()
     if ll.ndim != 2 or ll.shape[0] == 0 or ll.shape[1] == 0:
         raise ValueError(f"held-out log densities must be (bags, candidates), got shape {tuple(ll.shape)}")
@@ -72,14 +73,15 @@ class ModelAverage:
         cls,
         candidates: list[tuple[SparseGP, AugmentedBagLikelihood, BagDecision]],
         labels: Tensor,
-        generator: torch.Generator | None = None,
+        seed: int = 0,
     ) -> "ModelAverage":
         """Weigh candidates by pseudo-BMA+ on their decisions' held-out probabilities of the
-        training bags ``labels`` ``(B,)`` and keep those above :data:`MIN_WEIGHT`."""
+        training bags ``labels`` ``(B,)`` (Bayesian bootstrap drawn on the CPU from ``seed``) and
+        keep those above :data:`MIN_WEIGHT`."""
         y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
         p = torch.stack([d.heldout_proba.to(torch.float64).cpu() for _, _, d in candidates], 1).clamp(1e-7, 1 - 1e-7)
         loglik = torch.where(y.unsqueeze(1) > 0.5, p.log(), torch.log1p(-p))
-        weights = pseudo_bma_plus_weights(loglik, generator=generator)
+        weights = pseudo_bma_plus_weights(loglik, generator=torch.Generator().manual_seed(seed))
         keep = [k for k in torch.argsort(weights, descending=True).tolist() if weights[k] >= MIN_WEIGHT]
         total = float(weights[keep].sum())
         return cls([AveragedFit(*candidates[k], float(weights[k]) / total) for k in keep])

@@ -71,7 +71,7 @@ def test_mixture_is_the_weighted_mean_with_the_law_of_total_variance():
     ):
         rule = make_bag_rule(["max", "mean", "max"][k])
         cands.append((_fit(Z, kernel, mean), MILBernoulliLikelihood("pg"), BagDecision(rule, BagCalibrator(), 0.0, {}, torch.tensor(heldout, dtype=torch.float64))))
-    avg = ModelAverage.from_candidates(cands, labels, torch.Generator().manual_seed(0))
+    avg = ModelAverage.from_candidates(cands, labels, seed=0)
     assert len(avg.members) == 2 and all(m.model is not cands[2][0] for m in avg.members)  # the wrong one is dropped
     assert math.isclose(sum(m.weight for m in avg.members), 1.0)
     p, s = avg.bag_probability(x, bag_index, 3)
