@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -66,6 +66,16 @@ scratch, the others warm-started from it. (Two more candidates — RBF 2√D and
 1 — were never chosen on the development data and cost a quarter of the fit; docs/core.md.)"""
 SHARED_GRAM_MAX_ENTRIES = 50_000_000
 """The kernel search shares ``Z xᵀ`` (``M·N`` floats) across candidates up to this size."""
+
+
+class CandidateFit(NamedTuple):
+    """One fitted candidate of the search: a model and likelihood at one kernel and π rule, the
+    fit's result, and one bag rule's decision scored on out-of-bag predictions."""
+
+    model: SparseGP
+    likelihood: AugmentedBagLikelihood
+    fit: FitResult
+    decision: BagDecision
 
 
 class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
@@ -142,21 +152,20 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         candidates = self._kernel_candidates(self.n_features_in_)
         batch, Z = self._prepare(bags_np, y_np)
         fits = self._search(batch, Z, candidates, rules)
+        best = min(fits, key=lambda c: c.decision.heldout_nll)
         if self.learn_hyperparameters:
-            best = min(fits, key=lambda f: f[3].heldout_nll)
-            self.fit_result_ = self._learn_hyperparameters(batch, *best[:3])
-            heldout = leave_bag_out_posterior(best[0], best[1], batch, self.fit_result_.locals)
-            scored = score_bag_rules(heldout, best[1].instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
-            self.ensemble_ = ModelAverage([AveragedFit(best[0], best[1], min(scored, key=lambda d: d.heldout_nll), 1.0)])
+            self.fit_result_ = self._learn_hyperparameters(batch, best.model, best.likelihood, best.fit)
+            heldout = leave_bag_out_posterior(best.model, best.likelihood, batch, self.fit_result_.locals)
+            scored = score_bag_rules(heldout, best.likelihood.instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
+            self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, min(scored, key=lambda d: d.heldout_nll), 1.0)])
         elif self._averages() and len(fits) > 1:
-            self.ensemble_ = ModelAverage.from_candidates([f[:2] + (f[3],) for f in fits], batch.bag_labels, self.random_state)
+            self.ensemble_ = ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in fits], batch.bag_labels, self.random_state)
         else:
-            best = min(fits, key=lambda f: f[3].heldout_nll)
-            self.ensemble_ = ModelAverage([AveragedFit(best[0], best[1], best[3], 1.0)])
+            self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
         top = self.ensemble_.top
         self.model_, self.likelihood_, self.decision_ = top.model, top.likelihood, top.decision
         if not self.learn_hyperparameters:
-            self.fit_result_ = next(f[2] for f in fits if f[0] is top.model)
+            self.fit_result_ = next(c.fit for c in fits if c.model is top.model)
         self.elbo_ = self.fit_result_.objective[-1]
         self._after_fit(batch)
         return self
@@ -181,17 +190,17 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     def _search(
         self, batch: BagBatch, Z: torch.Tensor, candidates: list[tuple[str, float, float]], rules: Sequence[str | BagRule]
-    ) -> list[tuple[SparseGP, AugmentedBagLikelihood, FitResult, BagDecision]]:
+    ) -> list[CandidateFit]:
         """Fit every likelihood variant (e.g. VGPMIL's π rules) at every candidate kernel — the first
         from scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
         ``search_iter`` — and score every bag rule of each on its out-of-bag predictions. Returns one
-        ``(model, likelihood, fit, decision)`` per fit and rule; every fit is recorded in
-        :attr:`search_` with its best rule."""
+        :class:`CandidateFit` per fit and rule; every fit is recorded in :attr:`search_` with its
+        best rule."""
         share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * batch.num_instances <= SHARED_GRAM_MAX_ENTRIES
         gram = SharedGram(Z, batch.x) if share else None
         generator = self._generator(batch.x)
         self.search_: list[dict[str, Any]] = []
-        fits: list[tuple[SparseGP, AugmentedBagLikelihood, FitResult, BagDecision]] = []
+        fits: list[CandidateFit] = []
         projections: dict[tuple[str, float, float], Any] = {}
         warm = None
         plan = [(c, v) for v in self._likelihood_variants() for c in candidates]
@@ -222,7 +231,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
                 {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale, "likelihood": variant,
                  "heldout_nll": best.heldout_nll, "rule": repr(best.rule), "iterations": result.iterations}
             )
-            fits.extend((model, likelihood, result, d) for d in scored)
+            fits.extend(CandidateFit(model, likelihood, result, d) for d in scored)
         return fits
 
     def _learn_hyperparameters(
