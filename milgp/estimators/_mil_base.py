@@ -45,6 +45,7 @@ from milgp.prediction import (
     BagDecision,
     BagRule,
     ModelAverage,
+    best_decision,
     make_bag_rule,
     score_bag_rules,
 )
@@ -157,7 +158,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             self.fit_result_ = self._learn_hyperparameters(batch, best.model, best.likelihood, best.fit)
             heldout = leave_bag_out_posterior(best.model, best.likelihood, batch, self.fit_result_.locals)
             scored = score_bag_rules(heldout, best.likelihood.instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
-            self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, min(scored, key=lambda d: d.heldout_nll), 1.0)])
+            self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, best_decision(scored), 1.0)])
         elif self._averages() and len(fits) > 1:
             self.ensemble_ = ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in fits], batch.bag_labels, self.random_state)
         else:
@@ -226,7 +227,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             else:
                 heldout = leave_bag_out_posterior(model, likelihood, batch, result.locals, projection=projection, moments=result.moments)
                 scored = score_bag_rules(heldout, likelihood.instance_link, batch.bag_labels, rules, generator, self.calibrate)
-            best = min(scored, key=lambda d: d.heldout_nll) if len(scored) > 1 else scored[0]
+            best = best_decision(scored)
             self.search_.append(
                 {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale, "likelihood": variant,
                  "heldout_nll": best.heldout_nll, "rule": repr(best.rule), "iterations": result.iterations}

@@ -1,5 +1,5 @@
 """From the instance posterior to bag decisions: bag rules and bag-level calibration."""
-from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, fit_bag_decision, score_bag_rules
+from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, best_decision, fit_bag_decision, score_bag_rules
 from milgp.prediction.bag_posterior import BagPosterior, JointBlocks
 from milgp.prediction.bag_rules import (
     BAG_RULES,
@@ -20,6 +20,7 @@ from milgp.prediction.model_average import AveragedFit, ModelAverage, pseudo_bma
 __all__ = [
     "AUTO_BAG_RULES",
     "BagDecision",
+    "best_decision",
     "fit_bag_decision",
     "score_bag_rules",
     "AveragedFit",

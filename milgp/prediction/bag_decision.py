@@ -23,7 +23,7 @@ from milgp.prediction.bag_posterior import BagPosterior
 from milgp.prediction.bag_rules import BagRule, MarginalBagRule, make_bag_rule
 from milgp.prediction.calibration import BagCalibrator
 
-__all__ = ["AUTO_BAG_RULES", "BagDecision", "fit_bag_decision", "score_bag_rules"]
+__all__ = ["AUTO_BAG_RULES", "BagDecision", "best_decision", "fit_bag_decision", "score_bag_rules"]
 
 AUTO_BAG_RULES = ("max", "top_k_mean", "mean")
 """The candidates of ``bag_rule="auto"``: length-invariant rules from the most to the least
@@ -76,7 +76,7 @@ def score_bag_rules(
         candidates: rule names or :class:`BagRule` objects.
     """
     if len(candidates) == 0:
-        raise ValueError("fit_bag_decision needs at least one candidate bag rule")
+        raise ValueError("a bag decision needs at least one candidate bag rule")
     y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
     out = []
     moments = None  # instance moments, computed once for every marginal rule
@@ -104,9 +104,15 @@ def fit_bag_decision(
     """Choose and calibrate a bag rule on held-out bags: the candidate of
     :func:`score_bag_rules` with the smallest held-out NLL (ties go to the earlier one)."""
     scored = score_bag_rules(heldout, link, labels, candidates, generator)
+    best = best_decision(scored)
+    best.candidates = {repr(d.rule): d.heldout_nll for d in scored}
+    return best
+
+
+def best_decision(scored: Sequence[BagDecision]) -> BagDecision:
+    """The decision with the smallest held-out NLL; ties go to the earlier one."""
     best = scored[0]
     for d in scored[1:]:
         if d.heldout_nll < best.heldout_nll - 1e-12:
             best = d
-    best.candidates = {repr(d.rule): d.heldout_nll for d in scored}
     return best
