@@ -122,6 +122,11 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """Variants of the likelihood to choose among at the first kernel (``(None,)``: one)."""
         return (None,)
 
+    def _plan(self, candidates: list[tuple[str, float, float]]) -> list[tuple[tuple[str, float, float], Any]]:
+        """The ``(kernel, likelihood variant)`` pairs the search fits, in order (the first is fitted
+        from scratch and warm-starts the others): every variant at every candidate kernel."""
+        return [(c, v) for v in self._likelihood_variants() for c in candidates]
+
     def _resolve_bag_size_cap(self, sizes: np.ndarray) -> float | None:
         """``bag_size_cap``: ``"median"`` → the median training bag size, a number as is, or ``None``."""
         cap = self.bag_size_cap
@@ -204,7 +209,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         fits: list[CandidateFit] = []
         projections: dict[tuple[str, float, float], Any] = {}
         warm = None
-        plan = [(c, v) for v in self._likelihood_variants() for c in candidates]
+        plan = self._plan(candidates)
         for i, ((kind, ls, scale), variant) in enumerate(plan):
             model = SparseGP(
                 Z, kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard, learn_inducing_locations=self.learn_inducing_locations

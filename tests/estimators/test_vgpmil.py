@@ -157,16 +157,20 @@ def test_a_fixed_kernel_runs_cavi_to_convergence():
     assert float(clf.model_.covar_module.base_kernel.lengthscale) == pytest.approx(1.2)
 
 
-def test_auto_max_rule_fits_both_pi_rules_at_every_kernel_and_averages_them():
-    """``max_rule="auto"`` (the default) must fit both π rules at every candidate kernel; the
-    predicted bag probability is the weighted mean of the kept candidates' calibrated
-    probabilities (weights summing to 1, heaviest first, the fitted ``model_`` the heaviest's),
-    and ``average=False`` keeps the single candidate with the smallest out-of-bag NLL."""
+def test_auto_max_rule_fits_both_pi_rules_and_averages_them():
+    """``max_rule="auto"`` (the default) must fit the largest-other-π rule at every candidate
+    kernel and single-instance learning at the most flexible ones (variance 10: RBF at √D and
+    linear), the largest-other-π fit at the smoothest kernel first; the predicted bag probability
+    is the weighted mean of the kept candidates' calibrated probabilities (weights summing to 1,
+    heaviest first, the fitted ``model_`` the heaviest's), and ``average=False`` keeps the single
+    candidate with the smallest out-of-bag NLL."""
     bags, y = toy_bags(B=20, seed=2)
     clf = VGPMILClassifier(**FAST).fit(bags, y)
     fits = [(s["likelihood"], s["kernel"], s["lengthscale"], s["outputscale"]) for s in clf.search_]
-    kernels = sorted({f[1:] for f in fits}, key=str)
-    assert len(kernels) == 4 and sorted(fits, key=str) == sorted([(v, *k) for v in ("max", "single") for k in kernels], key=str)
+    root = np.sqrt(bags[0].shape[1])
+    grid = [("rbf", root, 1.0), ("rbf", root, 10.0), ("rbf", 2 * root, 10.0), ("linear", None, 10.0)]
+    expected = [("max", *k) for k in grid] + [("single", *grid[1]), ("single", *grid[3])]
+    assert [(v, k, ls if ls is None else pytest.approx(ls), s) for v, k, ls, s in expected] == fits
     weights = [m.weight for m in clf.ensemble_.members]
     assert sum(weights) == pytest.approx(1.0) and weights == sorted(weights, reverse=True)
     assert clf.model_ is clf.ensemble_.members[0].model
