@@ -1,4 +1,4 @@
-"""Bag utilities: flat instances + bag_index (DESIGN §2)."""
+"""Bag utilities: flat instances + bag_index (one ``(N, D)`` tensor and a bag id per instance)."""
 import numpy as np
 import pytest
 import torch

@@ -11,7 +11,8 @@ from milgp.estimators import VBAggRegressor
 
 def _poisson_problem(seed=0, n_bags=24, mean_size=15):
     """1-D covariate, rate ``λ(x) = exp(1 + sin 2x)``, bags of consecutive x (covariate-dependent
-    bagging as in seed 001 §4.1) with random populations."""
+    bagging as in Law et al., *Variational learning on aggregate outputs with Gaussian processes*,
+    NeurIPS 2018, §4.1) with random populations."""
     rng = np.random.default_rng(seed)
     sizes = rng.integers(mean_size // 2, mean_size * 3 // 2, n_bags)
     x = np.sort(rng.uniform(-3, 3, sizes.sum()))
@@ -38,9 +39,10 @@ def fitted():
 
 
 def test_vbagg_recovers_individual_rates_better_than_constant(fitted):
-    """Disaggregation must beat the constant-within-bag baseline on individual rates (seed 001
-    Fig. 1); if the within-bag structure were ignored (e.g. wrong bag index or weights) it would
-    not. Both links must give a finite, increasing objective."""
+    """Disaggregation must beat the constant-within-bag baseline on individual rates (Law et al.,
+    *Variational learning on aggregate outputs with Gaussian processes*, NeurIPS 2018, Fig. 1); if
+    the within-bag structure were ignored (e.g. wrong bag index or weights) it would not. Both links
+    must give a finite, increasing objective."""
     models, bags, y, weights, x, lam = fitted
     const = ConstantRateRegressor().fit(bags, y, weights)
     mse_const = np.mean((np.concatenate(const.predict_in_bags(bags)) - lam) ** 2)
@@ -75,8 +77,9 @@ def test_clone_and_params():
 
 
 def test_normal_model_learns_noise_and_function():
-    """Normal aggregates (seed 001 Appendix A.3/H.2): the learned τ must be of the right order and
-    the individual means recovered; the Gaussian quantiles must be calibrated-ish."""
+    """Normal aggregates (Law et al., *Variational learning on aggregate outputs with Gaussian
+    processes*, NeurIPS 2018, Appendix A.3/H.2): the learned τ must be of the right order and the
+    individual means recovered; the Gaussian quantiles must be calibrated-ish."""
     rng = np.random.default_rng(1)
     x = np.sort(rng.uniform(-2, 2, 400)).reshape(-1, 1)
     mu = np.sin(2 * x[:, 0])
@@ -108,9 +111,10 @@ def test_baselines_bag_pixel_and_constant():
 
 
 def test_constant_mean_is_optional_and_helps_far_from_zero():
-    """``constant_mean=False`` must give a zero-mean GP (seed 001's model) that still fits; with
-    the learned constant mean the log-rate offset of 1 is absorbed by the mean, so the objective
-    must be at least as good. If the flag were ignored both fits would be identical."""
+    """``constant_mean=False`` must give a zero-mean GP (the zero-mean model of Law et al. 2018)
+    that still fits; with the learned constant mean the log-rate offset of 1 is absorbed by the
+    mean, so the objective must be at least as good. If the flag were ignored both fits would be
+    identical."""
     import gpytorch
 
     bags, y, weights, x, lam = _poisson_problem(seed=2)

@@ -1,4 +1,5 @@
-"""Exponential aggregate likelihood (seed 001 Appendix A.4): the concave-link bound."""
+"""Exponential aggregate likelihood (Law et al., *Variational learning on aggregate outputs with
+Gaussian processes*, NeurIPS 2018, Appendix A.4): the concave-link bound."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,5 @@
-"""Normal aggregate likelihood (seed 001 Eq. 25): exactness against GPyTorch and the optimum."""
+"""Normal aggregate likelihood (Law et al., *Variational learning on aggregate outputs with Gaussian
+processes*, NeurIPS 2018, Eq. 25): exactness against GPyTorch and the optimum."""
 from __future__ import annotations
 
 import math
@@ -50,8 +51,9 @@ def test_elbo_with_singleton_bags_equals_gpytorch_svgp_elbo():
 def test_gpytorch_path_with_real_bags_matches_closed_form_and_needs_covariance():
     """Through ``VariationalELBO`` with bags of several instances the value must equal the
     closed-form ELBO whether the blocks come from ``model=, x=`` or from ``model(x, diag=False)``;
-    the train-mode diagonal output (invalid off-diagonals, DESIGN §5) must be refused, not silently
-    used — otherwise the within-bag covariance ``wᵀS^a w`` would be wrong."""
+    the train-mode diagonal output (diagonal: its off-diagonals are not the within-bag covariances)
+    must be refused, not silently used — otherwise the within-bag covariance ``wᵀS^a w`` would be
+    wrong."""
     sizes = [3, 1, 4, 2, 5]
     model, q, x, bag_index, y, w, lik = _setup(sizes)
     N = len(bag_index)

@@ -1,4 +1,5 @@
-"""Poisson aggregate likelihood (seed 001 Eqs. 11–14): bounds, Taylor approximation, blocks,
+"""Poisson aggregate likelihood (Law et al., *Variational learning on aggregate outputs with
+Gaussian processes*, NeurIPS 2018, Eqs. 11–14): bounds, Taylor approximation, blocks,
 natural-gradient fitting and predictive distributions, checked by Monte Carlo."""
 from __future__ import annotations
 
@@ -130,7 +131,8 @@ def test_within_bag_covariance_equals_block_of_full_predictive_covariance():
 def test_gpytorch_entry_point_square_link():
     """``expected_log_prob`` summed over instances must equal the per-bag objective whether the
     blocks come from ``model=, x=`` or from ``model(x, diag=False)``; the train-mode diagonal must
-    raise (its off-diagonals are not valid, DESIGN §5)."""
+    raise (GPyTorch's train-mode output is diagonal: its off-diagonals are not the within-bag
+    covariances)."""
     model, q, x, bag_index, y, w = _setup(mean_level=2.0)
     lik = PoissonAggregateLikelihood("square")
     ref = _terms(model, lik, x, bag_index, y, w, q).sum()

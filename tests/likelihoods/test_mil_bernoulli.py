@@ -1,5 +1,6 @@
 """The ψ-VGPMIL bag likelihood: GPyTorch interface, reduction to GP logistic classification,
-predictions (seed 000 Eqs. 31–36)."""
+predictions (Castro-Macías et al., *Hyperbolic secant representation of the logistic function*,
+2024, Eqs. 31–36)."""
 import math
 
 import gpytorch

@@ -1,5 +1,6 @@
-"""MIL-GP-Probit likelihood (seed 003): closed-form locals, exact ELBO, natural steps (closed form
-and plain GPyTorch), orthant bag predictions."""
+"""MIL-GP-Probit likelihood (Wang & Pinar, *The MIL Gaussian process probit model*, AISTATS 2021):
+closed-form locals, exact ELBO, natural steps (closed form and plain GPyTorch), orthant bag
+predictions."""
 import math
 
 import gpytorch
@@ -45,8 +46,8 @@ def paper_expectations(nu, bi, y):
 
 
 def test_expectations_match_the_papers_formulas():
-    """If this fails, E[m] differs from seed 003 Eqs. 21–24 (mean of q(f), product over the whole
-    bag — no leave-one-out), i.e. the natural step targets the wrong q(u)."""
+    """If this fails, E[m] differs from Wang & Pinar 2021, Eqs. 21–24 (mean of q(f), product over
+    the whole bag — no leave-one-out), i.e. the natural step targets the wrong q(u)."""
     rng = np.random.default_rng(1)
     nu = rng.normal(size=40) * 2
     bi = np.repeat(np.arange(8), 5)
@@ -82,7 +83,8 @@ def _mp_positive_inner(nus, i):
 )
 def test_positive_bag_extremes_against_mpmath(nus):
     """If this fails, a positive bag with all-negative probability ≈ 1 or ≈ 0 gives NaN/inf or a
-    wrong E[m] / log Z (the catastrophic cancellation DESIGN §4 warns about)."""
+    wrong E[m] / log Z (the catastrophic cancellation of ``1 − Π Φ`` near 1, which must be computed
+    in log space)."""
     nu = torch.tensor(nus, dtype=torch.float64)
     bi = torch.zeros(len(nus), dtype=torch.long)
     y = torch.ones(1, dtype=torch.float64)
@@ -185,7 +187,7 @@ def test_elbo_is_a_lower_bound_on_the_exact_log_marginal():
 
 
 def reference_cavi(X, bi, y, Z, outputscale, lengthscale, jitter, iters=2000):
-    """Plain numpy, *unwhitened* CAVI from seed 003 Eqs. 17–24 (independent of milgp)."""
+    """Plain numpy, *unwhitened* CAVI from Wang & Pinar 2021, Eqs. 17–24 (independent of milgp)."""
     def k(a, b):
         d2 = ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)
         return outputscale * np.exp(-0.5 * d2 / lengthscale**2)
@@ -253,7 +255,7 @@ def test_minibatch_natural_steps_approach_the_full_batch_optimum():
 def test_plain_gpytorch_value_and_one_ngd_step_equal_the_closed_form():
     """If this fails, MILProbitLikelihood does not work from plain GPyTorch: VariationalELBO's value
     differs from the closed-form ELBO, or one NGD(lr=1) step differs from the closed-form natural
-    step (DESIGN §3–4)."""
+    step."""
     batch, _ = make_problem(B=12, n=4, seed=5)
     N = batch.num_instances
     model = SparseGP(batch.x[::3].clone(), lengthscale=1.0, outputscale=1.0, natural=True)
@@ -332,7 +334,8 @@ def test_orthant_agrees_with_scipy_genz():
 
 def test_bag_prediction_accounts_for_within_bag_correlation():
     """If this fails, the bag prediction ignores within-bag correlation: a bag of two identical
-    instances must be *more* likely negative than a bag of two independent ones (seed 003 §3.4)."""
+    instances must be *more* likely negative than a bag of two independent ones (Wang & Pinar 2021,
+    §3.4)."""
     mean = torch.tensor([[-0.5, -0.5]], dtype=torch.float64)
     sig2 = 2.0
     same = torch.full((1, 2, 2), sig2, dtype=torch.float64)

@@ -1,4 +1,5 @@
-"""Mean-field instance-label updates (seed 000 Eq. 25) and the bag term of the ELBO."""
+"""Mean-field instance-label updates (Castro-Macías et al., *Hyperbolic secant representation of the
+logistic function*, 2024, Eq. 25) and the bag term of the ELBO."""
 import math
 
 import pytest

@@ -1,4 +1,5 @@
-"""GSM densities ψ: θ(c) = −ψ'(c)/(cψ(c)) and normalisation (seed 000 Eqs. 14, 28, 37)."""
+"""GSM densities ψ: θ(c) = −ψ'(c)/(cψ(c)) and normalisation (Castro-Macías et al., *Hyperbolic
+secant representation of the logistic function*, 2024, Eqs. 14, 28, 37)."""
 import math
 
 import numpy as np
@@ -51,7 +52,7 @@ def test_theta_pg_limit_and_series_continuity():
 
 
 def test_theta_gamma_closed_form_and_not_clipped():
-    """G-VGPMIL: θ = α/(β + c²/2) exactly for all c (DESIGN: do not clip c)."""
+    """G-VGPMIL: θ = α/(β + c²/2) exactly for all c (c is never clipped: θ is finite at c = 0)."""
     psi = GammaPsi(1.0, 4.0)
     c = torch.tensor([0.0, 1e-8, 1.0, 10.0, 1e4], dtype=torch.float64)
     torch.testing.assert_close(psi.theta(c), 1.0 / (4.0 + c * c / 2), rtol=1e-15, atol=0)

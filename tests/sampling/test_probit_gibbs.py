@@ -78,8 +78,9 @@ def test_state_respects_the_bag_constraints_and_predictions_are_sane(fitted):
 
 
 def test_fitc_variance_is_one_plus_residual():
-    """If this fails, m_n | u uses variance 1 instead of 1 + K̃_nn (DESIGN §4): an instance far from
-    the only inducing point in a negative bag must have E[m] = −sqrt(1 + k)·φ(0)/Φ(0)."""
+    """If this fails, m_n | u uses variance 1 instead of 1 + K̃_nn (with f integrated out under the
+    FITC approximation the conditional variance is 1 + K̃_nn; Wang & Pinar 2021): an instance far
+    from the only inducing point in a negative bag must have E[m] = −sqrt(1 + k)·φ(0)/Φ(0)."""
     x = torch.zeros(1, 1, dtype=torch.float64)
     model = SparseGP(torch.tensor([[20.0]], dtype=torch.float64), lengthscale=1.0, outputscale=4.0)
     batch = BagBatch(x, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.float64))

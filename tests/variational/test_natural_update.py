@@ -1,4 +1,5 @@
-"""The whitened closed-form updates equal the paper's unwhitened equations (seed 000 Eqs. 25–28).
+"""The whitened closed-form updates equal the paper's unwhitened equations (Castro-Macías et al.,
+*Hyperbolic secant representation of the logistic function*, 2024, Eqs. 25–28).
 
 The reference below is written independently from the paper in plain numpy with explicit
 inverses, in u-space: ``S = (K⁻¹ Kzx Θ Kxz K⁻¹ + K⁻¹)⁻¹``, ``m = S K⁻¹ Kzx (π − ½ − Θ·mean)``,
@@ -233,9 +234,10 @@ def _ngd_setup(constant_mean):
 @pytest.mark.parametrize("rho", [1.0, 0.3])
 def test_gpytorch_ngd_step_equals_closed_form_natural_step(constant_mean, rho):
     """One ``gpytorch.optim.NGD(lr=ρ)`` step on ``VariationalELBO`` with the augmented likelihood
-    must equal :func:`natural_step` with the same π and θ (DESIGN §3). A failure means the
-    augmented expected_log_prob has the wrong gradient (b, λ, the mean correction), GPyTorch
-    builds q(f) differently (jitter, diag mode), or the natural parameterisation differs."""
+    must equal :func:`natural_step` with the same π and θ (a natural-gradient step of size ρ is the
+    closed-form step of size ρ). A failure means the augmented expected_log_prob has the wrong
+    gradient (b, λ, the mean correction), GPyTorch builds q(f) differently (jitter, diag mode), or
+    the natural parameterisation differs."""
     model, batch, lik, pi = _ngd_setup(constant_mean)
     N = batch.num_instances
     q0 = model.whitened_posterior()
