@@ -28,6 +28,7 @@ from milgp.data.bags import BagBatch, bag_sizes
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics, natural_step
+from milgp.variational.overrelaxation import AdaptiveOverrelaxation, overrelaxed_step
 
 __all__ = ["FitResult", "closed_form_elbo", "fit_closed_form"]
 
@@ -51,6 +52,8 @@ class FitResult:
         seconds: wall time.
         locals: the persistent locals at the end (e.g. ``π`` ``(N,)`` for VGPMIL).
         moments: ``(mean, var)`` ``(N,)`` of ``q(f)`` at the training inputs at the end.
+        rejected_steps: over-relaxed steps that lowered the ELBO and were replaced by the plain
+            step (``max_overrelaxation > 1``; each cost one extra pass for the moments).
     """
 
     elbo: list[float] = field(default_factory=list)
@@ -60,6 +63,7 @@ class FitResult:
     seconds: float = 0.0
     locals: Any = None
     moments: tuple[Tensor, Tensor] | None = None
+    rejected_steps: int = 0
 
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
@@ -238,6 +242,7 @@ def fit_closed_form(
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     initial_locals: Any = None,
     projection: tuple[Tensor, Projection] | None = None,
+    max_overrelaxation: float = 1.0,
 ) -> FitResult:
     """Fit ``model``'s q(v), the locals and (optionally) the hyperparameters on ``batch``.
 
@@ -262,7 +267,18 @@ def fit_closed_form(
         projection: ``(L, Projection)`` of ``batch.x`` under the model's current hyperparameters,
             already computed (e.g. by :class:`milgp.models.shared_gram.SharedGram` for a kernel
             search); used until a hyperparameter step changes the kernel.
+        max_overrelaxation: cap of the adaptive over-relaxed step
+            (:mod:`milgp.variational.overrelaxation`; full-batch sweeps without hyperparameter
+            learning only): past the CAVI optimum of q(v) by a factor ``ω`` that grows while the
+            ELBO rises and returns to 1 when it would fall. 1 (default) is plain CAVI; 10 took
+            3–4× fewer sweeps to the same ELBO in ``benchmarks/convergence.py``.
     """
+    if max_overrelaxation != 1.0 and (bags_per_batch is not None or learn_hyperparameters):
+        raise ValueError(
+            "max_overrelaxation > 1 needs full-batch sweeps without hyperparameter learning "
+            "(bags_per_batch=None, learn_hyperparameters=False): its safeguard compares ELBOs of one objective"
+        )
+    relax = AdaptiveOverrelaxation(max_overrelaxation) if max_overrelaxation != 1.0 else None
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     result = FitResult()
@@ -284,12 +300,29 @@ def fit_closed_form(
     quiet = 0
     bar = tqdm(range(max_iter), disable=not progress, desc="fit", leave=False)
     for it in bar:
+        elbo = None
         if bags_per_batch is None:
             b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
-            q = natural_step(q, _statistics(model, batch.x, b, lam, chunk_size, projector), rho=1.0)
+            plain = natural_step(q, _statistics(model, batch.x, b, lam, chunk_size, projector), rho=1.0)
+            step = plain if relax is None else overrelaxed_step(q, plain, relax.omega) or plain
+            new_mean, new_var = _moments(model, batch.x, step, chunk_size, projector)
+            new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
+            if step is not plain:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
+                with torch.no_grad():
+                    data = likelihood.elbo_terms(new_mean, new_var, batch.bag_index, batch.bag_labels, B, new_locals).sum()
+                    elbo = float(data - step.kl_divergence())
+                if result.elbo and not elbo >= result.elbo[-1]:
+                    relax.reject()
+                    result.rejected_steps += 1
+                    step, elbo = plain, None
+                    new_mean, new_var = _moments(model, batch.x, step, chunk_size, projector)
+                    new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
+                else:
+                    relax.accept()
+            elif relax is not None:
+                relax.accept()
+            q, mean, var, locals_ = step, new_mean, new_var, new_locals
             model.set_whitened_posterior(q)
-            mean, var = _moments(model, batch.x, q, chunk_size, projector)
-            locals_ = likelihood.update_locals(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
         else:
             order = torch.randperm(B, generator=generator)
             for s in range(0, B, bags_per_batch):
@@ -325,7 +358,8 @@ def fit_closed_form(
             mean, var = _moments(model, batch.x, q, chunk_size, projector)
         with torch.no_grad():
             kl = q.kl_divergence()
-            elbo = float(likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_).sum() - kl)
+            if elbo is None:
+                elbo = float(likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_).sum() - kl)
             if optimizer is not None:
                 result.objective.append(_objective(likelihood, batch, mean, var, locals_, kl))
         if not math.isfinite(elbo):
