@@ -74,9 +74,9 @@ class BagModuleBase(pl.LightningModule, ABC):
         selection_metric: ``(logged name, "min" | "max")`` that ``best.ckpt`` and early stopping
             follow (validation bag NLL).
         input_preprocessing: the CT preprocessing the model's inputs were made with
-            (``{"windows": [[center, width], ...], "size": [H, W]}``, from the training data or the
-            extractor checkpoint; ``None`` for feature inputs), saved in checkpoints so that new
-            DICOM scans are prepared exactly as the training scans were.
+            (``{"windows": [[center, width], ...], "size": [H, W], "dtype": cache storage dtype}``,
+            from the training data or the extractor checkpoint; ``None`` for feature inputs), saved
+            in checkpoints so that new DICOM scans are prepared exactly as the training scans were.
     """
 
     selection_metric: tuple[str, str] = ("val/bag_nll", "min")
@@ -127,7 +127,8 @@ class BagModuleBase(pl.LightningModule, ABC):
         data = getattr(getattr(self.trainer, "datamodule", None), "preprocessing", None)
         if data is None:
             return
-        if self.input_preprocessing is not None and dict(self.input_preprocessing) != dict(data):
+        geometry = ("windows", "size")  # the storage dtype may differ (a rounding of 1/255 of a window at most)
+        if self.input_preprocessing is not None and any(self.input_preprocessing.get(k) != data.get(k) for k in geometry):
             raise InputError(
                 f"the extractor was trained on CT slices preprocessed as {self.input_preprocessing}, "
                 f"but the training data are {data}: rebuild the cache with the same windows and size"

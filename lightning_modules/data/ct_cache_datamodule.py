@@ -119,9 +119,9 @@ class CTCacheDataModule(pl.LightningDataModule):
 
     @property
     def preprocessing(self) -> dict[str, Any]:
-        """The CT windows and slice size of the cache (what a model trained on it expects)."""
+        """The CT windows, slice size and storage dtype of the cache (what a model trained on it expects)."""
         params = self._cache.params.to_json_dict()
-        return {"windows": params["windows"], "size": params["size"]}
+        return {"windows": params["windows"], "size": params["size"], "dtype": params["dtype"]}
 
     def slice_positions(self, bag_id: str) -> tuple[np.ndarray, str] | None:
         """Indices (in the cached scan) of the slices a bag is served with (``max_slices`` may thin them)."""

@@ -26,7 +26,9 @@ class DicomDataModule(pl.LightningDataModule):
     SeriesInstanceUID, searched recursively; files that are not DICOM images are skipped) is one
     bag, its id the SeriesInstanceUID, its slices ordered along the scan axis and preprocessed with
     the model's own CT windows and slice size (``input_preprocessing``, saved in its checkpoint)
-    unless ``windows``/``size`` are given.
+    unless ``windows``/``size`` are given, and rounded as the model's training cache stored them
+    (uint8: steps of 1/255 of the window width), so a scan read from DICOM gives the model exactly
+    the values the same scan gives it from a cache.
 
     Args:
         inputs: study or series folders.
@@ -96,7 +98,9 @@ class DicomDataModule(pl.LightningDataModule):
         if not self._series:
             raise InputError(f"{', '.join(self.inputs)}: no readable CT series found")
 
-    def _preprocessing(self) -> tuple[Sequence[Sequence[float]], Any]:
+    def _preprocessing(self) -> tuple[Sequence[Sequence[float]], Any, str | None]:
+        """Windows, size and storage dtype: given, else the model's (a model that records no storage
+        dtype, from before it was recorded, gets the windowed values unrounded)."""
         model = getattr(getattr(self, "trainer", None), "lightning_module", None)
         stored = getattr(model, "input_preprocessing", None) or {}
         windows = self.windows if self.windows is not None else stored.get("windows")
@@ -104,11 +108,11 @@ class DicomDataModule(pl.LightningDataModule):
         if windows is None:
             raise InputError("the model records no CT preprocessing (it was trained on features): give windows and size, "
                              "or predict with a model that holds its extractor")
-        return windows, size
+        return windows, size, stored.get("dtype")
 
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
-        windows, size = self._preprocessing()
-        ds = DicomSeriesDataset(self._series, windows, size, self.max_slices)
+        windows, size, dtype = self._preprocessing()
+        ds = DicomSeriesDataset(self._series, windows, size, self.max_slices, storage_dtype=dtype)
         return torch.utils.data.DataLoader(ds, batch_size=self.eval_batch_size, collate_fn=collate_bags, num_workers=self.num_workers)
 
     def slice_positions(self, bag_id: str) -> tuple[np.ndarray, str] | None:

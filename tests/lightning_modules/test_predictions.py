@@ -92,3 +92,18 @@ def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache
     assert predict_main([str(tmp_path / "gp2" / "checkpoints" / "last.ckpt"), str(tmp_path / "f.npz"), "--no-plots"]) == 0
     slices = _rows(tmp_path / "gp2" / "predict" / "version_0" / "slices.csv")
     assert len(slices) == sum(len(b) for b in bags["bags"]) and slices[0]["position"] == "0.0"
+
+
+def test_a_scan_predicted_from_dicom_equals_the_same_scan_predicted_from_its_cache(gp_run: Path, tiny_cache: str, tmp_path: Path) -> None:
+    """The DICOM path must serve the model exactly what the cache served it in training: the same
+    windows and size and the same storage quantisation (uint8 steps of 1/255 of the window width).
+    Predicting the tiny cache's own source scans from DICOM and from the cache must give the same
+    scan probabilities; a difference means a train/predict preprocessing mismatch."""
+    ckpt = str(gp_run / "checkpoints" / "last.ckpt")
+    assert predict_main([ckpt, tiny_cache, "--out", str(tmp_path / "from_cache"), "--no-plots"]) == 0
+    assert predict_main([ckpt, str(Path(tiny_cache).parent / "data"), "--out", str(tmp_path / "from_dicom"), "--no-plots"]) == 0
+    # the RSNA layout's bag id is the series UID, the DICOM path's scan id
+    cached = {s["bag_id"]: float(s["probability"]) for s in _rows(tmp_path / "from_cache" / "predict" / "version_0" / "predictions.csv")}
+    dicom = {s["bag_id"]: float(s["probability"]) for s in _rows(tmp_path / "from_dicom" / "predict" / "version_0" / "predictions.csv")}
+    assert set(dicom) == set(cached)
+    np.testing.assert_allclose([dicom[k] for k in sorted(cached)], [cached[k] for k in sorted(cached)], rtol=0, atol=1e-7)
