@@ -32,9 +32,9 @@ class VGPMILClassifier(MILClassifierBase):
         H: bag-label noise (Eq. 4 of Castro-Macías et al.; ``H = 10¹²`` as the reference code).
         max_rule: how ``E[max y_{b∖n}]`` enters the π update: ``"auto"`` (default: ``"max"`` at
             every candidate kernel and ``"single"`` at the most flexible ones, averaged, or the
-            best one kept with ``average=False``), ``"max"`` (the largest other π, the reference code's), ``"single"``
-            (0: every instance of a positive bag is pushed up, single-instance learning) or
-            ``"exact"`` (the mean-field noisy-OR).
+            best one kept with ``average=False``), ``"max"`` (the largest other π, the reference
+            code's), ``"single"`` (0: every instance of a positive bag is pushed up,
+            single-instance learning) or ``"exact"`` (the mean-field noisy-OR).
         damping: step of the ``"max"`` rule's parallel π update; 1 is the reference code's undamped
             update, which falls into 2-cycles and never converges on real data.
         bag_size_cap: ``"median"`` (default): instances of a bag longer than the median training bag
