@@ -148,6 +148,17 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             const = value - (b * m_d - 0.5 * lam * (m_d * m_d + v_d))
         return b * mean - 0.5 * lam * (mean * mean + var) + const
 
+    def log_marginal(self, observations: Tensor, function_dist: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Refused: GPyTorch's ``log_marginal`` (what ``gpytorch.mlls.PredictiveLogLikelihood``
+        maximises) is a sum of per-instance terms ``log E_q[p(y_n | f_n)]``, but the observations
+        here are bag labels; it would silently fit an instance classifier to every instance's bag
+        label, which is not this model. Raises ``TypeError`` naming what to use instead."""
+        raise TypeError(
+            f"{type(self).__name__} scores bags, not instances: PredictiveLogLikelihood would fit an instance "
+            "classifier to bag labels. Train with gpytorch.mlls.VariationalELBO (mll(output, target, bag_index=...)) "
+            "or milgp.variational.fit_closed_form, and predict bags with a milgp.prediction bag rule"
+        )
+
     @staticmethod
     def _bag_share(bag_values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
         """Spread per-bag values ``(B,)`` evenly over their instances ``(N,)``."""

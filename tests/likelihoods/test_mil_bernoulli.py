@@ -57,6 +57,22 @@ def test_expected_log_prob_requires_bag_index():
         MILBernoulliLikelihood().expected_log_prob(batch.bag_labels[batch.bag_index], model(batch.x))
 
 
+@pytest.mark.parametrize("likelihood", ["bernoulli", "probit"])
+def test_predictive_log_likelihood_is_refused_not_fitted_per_instance(likelihood):
+    """GPyTorch's PredictiveLogLikelihood sums per-instance ``log E[p(y_n | f_n)]``; with bag labels
+    as the targets that is an instance classifier, not the MIL model. The bag likelihoods must
+    refuse it with an error that names VariationalELBO instead of training the wrong model."""
+    from milgp.likelihoods.mil_probit import MILProbitLikelihood
+
+    Z, batch = small_problem()
+    model = SparseGP(Z)
+    model.train()
+    lik = MILBernoulliLikelihood() if likelihood == "bernoulli" else MILProbitLikelihood()
+    mll = gpytorch.mlls.PredictiveLogLikelihood(lik, model, num_data=batch.num_instances)
+    with pytest.raises(TypeError, match="scores bags, not instances.*VariationalELBO"):
+        mll(model(batch.x), batch.bag_labels[batch.bag_index], bag_index=batch.bag_index)
+
+
 def test_adam_on_variational_elbo_reaches_closed_form_optimum():
     """Plain GPyTorch (Cholesky q(v), Adam, locals optimised inside expected_log_prob) must climb
     the same objective as CAVI and get within 1% of its optimum; otherwise the likelihood is not
