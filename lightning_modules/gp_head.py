@@ -98,14 +98,6 @@ class AggregateStep:
     elbo: float
 
 
-def _reset_position_cache(likelihood: Any) -> None:
-    # MILBernoulliLikelihood caches within-bag positions keyed by (data_ptr, numel) of bag_index;
-    # with fresh minibatch tensors the allocator may reuse an address for a different bag layout,
-    # so the cache is dropped before every call from here.
-    if hasattr(likelihood, "_positions_cache"):
-        likelihood._positions_cache = None
-
-
 class GPHead(nn.Module):
     """Sparse-GP bag classifier on ``D``-dimensional instance features.
 
@@ -288,7 +280,6 @@ class GPHead(nn.Module):
         return self.gp.marginals(self.gp.projection(z), q)
 
     def initial_locals(self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Any:
-        _reset_position_cache(self.likelihood)
         return self.likelihood.init_locals(bag_index, bag_labels.to(mean.dtype), num_bags, mean)
 
     @torch.no_grad()
@@ -328,7 +319,6 @@ class GPHead(nn.Module):
         q = natural_step(q, stats, rho=rho, scale=scale)
         self.gp.set_whitened_posterior(q)
         mean, var = self.gp.marginals(proj, q)
-        _reset_position_cache(self.likelihood)
         locals_ = self.likelihood.update_locals(mean, var, bag_index, labels, num_bags, locals_)
         return q, locals_
 
@@ -363,7 +353,6 @@ class GPHead(nn.Module):
         labels and locals at the current fit): an out-of-bag prediction of every training bag
         (:func:`milgp.variational.leave_bag_out.leave_bag_out_posterior`)."""
         batch = BagBatch(z.to(torch.float64), bag_index, bag_labels.to(torch.float64))
-        _reset_position_cache(self.likelihood)
         return leave_bag_out_posterior(self.gp, self.likelihood, batch, locals_, block_budget=self.block_budget)
 
     @property

@@ -88,3 +88,22 @@ def test_hyperparameter_objective_is_exact_logistic_and_above_the_bound():
     c = torch.sqrt(mean**2 + var)
     bound = (pi - 0.5) * mean - torch.log(2 * torch.cosh(c / 2)) + entropy + bag_share
     assert (terms >= bound - 1e-12).all()
+
+
+def test_the_layout_cache_follows_the_bag_index_not_its_address():
+    """The likelihood caches the within-bag layout of the last ``bag_index``. A new minibatch's
+    index (even one allocated where a freed one lived, or the same tensor edited in place) must get
+    its own layout; a stale layout would sweep the wrong instances together."""
+    from milgp.likelihoods.noisy_or import bag_layout
+
+    lik = MILBernoulliLikelihood()
+    first = torch.tensor([0, 0, 0, 1, 1, 2])
+    lik._positions(first, 3)
+    del first  # the cache keeps it alive, so its memory cannot be handed to the next index
+    for _ in range(20):
+        other = torch.tensor([0, 1, 1, 1, 2, 2])
+        got, want = lik._positions(other, 3), bag_layout(other, 3)
+        assert torch.equal(got.flat, want.flat) and got.counts == want.counts
+    other[:] = torch.tensor([0, 0, 1, 1, 2, 2])  # in place: same address, new contents
+    got, want = lik._positions(other, 3), bag_layout(other, 3)
+    assert torch.equal(got.flat, want.flat) and got.counts == want.counts
