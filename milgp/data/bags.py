@@ -30,6 +30,7 @@ __all__ = [
     "from_padded",
     "labels_per_instance",
     "make_bag_groups",
+    "random_bags_within",
     "segment_max",
     "segment_sum",
     "split_by_bag",
@@ -52,6 +53,14 @@ def bag_sizes(bag_index: Tensor, num_bags: int | None = None) -> Tensor:
     """Number of instances per bag, ``(B,)``."""
     num_bags = int(bag_index.max()) + 1 if num_bags is None else num_bags
     return torch.bincount(bag_index, minlength=num_bags)
+
+
+def random_bags_within(sizes: Tensor, max_instances: int, generator: torch.Generator) -> Tensor:
+    """Ids of whole bags in random order (``torch.randperm`` from ``generator``), as many as fit in
+    ``max_instances`` instances (at least one bag); ``sizes`` ``(B,)`` from :func:`bag_sizes`."""
+    order = torch.randperm(len(sizes), generator=generator).to(sizes.device)
+    keep = order[torch.cumsum(sizes[order], 0) <= max_instances]
+    return order[:1] if keep.numel() == 0 else keep
 
 
 def segment_sum(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, segment_sum
+from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, random_bags_within, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
@@ -345,9 +345,7 @@ def fit_aggregate(
             if int(sizes.sum()) <= hyper_max_instances:
                 sub_groups, n_sub = groups, int(sizes.sum())
             else:
-                order = torch.randperm(B, generator=generator).to(sizes.device)
-                keep = order[torch.cumsum(sizes[order], 0) <= hyper_max_instances]
-                keep = order[:1] if keep.numel() == 0 else keep
+                keep = random_bags_within(sizes, hyper_max_instances, generator)
                 sub_groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget, bags=keep)
                 n_sub = int(sizes[keep].sum())
             # objective per instance of the subset: the ELBO / N estimated from whole bags

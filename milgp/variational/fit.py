@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, bag_sizes
+from milgp.data.bags import BagBatch, bag_sizes, random_bags_within
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics, natural_step
@@ -212,11 +212,7 @@ def _bag_subset(batch: BagBatch, max_instances: int, generator: torch.Generator)
     original instance indices, and the scale ``N / N_sub``."""
     if batch.num_instances <= max_instances:
         return batch, torch.arange(batch.num_instances, device=batch.x.device), 1.0
-    sizes = bag_sizes(batch.bag_index, batch.num_bags)
-    order = torch.randperm(batch.num_bags, generator=generator).to(sizes.device)
-    keep = order[torch.cumsum(sizes[order], 0) <= max_instances]
-    if keep.numel() == 0:
-        keep = order[:1]
+    keep = random_bags_within(bag_sizes(batch.bag_index, batch.num_bags), max_instances, generator)
     sub, idx = batch.select_bags_with_index(keep)
     return sub, idx, batch.num_instances / max(1, sub.num_instances)
 

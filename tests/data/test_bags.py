@@ -130,3 +130,20 @@ def test_error_messages_name_the_bag():
         bag_index_from_sizes([2, 0, 1])
     with pytest.raises(ValueError, match="bags_per_batch"):
         BagBatchSampler(3, 0)
+
+
+def test_random_bags_within_a_budget():
+    """Whole bags in random order up to the instance budget, at least one bag even when the first
+    drawn is over budget, the same bags from the same generator state; otherwise hyperparameter
+    steps would see split bags, nothing, or a different subset on a rerun."""
+    from milgp.data.bags import random_bags_within
+
+    sizes = torch.tensor([5, 1, 7, 2, 4, 3])
+    for seed in range(10):
+        keep = random_bags_within(sizes, 9, torch.Generator().manual_seed(seed))
+        assert len(set(keep.tolist())) == len(keep) >= 1 and int(sizes[keep].sum()) <= 9
+        order = torch.randperm(6, generator=torch.Generator().manual_seed(seed))
+        assert keep.tolist() == order[: len(keep)].tolist()  # a prefix of the random order
+        again = random_bags_within(sizes, 9, torch.Generator().manual_seed(seed))
+        assert torch.equal(keep, again)
+    assert random_bags_within(torch.tensor([50, 60]), 9, torch.Generator().manual_seed(0)).numel() == 1
