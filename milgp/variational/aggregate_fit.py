@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, random_bags_within, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
-from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
+from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, try_natural_step
 
 __all__ = [
     "AggregateFitResult",
@@ -57,7 +57,6 @@ __all__ = [
     "group_terms",
     "is_conjugate",
     "predict_bag_moments",
-    "try_natural_step",
 ]
 
 
@@ -209,20 +208,6 @@ def is_conjugate(likelihood: AggregateLikelihood) -> bool:
     """Whether ``likelihood`` has closed-form natural statistics (the Normal model): its natural
     step with ρ = 1 on all bags is the exact optimum of q(v)."""
     return type(likelihood).closed_form_statistics is not AggregateLikelihood.closed_form_statistics
-
-
-def try_natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float, scale: float) -> WhitenedPosterior | None:
-    """``η ← (1−ρ)η + ρη̂`` or ``None`` when the new precision is not positive definite."""
-    eta1_hat, P_hat = stats.targets(scale)
-    P = (1.0 - rho) * q.precision + rho * P_hat
-    P = 0.5 * (P + P.mT)
-    eta1 = (1.0 - rho) * (q.precision @ q.m) + rho * eta1_hat
-    L_P, info = torch.linalg.cholesky_ex(P)
-    if int(info) != 0 or not torch.isfinite(L_P).all():
-        return None
-    S = torch.cholesky_inverse(L_P)
-    S = 0.5 * (S + S.mT)
-    return WhitenedPosterior(m=S @ eta1, S=S, precision=P)
 
 
 def checked_natural_step(

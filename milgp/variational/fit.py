@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 from milgp.data.bags import BagBatch, bag_sizes, random_bags_within
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
-from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics, natural_step
-from milgp.variational.overrelaxation import AdaptiveOverrelaxation, overrelaxed_step
+from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics, natural_step, try_natural_step
+from milgp.variational.overrelaxation import AdaptiveOverrelaxation
 
 __all__ = ["FitResult", "closed_form_elbo", "fit_closed_form"]
 
@@ -299,8 +299,14 @@ def fit_closed_form(
         elbo = None
         if bags_per_batch is None:
             b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
-            plain = natural_step(q, _statistics(model, batch.x, b, lam, chunk_size, projector), rho=1.0)
-            step = plain if relax is None else overrelaxed_step(q, plain, relax.omega) or plain
+            stats = _statistics(model, batch.x, b, lam, chunk_size, projector)
+            plain = natural_step(q, stats, rho=1.0)
+            step, indefinite = plain, False
+            if relax is not None and relax.omega > 1.0:  # past the optimum
+                step = try_natural_step(q, stats, relax.omega, 1.0)
+                if step is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
+                    step, indefinite = plain, True
+                    relax.reject()
             new_mean, new_var = _moments(model, batch.x, step, chunk_size, projector)
             new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
             if step is not plain:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
@@ -315,7 +321,7 @@ def fit_closed_form(
                     new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
                 else:
                     relax.accept()
-            elif relax is not None:
+            elif relax is not None and not indefinite:
                 relax.accept()
             q, mean, var, locals_ = step, new_mean, new_var, new_locals
             model.set_whitened_posterior(q)

@@ -27,7 +27,15 @@ from torch import Tensor
 
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 
-__all__ = ["NaturalStatistics", "RobbinsMonro", "apply_natural_step", "natural_statistics", "natural_step", "weighted_gram"]
+__all__ = [
+    "NaturalStatistics",
+    "RobbinsMonro",
+    "apply_natural_step",
+    "natural_statistics",
+    "natural_step",
+    "try_natural_step",
+    "weighted_gram",
+]
 
 
 @dataclass
@@ -104,6 +112,22 @@ def natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float = 1.
     eta1 = (1.0 - rho) * eta1_old + rho * eta1_hat
     P = (1.0 - rho) * q.precision + rho * P_hat
     return WhitenedPosterior.from_natural(eta1, P)
+
+
+def try_natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float, scale: float) -> WhitenedPosterior | None:
+    """``η ← (1−ρ)η + ρη̂ = η + ρ(η̂ − η)`` for any ``ρ > 0`` (``ρ > 1`` goes past the optimum: the
+    over-relaxed step of :mod:`milgp.variational.overrelaxation`), or ``None`` when the new
+    precision is not positive definite (or not finite)."""
+    eta1_hat, P_hat = stats.targets(scale)
+    P = (1.0 - rho) * q.precision + rho * P_hat
+    P = 0.5 * (P + P.mT)
+    eta1 = (1.0 - rho) * (q.precision @ q.m) + rho * eta1_hat
+    L_P, info = torch.linalg.cholesky_ex(P)
+    if int(info) != 0 or not torch.isfinite(L_P).all():
+        return None
+    S = torch.cholesky_inverse(L_P)
+    S = 0.5 * (S + S.mT)
+    return WhitenedPosterior(m=S @ eta1, S=S, precision=P)
 
 
 class RobbinsMonro:

@@ -2,49 +2,35 @@
 
 Plain CAVI jumps q(v) to the optimum ``η̂`` given the current local variables, then updates the
 locals. When q(v) and the locals are strongly coupled (which instance of a positive bag is the
-witness) the two blocks creep along a shared direction and CAVI converges linearly and slowly
-(286 sweeps to 0.1 % of the optimum on the 100k-instance synthetic set of
-``benchmarks/convergence.py``). An over-relaxed step goes past the optimum along that direction,
-in natural parameters,
+witness) the two blocks creep along a shared direction and CAVI converges linearly and slowly (on
+the 100k-instance synthetic set of ``benchmarks/convergence.py`` it is still 0.5 % short of the
+optimum after 300 sweeps). An over-relaxed step goes past the optimum along that direction, in
+natural parameters,
 
-    η ← η + ω (η̂ − η),      P ← P + ω (P̂ − P),      ω ≥ 1,
+    η ← η + ω (η̂ − η),      P ← P + ω (P̂ − P),      ω ≥ 1
 
-and is kept only if the ELBO after the local update has not decreased; otherwise the plain step
-(``ω = 1``) is taken. ``ω`` grows by :data:`GROWTH` after every kept step, up to a cap, and falls
-back to 1 after a rejected one: the adaptive over-relaxed bound optimisation of Salakhutdinov &
-Roweis, *Adaptive overrelaxed bound optimization methods*, ICML 2003 (§3), applied to the
-natural parameters of q(v). A rejected step costs one extra pass over the data for the moments;
-the ELBO never decreases where plain CAVI's does not, and the fixed points are those of CAVI.
+(:func:`~milgp.variational.natural_update.try_natural_step` with ``ρ = ω``; an indefinite
+precision falls back to the plain step and ``ω`` to 1), and is kept only if the ELBO after the local update has
+not decreased; otherwise the plain step (``ω = 1``) is taken. ``ω`` grows by :data:`GROWTH` after
+every kept step, up to a cap, and falls back to 1 after a rejected one: the adaptive over-relaxed
+bound optimisation of Salakhutdinov & Roweis, *Adaptive overrelaxed bound optimization methods*,
+ICML 2003 (§3), applied to the natural parameters of q(v). A rejected step costs one extra pass
+over the data for the moments; the ELBO never decreases where plain CAVI's does not, and the fixed
+points are those of CAVI. :func:`milgp.variational.fit.fit_closed_form` runs it
+(``max_overrelaxation``).
 """
 from __future__ import annotations
 
-import torch
-
-from milgp.models.sparse_gp import WhitenedPosterior
-
-__all__ = ["GROWTH", "AdaptiveOverrelaxation", "overrelaxed_step"]
+__all__ = ["GROWTH", "AdaptiveOverrelaxation"]
 
 GROWTH = 1.25
 """Factor by which ``ω`` grows after a kept step (Salakhutdinov & Roweis use a constant factor > 1)."""
 
 
-def overrelaxed_step(q: WhitenedPosterior, target: WhitenedPosterior, omega: float) -> WhitenedPosterior | None:
-    """``η + ω(η̂ − η)``, ``P + ω(P̂ − P)`` from the current ``q`` towards and past ``target`` (the
-    plain CAVI step); ``None`` when the extrapolated precision is not positive definite."""
-    if omega == 1.0:
-        return target
-    eta = q.precision @ q.m
-    eta = eta + omega * (target.precision @ target.m - eta)
-    P = q.precision + omega * (target.precision - q.precision)
-    P = 0.5 * (P + P.mT)
-    if int(torch.linalg.cholesky_ex(P).info) != 0:
-        return None
-    return WhitenedPosterior.from_natural(eta, P)
-
-
 class AdaptiveOverrelaxation:
-    """The factor ``ω`` of :func:`overrelaxed_step`: starts at 1, grows by :data:`GROWTH` after each
-    kept step up to ``max_omega``, and returns to 1 after a rejected one.
+    """The step size ``ω`` of the over-relaxed natural step
+    (:func:`milgp.variational.natural_update.try_natural_step` with ``ρ = ω``): starts at 1, grows
+    by :data:`GROWTH` after each kept step up to ``max_omega``, and returns to 1 after a rejected one.
 
     Args:
         max_omega: the cap (``≥ 1``; 1 is plain CAVI).

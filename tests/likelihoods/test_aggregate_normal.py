@@ -11,7 +11,8 @@ from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_
 
 from milgp.likelihoods import NormalAggregateLikelihood
 from milgp.data.bags import make_bag_groups
-from milgp.variational.aggregate_fit import try_natural_step, aggregate_elbo, aggregate_natural_statistics
+from milgp.variational.aggregate_fit import aggregate_elbo, aggregate_natural_statistics
+from milgp.variational.natural_update import try_natural_step
 
 TAU = 0.37
 

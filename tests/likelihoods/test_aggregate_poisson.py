@@ -14,9 +14,9 @@ from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_
 from milgp.likelihoods import PoissonAggregateLikelihood
 from milgp.likelihoods.aggregate import bag_blocks
 from milgp.data.bags import make_bag_groups
+from milgp.variational.natural_update import try_natural_step
 from milgp.variational.aggregate_fit import (
     group_terms,
-    try_natural_step,
     aggregate_elbo,
     aggregate_natural_statistics,
     fit_aggregate,
