@@ -267,7 +267,7 @@ def fit_closed_form(
             (:mod:`milgp.variational.overrelaxation`; full-batch sweeps without hyperparameter
             learning only): past the CAVI optimum of q(v) by a factor ``ω`` that grows while the
             ELBO rises and returns to 1 when it would fall. 1 (default) is plain CAVI; 10 took
-            3–4× fewer sweeps to the same ELBO in ``benchmarks/convergence.py``.
+            2.5–3.4× fewer sweeps to plain CAVI's final ELBO in ``benchmarks/convergence.py``.
     """
     if max_overrelaxation != 1.0 and (bags_per_batch is not None or learn_hyperparameters):
         raise ValueError(
