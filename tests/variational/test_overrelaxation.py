@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from milgp.data.bags import BagBatch, bag_index_from_sizes
+from milgp.data.bags import BagBatch
+from milgp.data.synthetic_mil import synthetic_mil
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 from milgp.variational import closed_form_elbo, fit_closed_form
@@ -66,20 +67,13 @@ def test_omega_grows_to_its_cap_and_resets_after_a_rejection():
 
 @pytest.fixture(scope="module")
 def synthetic():
-    """~3,000 instances from 8 Gaussian clusters in 10-D, bags of 10–50, half positive with a
-    fifth of their instances from the positive cluster (the shape on which CAVI is slow: which
-    instance is the witness couples q(y) and q(v)); 30 inducing points among the instances."""
-    rng = np.random.default_rng(0)
-    centers = rng.normal(0.0, 2.5, size=(8, 10))
-    sizes = rng.integers(10, 51, size=100)
-    labels = (rng.random(100) < 0.5).astype(float)
-    bag_index = bag_index_from_sizes(sizes.tolist())
-    offset = np.arange(len(bag_index)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-    witness = (offset < np.repeat(np.maximum(1, np.round(0.2 * sizes)), sizes)) & (np.repeat(labels, sizes) > 0)
-    x = centers[np.where(witness, 0, rng.integers(1, 8, size=len(bag_index)))] + rng.normal(size=(len(bag_index), 10))
+    """3,000 instances of the synthetic MIL set (Gaussian clusters, a fifth of each positive bag
+    from the positive cluster: the shape on which CAVI is slow, since which instance is the
+    witness couples q(y) and q(v)), z-scored; 30 inducing points among the instances."""
+    x, bag_index, labels, _ = synthetic_mil(3000, seed=0)
     x = torch.as_tensor((x - x.mean(0)) / x.std(0))
-    Z = x[torch.as_tensor(rng.choice(len(x), 30, replace=False))].clone()
-    return BagBatch(x, bag_index, torch.as_tensor(labels)), Z
+    Z = x[torch.as_tensor(np.random.default_rng(0).choice(len(x), 30, replace=False))].clone()
+    return BagBatch(x, torch.as_tensor(bag_index), torch.as_tensor(labels)), Z
 
 
 def model_from(Z):
