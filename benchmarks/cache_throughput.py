@@ -3,7 +3,7 @@
 Writes a synthetic RSNA-style dataset (real DICOM files, 512x512 by default, like RSNA/CQ500
 slices), indexes it, then builds the cache from scratch once per worker count and reports
 
-* slices per second of :func:`milgp.data.cache.build_cache` (read DICOM -> HU -> 3 windows ->
+* slices per second of :func:`milgp.ct.cache.build_cache` (read DICOM -> HU -> 3 windows ->
   antialiased resize -> uint8 -> atomic .npy write),
 * cache size in MB per 1,000 slices (and the DICOM source size for comparison).
 
@@ -25,9 +25,9 @@ from typing import Sequence
 
 import torch
 
-from milgp.data.cache import CacheParams, build_cache
-from milgp.data.rsna import index_rsna
-from milgp.data.synthetic import write_rsna_dataset
+from milgp.ct.cache import CacheParams, build_cache
+from milgp.ct.rsna import index_rsna
+from milgp.ct.synthetic import write_rsna_dataset
 
 RESULT_PATH = Path(__file__).resolve().parent / "results" / "cache_throughput.json"
 

@@ -8,7 +8,7 @@ files in ``configs/``, ``milgp-predict``):
    positive scans with one small hyperdense lesion over a few slices), cache them with a
    patient-grouped 50/20/30 split; write and cache an **external test set**: other phantom heads of
    the same kind **re-sliced 6× more finely** (180–240 slices per scan), as external hospitals'
-   thin-slice CT is (:func:`milgp.data.synthetic.write_rsna_dataset`, ``slice_factor``);
+   thin-slice CT is (:func:`milgp.ct.synthetic.write_rsna_dataset`, ``slice_factor``);
 2. AttCNN (``configs/demo_attcnn.yaml``): fit, test on both test sets, write the frozen CNN's slice
    features (``configs/demo_extract.yaml``);
 3. two-stage GP (``configs/demo_gp_two_stage.yaml``) on those features, holding the AttCNN's
@@ -177,8 +177,8 @@ def run_demo(out: str | Path | None = None, seed: int = 0, quick: bool = False, 
     from lightning_modules.cli import run_cli
     from lightning_modules.input_error import InputError
     from lightning_modules.predict import predict
-    from milgp.data import cache_cli
-    from milgp.data.synthetic import write_rsna_dataset
+    from milgp.ct import cache_cli
+    from milgp.ct.synthetic import write_rsna_dataset
     from milgp.metrics import json_safe
     from milgp.plots import plot_calibration, plot_rule_comparison
 

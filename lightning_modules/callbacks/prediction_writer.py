@@ -12,7 +12,7 @@ from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.callbacks.run_metadata import run_metadata, slice_positions
 from lightning_modules.callbacks.tables import csv_text
 from milgp.data.atomic import atomic_write_json, atomic_write_text
-from milgp.data.cache_bag import bag_file_stem
+from milgp.ct.cache_bag import bag_file_stem
 from milgp.metrics import json_safe
 from milgp.plots import plot_scan_predictions
 

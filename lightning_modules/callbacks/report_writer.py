@@ -14,7 +14,7 @@ from lightning_modules.callbacks.run_metadata import run_metadata, slice_positio
 from lightning_modules.callbacks.scan_selection import OUTCOMES, outcome, scans_to_plot
 from lightning_modules.callbacks.tables import csv_text
 from milgp.data.atomic import atomic_write_json, atomic_write_text
-from milgp.data.cache_bag import bag_file_stem
+from milgp.ct.cache_bag import bag_file_stem
 from milgp.metrics import json_safe
 from milgp.plots import plot_calibration, plot_scan_predictions, plot_training_curves, read_csv_log
 

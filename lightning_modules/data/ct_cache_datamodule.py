@@ -1,4 +1,4 @@
-"""Data module over a preprocessed CT cache (:mod:`milgp.data.cache`, built by ``milgp-cache``)."""
+"""Data module over a preprocessed CT cache (:mod:`milgp.ct.cache`, built by ``milgp-cache``)."""
 from __future__ import annotations
 
 import functools
@@ -15,10 +15,10 @@ from lightning_modules.data.checks import check_bag_labels, label_kind
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, patient_split
 from lightning_modules.input_error import InputError
-from milgp.data.augment import BagAugment
+from milgp.ct.augment import BagAugment
 from milgp.data.bags import collate_bags
-from milgp.data.cache import CTCache
-from milgp.data.ct_dataset import CTBagDataset, uniform_subsample
+from milgp.ct.cache import CTCache
+from milgp.ct.dataset import CTBagDataset, uniform_subsample
 
 __all__ = ["CTCacheDataModule"]
 
@@ -28,7 +28,7 @@ class CTCacheDataModule(pl.LightningDataModule):
 
     Splits come from ``splits_file`` (default ``<cache_dir>/splits.json`` when present, as written
     by ``milgp-cache --splits``) or are made here with the data path's patient-grouped, stratified
-    :func:`milgp.data.ct_index.split_by_patient` (``fractions``, ``split_seed``). An external test
+    :func:`milgp.ct.index.split_by_patient` (``fractions``, ``split_seed``). An external test
     set (CQ500) is served whole with ``test_split: all``.
 
     Args:
@@ -37,7 +37,7 @@ class CTCacheDataModule(pl.LightningDataModule):
         fractions, split_seed: split made here when there is no splits file.
         batch_size: bags per training batch; eval_batch_size: bags per evaluation batch.
         max_slices: keep at most this many evenly spaced slices per bag (memory bound).
-        augment: a :class:`milgp.data.augment.BagAugment` for training bags (``None``: off).
+        augment: a :class:`milgp.ct.augment.BagAugment` for training bags (``None``: off).
         train_split, val_split, test_split, predict_split: split names (``"all"``: every bag).
         num_workers: DataLoader workers. seed: seed of the training order and the augmentation
             (both a function of ``(seed, epoch)``, see :class:`~lightning_modules.data.sampler.EpochSampler`).

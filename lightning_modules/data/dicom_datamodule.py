@@ -13,10 +13,10 @@ import torch
 from lightning_modules.data.dicom_series_dataset import DicomSeriesDataset
 from lightning_modules.input_error import InputError
 from milgp.data.bags import collate_bags
-from milgp.data.ct_dataset import uniform_subsample
-from milgp.data.dicom import read_headers, walk_files
-from milgp.data.report_entry import printable
-from milgp.data.series_check import SeriesRefused, check_series
+from milgp.ct.dataset import uniform_subsample
+from milgp.ct.dicom import read_headers, walk_files
+from milgp.ct.report_entry import printable
+from milgp.ct.series_check import SeriesRefused, check_series
 
 __all__ = ["DicomDataModule"]
 
@@ -65,7 +65,7 @@ class DicomDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         """Read the headers (no pixels), group the files by series, and check and order each series
-        as the cache does (:func:`milgp.data.series_check.check_series`: non-CT, non-axial,
+        as the cache does (:func:`milgp.ct.series_check.check_series`: non-CT, non-axial,
         interleaved or mixed series are refused, duplicates dropped). A refused series or an
         unreadable file is skipped and reported on stderr; the other series are predicted."""
         if stage != "predict":

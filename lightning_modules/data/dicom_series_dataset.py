@@ -7,19 +7,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from milgp.data.cache_params import CacheParams
-from milgp.data.ct_dataset import uniform_subsample
-from milgp.data.ct_series import load_series
-from milgp.data.windows import ct_channels
+from milgp.ct.cache_params import CacheParams
+from milgp.ct.dataset import uniform_subsample
+from milgp.ct.series import load_series
+from milgp.ct.windows import ct_channels
 
 __all__ = ["DicomSeriesDataset"]
 
 
 class DicomSeriesDataset(torch.utils.data.Dataset):
     """Items ``(slices (S, C, H, W) float32 in [0, 1], None, nan, series id)``: one CT series per
-    item, ordered along the scan axis (:func:`milgp.data.ct_series.load_series`), windowed and
-    resized as a cache would (:func:`milgp.data.windows.ct_channels`) and, with ``storage_dtype``,
-    quantised as the cache stores it (:meth:`milgp.data.cache_params.CacheParams.encode`), so a
+    item, ordered along the scan axis (:func:`milgp.ct.series.load_series`), windowed and
+    resized as a cache would (:func:`milgp.ct.windows.ct_channels`) and, with ``storage_dtype``,
+    quantised as the cache stores it (:meth:`milgp.ct.cache_params.CacheParams.encode`), so a
     model trained on a cache sees the values it was trained on; the label is unknown.
 
     Args:

@@ -14,7 +14,7 @@ class EpochSampler(torch.utils.data.DistributedSampler):
 
     Lightning calls :meth:`set_epoch` before every training epoch, whether or not the dataloaders
     are rebuilt; it also hands the epoch to the dataset's own ``set_epoch`` when there is one
-    (:class:`milgp.data.ct_dataset.CTBagDataset` seeds its augmentation with it), so every epoch
+    (:class:`milgp.ct.dataset.CTBagDataset` seeds its augmentation with it), so every epoch
     gets a fresh, reproducible augmentation draw. A shuffled order is ``randperm`` from a generator
     seeded with ``seed + epoch``, never the global RNG, so a run resumed from a checkpoint visits
     the bags in the same order as the uninterrupted run.

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from milgp.data.ct_index import BagIndex, BagRecord, split_by_patient
+from milgp.ct.index import BagIndex, BagRecord, split_by_patient
 
 __all__ = ["SPLIT_NAMES", "patient_split"]
 
@@ -21,7 +21,7 @@ def patient_split(
     seed: int = 0,
 ) -> dict[str, str]:
     """``{bag_id: "train" | "val" | "test"}``: patient-grouped, label-stratified
-    (:func:`milgp.data.ct_index.split_by_patient`; a bag without a patient id is its own patient,
+    (:func:`milgp.ct.index.split_by_patient`; a bag without a patient id is its own patient,
     unlabelled bags — label NaN, e.g. new scans to predict — form a stratum of their own)."""
     records = [
         BagRecord(bag_id=str(b), patient_id=str(p) or f"bag:{b}", bag_label=float(y) if math.isfinite(float(y)) else UNLABELLED, slice_paths=(str(b),))

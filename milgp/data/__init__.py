@@ -1,1 +1,1 @@
-"""Data: bags in memory, the CT DICOM path, datasets."""
+"""Data: bags in memory (flat instances plus a bag index), a synthetic MIL set, atomic file writes."""

@@ -7,6 +7,7 @@ from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.mil_probit import MILProbitLikelihood
+from milgp.likelihoods.natural_statistics import NaturalStatistics
 from milgp.likelihoods.psi import GammaPsi, GSMDensity, HyperbolicSecantPsi
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "HyperbolicSecantPsi",
     "MILBernoulliLikelihood",
     "MILProbitLikelihood",
+    "NaturalStatistics",
     "NormalAggregateLikelihood",
     "PoissonAggregateLikelihood",
 ]

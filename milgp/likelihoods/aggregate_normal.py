@@ -29,7 +29,7 @@ from torch import Tensor
 
 from milgp.data.bags import bag_sizes, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, IdentityLink, Link, PaddedBlocks
-from milgp.variational.natural_update import NaturalStatistics
+from milgp.likelihoods.natural_statistics import NaturalStatistics
 
 __all__ = ["NormalAggregateLikelihood"]
 

@@ -20,11 +20,10 @@ be accumulated over chunks of data or all-reduced across DDP ranks before the st
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
+from milgp.likelihoods.natural_statistics import NaturalStatistics
 from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
 
 __all__ = [
@@ -36,28 +35,6 @@ __all__ = [
     "try_natural_step",
     "weighted_gram",
 ]
-
-
-@dataclass
-class NaturalStatistics:
-    """Additive sufficient statistics of a quadratic expected log-likelihood.
-
-    Attributes:
-        h: ``(M,)`` ``Σ_n A_n (b_n − λ_n mean_n)``.
-        G: ``(M, M)`` ``Σ_n λ_n A_n A_nᵀ``.
-    """
-
-    h: Tensor
-    G: Tensor
-
-    def __add__(self, other: "NaturalStatistics") -> "NaturalStatistics":
-        return NaturalStatistics(self.h + other.h, self.G + other.G)
-
-    def targets(self, scale: float = 1.0) -> tuple[Tensor, Tensor]:
-        """``(η̂₁, P̂) = (s·h, I + s·G)``, the optimum of q(v) given these statistics."""
-        M = self.h.shape[0]
-        eye = torch.eye(M, dtype=self.G.dtype, device=self.G.device)
-        return scale * self.h, eye + scale * self.G
 
 
 def natural_statistics(A: Tensor, linear: Tensor, precision: Tensor, prior_mean: Tensor | None = None) -> NaturalStatistics:

@@ -12,8 +12,8 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*")
 def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A 12-scan synthetic RSNA-layout CT dataset (32×32, 3–6 slices), cached with a
     patient-grouped 50/25/25 split, through the data path's real writer and ``milgp-cache``."""
-    from milgp.data import cache_cli
-    from milgp.data.synthetic import write_rsna_dataset
+    from milgp.ct import cache_cli
+    from milgp.ct.synthetic import write_rsna_dataset
 
     root = tmp_path_factory.mktemp("ct")
     ds = write_rsna_dataset(root / "data", n_scans=12, slices=(3, 6), size=32, seed=3, n_patients=10, lesion_radius=(0.2, 0.3))

@@ -14,9 +14,9 @@ import lightning_modules.data.ct_cache_datamodule as ct_cache_datamodule
 from lightning_modules import BagArrayDataModule, CTCacheDataModule, ReportWriter
 from lightning_modules.data.sampler import EpochSampler
 from lm_helpers import feature_bags
-from milgp.data.augment import BagAugment
+from milgp.ct.augment import BagAugment
 from milgp.data.bags import BagBatch
-from milgp.data.cache import CTCache
+from milgp.ct.cache import CTCache
 
 
 def test_epoch_sampler_order_depends_on_seed_and_epoch_only(tiny_cache: str) -> None:

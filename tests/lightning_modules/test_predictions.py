@@ -10,7 +10,7 @@ import pytest
 
 from lightning_modules.cli import run_cli
 from lightning_modules.predict import main as predict_main
-from milgp.data.synthetic import write_rsna_dataset
+from milgp.ct.synthetic import write_rsna_dataset
 from lm_helpers import trainer_cfg, write_config
 
 SMALL_CNN = {"class_path": "lightning_modules.SmallCNN", "init_args": {"feature_dim": 6, "widths": [4, 8]}}

@@ -11,7 +11,7 @@ import pytest
 
 from lightning_modules import cli
 from lightning_modules import predict as predict_cli
-from milgp.data import cache_cli
+from milgp.ct import cache_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- walkthrough: tests/lightning_modules/test_walkthrough.py runs these commands -->"

@@ -1,4 +1,4 @@
-"""milgp.data.dicom, hounsfield, windows, series_check, ct_series: HU conversion, windows, series ordering and
+"""milgp.ct.dicom, hounsfield, windows, series_check, series: HU conversion, windows, series ordering and
 every bad-input path."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from pydicom.pixels import get_decoder
 from pydicom.uid import JPEGLSLossless
 
-from milgp.data.ct_series import load_series
-from milgp.data.dicom import DicomReadError, header_window, read_headers, read_slice_header
-from milgp.data.hounsfield import needs_rsna_12bit_repair, read_hu, read_slice_values, repair_rsna_12bit_fault
-from milgp.data.windows import HEAD_CT_WINDOWS, apply_window, ct_channels, resize_images
+from milgp.ct.series import load_series
+from milgp.ct.dicom import DicomReadError, header_window, read_headers, read_slice_header
+from milgp.ct.hounsfield import needs_rsna_12bit_repair, read_hu, read_slice_values, repair_rsna_12bit_fault
+from milgp.ct.windows import HEAD_CT_WINDOWS, apply_window, ct_channels, resize_images
 
 
 def test_read_hu_ct_small_matches_rescale_tags(ct_small_path: str) -> None:

@@ -1,4 +1,4 @@
-"""milgp.data.ct_dataset and milgp.data.augment: the end-to-end round trip and bag-consistent augmentation."""
+"""milgp.ct.dataset and milgp.ct.augment: the end-to-end round trip and bag-consistent augmentation."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from milgp.data.augment import AugmentParams, BagAugment
+from milgp.ct.augment import AugmentParams, BagAugment
 from milgp.data.bags import collate_bags
-from milgp.data.ct_dataset import CTBagDataset, uniform_subsample
-from milgp.data.hounsfield import read_hu
-from milgp.data.windows import ct_channels
-from milgp.data.synthetic import SyntheticDataset
+from milgp.ct.dataset import CTBagDataset, uniform_subsample
+from milgp.ct.hounsfield import read_hu
+from milgp.ct.windows import ct_channels
+from milgp.ct.synthetic import SyntheticDataset
 
 
 def test_round_trip_synthetic_to_dataset(rsna_synth: SyntheticDataset, rsna_cache: str) -> None:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from pydicom.data import get_testdata_file
 
-from milgp.data.cache import CacheParams, build_cache
-from milgp.data.rsna import index_rsna
-from milgp.data.synthetic import SyntheticDataset, write_ct_series, write_rsna_dataset
+from milgp.ct.cache import CacheParams, build_cache
+from milgp.ct.rsna import index_rsna
+from milgp.ct.synthetic import SyntheticDataset, write_ct_series, write_rsna_dataset
 
 
 def _bundled(name: str) -> str:

@@ -1,6 +1,6 @@
 """Fault injection: what a real archive and its users do to the CT data path, and what must happen.
 
-Every fault is built with pydicom from the synthetic phantoms (milgp.data.synthetic) or pydicom's bundled
+Every fault is built with pydicom from the synthetic phantoms (milgp.ct.synthetic) or pydicom's bundled
 files. The outcome is always one of: a clear one-line error naming the file or bag, or a skip/refusal listed
 in the report with the bag, the file and the reason -- and nothing lost or served wrong (the other bags stay
 byte-identical, a damaged bag is rebuilt equal to the original).
@@ -28,26 +28,26 @@ from pydicom.datadict import dictionary_VR, tag_for_keyword
 from pydicom.tag import Tag
 from pydicom.uid import generate_uid
 
-import milgp.data.cache_bag as cache_bag
-import milgp.data.dicom as dicom
-import milgp.data.hounsfield as hounsfield
-from milgp.data.cache import CacheCorruptError, CTCache, build_cache
-from milgp.data.cache_bag import bag_file_stem
-from milgp.data.cache_cli import main
-from milgp.data.cache_lock import LOCK_FILE_NAME, CacheLock, CacheLockedError
-from milgp.data.cache_params import CacheParams
-from milgp.data.cache_verify import verify_cache
-from milgp.data.ct_dataset import CTBagDataset
-from milgp.data.ct_index import BagIndex
-from milgp.data.ct_series import load_series
-from milgp.data.dicom import DicomReadError, read_headers, read_slice_header, walk_files
-from milgp.data.generic_layout import index_generic
-from milgp.data.hounsfield import read_hu, read_slice_values
-from milgp.data.label_rule import LabelRule, parse_label_map
-from milgp.data.rsna import index_rsna
-from milgp.data.cq500 import index_cq500
-from milgp.data.series_policy import SeriesPolicy
-from milgp.data.synthetic import SyntheticDataset, write_cq500_dataset, write_generic_dataset
+import milgp.ct.cache_bag as cache_bag
+import milgp.ct.dicom as dicom
+import milgp.ct.hounsfield as hounsfield
+from milgp.ct.cache import CacheCorruptError, CTCache, build_cache
+from milgp.ct.cache_bag import bag_file_stem
+from milgp.ct.cache_cli import main
+from milgp.ct.cache_lock import LOCK_FILE_NAME, CacheLock, CacheLockedError
+from milgp.ct.cache_params import CacheParams
+from milgp.ct.cache_verify import verify_cache
+from milgp.ct.dataset import CTBagDataset
+from milgp.ct.index import BagIndex
+from milgp.ct.series import load_series
+from milgp.ct.dicom import DicomReadError, read_headers, read_slice_header, walk_files
+from milgp.ct.generic_layout import index_generic
+from milgp.ct.hounsfield import read_hu, read_slice_values
+from milgp.ct.label_rule import LabelRule, parse_label_map
+from milgp.ct.rsna import index_rsna
+from milgp.ct.cq500 import index_cq500
+from milgp.ct.series_policy import SeriesPolicy
+from milgp.ct.synthetic import SyntheticDataset, write_cq500_dataset, write_generic_dataset
 
 SIZE = ["--size", "8"]
 pytestmark = pytest.mark.filterwarnings("ignore:Invalid value for VR")  # pydicom on the malformed files built here
@@ -565,7 +565,7 @@ def test_cache_outputs_respect_the_umask(tmp_path: Path) -> None:
 _HOLD_LOCK = textwrap.dedent(
     """
     import sys, time
-    from milgp.data.cache_lock import CacheLock
+    from milgp.ct.cache_lock import CacheLock
     with CacheLock(sys.argv[1]):
         print("locked", flush=True)
         time.sleep(float(sys.argv[2]))
@@ -612,9 +612,9 @@ def test_second_writer_is_refused_or_waits_and_a_stale_lock_is_taken_over(tmp_pa
 _KILLED_PARENT = textwrap.dedent(
     """
     import os, sys, time
-    import milgp.data.hounsfield as hounsfield
-    from milgp.data.cache import CacheParams, build_cache
-    from milgp.data.generic_layout import index_generic
+    import milgp.ct.hounsfield as hounsfield
+    from milgp.ct.cache import CacheParams, build_cache
+    from milgp.ct.generic_layout import index_generic
 
     def stall(path, allow_non_ct):
         open(os.path.join(sys.argv[3], str(os.getpid())), "w").close()
@@ -849,8 +849,8 @@ def test_12bit_repair_keeps_air_noise_at_air_and_warns_once_per_series(write_ser
 
 
 def _index_of(paths: list[str], tmp_path: Path) -> Path:
-    from milgp.data.ct_index import bag_from_headers
-    from milgp.data.dicom import read_headers
+    from milgp.ct.index import bag_from_headers
+    from milgp.ct.dicom import read_headers
 
     headers, _ = read_headers(paths)
     record, _, _ = bag_from_headers("bag", headers, 0.0)

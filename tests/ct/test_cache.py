@@ -1,4 +1,4 @@
-"""milgp.data.cache and the milgp-cache CLI: contents, resumption, parameters, skipped files, atomicity."""
+"""milgp.ct.cache and the milgp-cache CLI: contents, resumption, parameters, skipped files, atomicity."""
 from __future__ import annotations
 
 import json
@@ -10,17 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import milgp.data.cache_bag as cache_bag
-import milgp.data.hounsfield as hounsfield
+import milgp.ct.cache_bag as cache_bag
+import milgp.ct.hounsfield as hounsfield
 from milgp.data.atomic import atomic_open
-from milgp.data.cache import CacheParams, CacheParamsMismatch, CTCache, build_cache
-from milgp.data.cache_bag import bag_file_stem
-from milgp.data.cache_cli import main
-from milgp.data.ct_index import BagIndex, BagRecord
-from milgp.data.hounsfield import read_hu
-from milgp.data.windows import ct_channels
-from milgp.data.rsna import index_rsna
-from milgp.data.synthetic import SyntheticDataset
+from milgp.ct.cache import CacheParams, CacheParamsMismatch, CTCache, build_cache
+from milgp.ct.cache_bag import bag_file_stem
+from milgp.ct.cache_cli import main
+from milgp.ct.index import BagIndex, BagRecord
+from milgp.ct.hounsfield import read_hu
+from milgp.ct.windows import ct_channels
+from milgp.ct.rsna import index_rsna
+from milgp.ct.synthetic import SyntheticDataset
 
 PARAMS = CacheParams(size=16)
 
@@ -191,8 +191,8 @@ def test_cli_cq500_and_generic_layouts_and_saved_index(layout: str, tmp_path: Pa
 
 
 def test_cli_runs_as_module_with_help() -> None:
-    """`python -m milgp.data.cache_cli --help` must work (the console script wraps the same main)."""
-    out = subprocess.run([sys.executable, "-m", "milgp.data.cache_cli", "--help"], capture_output=True, text=True, timeout=120)
+    """`python -m milgp.ct.cache_cli --help` must work (the console script wraps the same main)."""
+    out = subprocess.run([sys.executable, "-m", "milgp.ct.cache_cli", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "rsna" in out.stdout and "synthetic" in out.stdout
 
 
@@ -202,12 +202,12 @@ def test_split_fractions_are_checked_before_any_work(tmp_path):
     import subprocess
     import sys
 
-    from milgp.data.cache_cli import _fractions
+    from milgp.ct.cache_cli import _fractions
 
     assert _fractions("80,10,10") == (0.8, 0.1, 0.1)
     assert _fractions("0.7,0.15,0.15") == (0.7, 0.15, 0.15)
     out = subprocess.run(
-        [sys.executable, "-m", "milgp.data.cache_cli", "rsna", "--images", str(tmp_path / "missing"),
+        [sys.executable, "-m", "milgp.ct.cache_cli", "rsna", "--images", str(tmp_path / "missing"),
          "--labels", str(tmp_path / "missing.csv"), "--out", str(tmp_path / "cache"), "--splits", "0.8,0.3,0.1"],
         capture_output=True, text=True,
     )

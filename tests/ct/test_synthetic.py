@@ -1,4 +1,4 @@
-"""milgp.data.synthetic: real DICOM phantoms, ground truth, determinism, thin re-slicing."""
+"""milgp.ct.synthetic: real DICOM phantoms, ground truth, determinism, thin re-slicing."""
 from __future__ import annotations
 
 import csv
@@ -10,8 +10,8 @@ import pydicom
 import pytest
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian
 
-from milgp.data.hounsfield import read_hu
-from milgp.data.synthetic import SyntheticDataset, write_rsna_dataset
+from milgp.ct.hounsfield import read_hu
+from milgp.ct.synthetic import SyntheticDataset, write_rsna_dataset
 
 
 def test_files_are_valid_ct_image_storage(rsna_synth: SyntheticDataset) -> None:

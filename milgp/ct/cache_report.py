@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from milgp.data.atomic import atomic_write_json
-from milgp.data.report_entry import ReportEntry, printable
+from milgp.ct.report_entry import ReportEntry, printable
 
 __all__ = ["CacheReport", "REPORT_FILE_NAME"]
 
@@ -16,7 +16,7 @@ _SHOWN = 10
 
 @dataclass
 class CacheReport:
-    """Summary of one :func:`milgp.data.cache.build_cache` run.
+    """Summary of one :func:`milgp.ct.cache.build_cache` run.
 
     Attributes:
         cache_dir: the cache.

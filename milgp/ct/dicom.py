@@ -10,8 +10,8 @@ A CT scan is a *series* of single-frame DICOM files, one per axial slice. This m
 * :func:`walk_files` -- every file under a folder, following links without looping, reporting
   what cannot be listed.
 
-Pixels become Hounsfield units in :mod:`milgp.data.hounsfield`; series are checked and ordered in
-:mod:`milgp.data.series_check` and loaded in :mod:`milgp.data.ct_series`.
+Pixels become Hounsfield units in :mod:`milgp.ct.hounsfield`; series are checked and ordered in
+:mod:`milgp.ct.series_check` and loaded in :mod:`milgp.ct.series`.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from pydicom.errors import InvalidDicomError
 from pydicom.multival import MultiValue
 from tqdm.auto import tqdm
 
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.worker_pool import run_isolated
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.worker_pool import run_isolated
 
 __all__ = [
     "DicomReadError",
@@ -131,7 +131,7 @@ class SliceHeader:
     ``sop_class_uid`` is SOPClassUID (or the file meta's MediaStorageSOPClassUID), ``""`` when
     absent. ``is_image`` says the header has an image-pixel module (Rows, Columns); whether the
     pixel data itself is present and decodable is only known when it is read
-    (:func:`milgp.data.hounsfield.read_hu`).
+    (:func:`milgp.ct.hounsfield.read_hu`).
     """
 
     path: str

@@ -1,8 +1,8 @@
 """The bag index: which files make up each CT bag, in scan order, with their labels.
 
-Layout-specific indexers (:mod:`milgp.data.rsna`, :mod:`milgp.data.cq500`,
-:mod:`milgp.data.generic_layout`) all produce a :class:`BagIndex`, the table the cache
-(:mod:`milgp.data.cache`) consumes. It is saved as JSON (lossless) or CSV (one row per slice),
+Layout-specific indexers (:mod:`milgp.ct.rsna`, :mod:`milgp.ct.cq500`,
+:mod:`milgp.ct.generic_layout`) all produce a :class:`BagIndex`, the table the cache
+(:mod:`milgp.ct.cache`) consumes. It is saved as JSON (lossless) or CSV (one row per slice),
 always atomically, and split by patient with :func:`split_by_patient`.
 """
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from milgp.data.atomic import atomic_open, atomic_write_json
-from milgp.data.csv_table import read_csv_rows
-from milgp.data.dicom import SliceHeader
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_check import check_series
-from milgp.data.series_policy import SeriesPolicy
+from milgp.ct.csv_table import read_csv_rows
+from milgp.ct.dicom import SliceHeader
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.series_check import check_series
+from milgp.ct.series_policy import SeriesPolicy
 
 __all__ = ["BagIndex", "BagRecord", "INDEX_FORMAT_VERSION", "bag_from_headers", "split_by_patient"]
 
@@ -45,7 +45,7 @@ class BagRecord:
         slice_paths: ``S`` files ordered along the scan axis.
         slice_labels: ``S`` per-slice labels (``0``/``1``) or ``None`` when unknown.
         series_uid: SeriesInstanceUID of the slices (empty when unknown).
-        ordering: ``"geometry"`` or ``"instance_number"`` (see :func:`milgp.data.series_check.order_slices`).
+        ordering: ``"geometry"`` or ``"instance_number"`` (see :func:`milgp.ct.series_check.order_slices`).
         modality: the slices' Modality; anything but ``"CT"`` was accepted explicitly
             (``allow_non_ct``) and its values are not Hounsfield units.
     """
@@ -295,7 +295,7 @@ def bag_from_headers(
     policy: SeriesPolicy = SeriesPolicy(),
 ) -> tuple[BagRecord, list[ReportEntry], list[ReportEntry]]:
     """A :class:`BagRecord` from the headers of one series, checked and ordered by
-    :func:`milgp.data.series_check.check_series`.
+    :func:`milgp.ct.series_check.check_series`.
 
     Args:
         bag_id: the bag's id (also names the bag in errors).
@@ -311,7 +311,7 @@ def bag_from_headers(
 
     Raises:
         ValueError: naming the bag and files when the series is refused
-            (:class:`~milgp.data.series_check.SeriesRefused`) or a kept slice has no label.
+            (:class:`~milgp.ct.series_check.SeriesRefused`) or a kept slice has no label.
     """
     checked = check_series(headers, bag_id, policy)
     paths = tuple(h.path for h in checked.headers)

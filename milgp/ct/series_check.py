@@ -25,10 +25,10 @@ from typing import Sequence
 
 import numpy as np
 
-from milgp.data.dicom import DicomReadError, SliceHeader
-from milgp.data.hounsfield import read_pixel_bytes
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_policy import SeriesPolicy
+from milgp.ct.dicom import DicomReadError, SliceHeader
+from milgp.ct.hounsfield import read_pixel_bytes
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.series_policy import SeriesPolicy
 
 __all__ = ["CheckedSeries", "SeriesRefused", "check_series", "check_single_series", "order_slices", "slice_normal", "tilt_deg"]
 

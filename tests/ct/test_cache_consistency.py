@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from milgp.data.cache import CacheParams, CTCache, build_cache
-from milgp.data.cache_cli import main
-from milgp.data.ct_dataset import CTBagDataset
-from milgp.data.ct_index import BagIndex
-from milgp.data.rsna import index_rsna
-from milgp.data.synthetic import SyntheticDataset, write_rsna_dataset
+from milgp.ct.cache import CacheParams, CTCache, build_cache
+from milgp.ct.cache_cli import main
+from milgp.ct.dataset import CTBagDataset
+from milgp.ct.index import BagIndex
+from milgp.ct.rsna import index_rsna
+from milgp.ct.synthetic import SyntheticDataset, write_rsna_dataset
 
 PARAMS = CacheParams(size=16)
 

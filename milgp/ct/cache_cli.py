@@ -11,7 +11,7 @@ Examples::
 
 Rerunning an interrupted command resumes it. One input never stops a run: what cannot be read or
 written is left out and listed in ``OUT/skipped.json``, with one summary line on stderr. Also runs as
-``python -m milgp.data.cache_cli``.
+``python -m milgp.ct.cache_cli``.
 
 The modules that index, read and cache (and pull in torch) are imported by the command that needs
 them, so ``--help`` and argument errors answer at once.
@@ -25,14 +25,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from milgp.data.cache_lock import CacheLockedError
-from milgp.data.label_rule import LABEL_TARGETS, parse_label_map
-from milgp.data.report_entry import printable
-from milgp.data.windows import HEAD_CT_WINDOWS
+from milgp.ct.cache_lock import CacheLockedError
+from milgp.ct.label_rule import LABEL_TARGETS, parse_label_map
+from milgp.ct.report_entry import printable
+from milgp.ct.windows import HEAD_CT_WINDOWS
 
 if TYPE_CHECKING:
-    from milgp.data.cache import CacheReport
-    from milgp.data.ct_index import BagIndex
+    from milgp.ct.cache import CacheReport
+    from milgp.ct.index import BagIndex
 
 __all__ = ["build_parser", "main"]
 
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _synthetic(args: argparse.Namespace) -> int:
-    from milgp.data.synthetic import write_cq500_dataset, write_generic_dataset, write_rsna_dataset
+    from milgp.ct.synthetic import write_cq500_dataset, write_generic_dataset, write_rsna_dataset
 
     kw = dict(slices=tuple(args.slices), size=args.size, prevalence=args.prevalence, seed=args.seed)
     if args.layout == "rsna":
@@ -167,12 +167,12 @@ def _synthetic(args: argparse.Namespace) -> int:
 
 
 def _index(args: argparse.Namespace) -> BagIndex:
-    from milgp.data.cq500 import index_cq500
-    from milgp.data.ct_index import BagIndex
-    from milgp.data.generic_layout import index_generic
-    from milgp.data.label_rule import LabelRule
-    from milgp.data.rsna import index_rsna
-    from milgp.data.series_policy import SeriesPolicy
+    from milgp.ct.cq500 import index_cq500
+    from milgp.ct.index import BagIndex
+    from milgp.ct.generic_layout import index_generic
+    from milgp.ct.label_rule import LabelRule
+    from milgp.ct.rsna import index_rsna
+    from milgp.ct.series_policy import SeriesPolicy
 
     progress = not args.no_progress
     if args.command == "index":
@@ -192,7 +192,7 @@ def _write_splits(index: BagIndex, report: CacheReport, out: Path, fractions: tu
     bags of ``index`` it leaves out (failed ones; ``skipped.json`` has the reasons). Bags the
     indexer refused never reach ``index``, so no bag is in the splits without being cached."""
     from milgp.data.atomic import atomic_write_json
-    from milgp.data.ct_index import split_by_patient
+    from milgp.ct.index import split_by_patient
 
     cached = index.subset(report.done + report.reused)
     splits = split_by_patient(cached, fractions, seed=seed)
@@ -222,7 +222,7 @@ def _warn_stale_splits(path: Path, cached: set[str]) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from milgp.data.cache_verify import verify_cache
+    from milgp.ct.cache_verify import verify_cache
 
     report = verify_cache(args.cache, repair=args.repair, wait_s=math.inf if args.wait else 0.0, workers=args.workers,
                           progress=not args.no_progress)
@@ -234,8 +234,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from milgp.data.cache import CacheParams, build_cache, check_cache_params
-    from milgp.data.cache_lock import CacheLock
+    from milgp.ct.cache import CacheParams, build_cache, check_cache_params
+    from milgp.ct.cache_lock import CacheLock
 
     params = CacheParams(windows=tuple(args.windows), size=None if args.size == 0 else args.size, dtype=args.dtype)
     check_cache_params(args.out, params)  # before writing anything: a refused run leaves the cache as it was

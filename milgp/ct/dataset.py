@@ -1,4 +1,4 @@
-"""Torch dataset of CT bags read from a preprocessed cache (:mod:`milgp.data.cache`).
+"""Torch dataset of CT bags read from a preprocessed cache (:mod:`milgp.ct.cache`).
 
 Each item is ``(slices (S, C, H, W) float32 in [0, 1], slice_labels (S,) float32 or None,
 bag_label float, bag_id str)``, the tuple :func:`milgp.data.bags.collate_bags` batches into a
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from milgp.data.augment import BagAugment
-from milgp.data.cache import CacheCorruptError, CacheParams, CTCache, repair_hint
-from milgp.data.report_entry import printable
+from milgp.ct.augment import BagAugment
+from milgp.ct.cache import CacheCorruptError, CacheParams, CTCache, repair_hint
+from milgp.ct.report_entry import printable
 
 __all__ = ["CTBagDataset", "uniform_subsample"]
 
@@ -44,7 +44,7 @@ class CTBagDataset(torch.utils.data.Dataset):
     """Bags of a CT cache as tensors.
 
     Args:
-        cache_dir: a cache built by :func:`milgp.data.cache.build_cache` / ``milgp-cache``.
+        cache_dir: a cache built by :func:`milgp.ct.cache.build_cache` / ``milgp-cache``.
         bag_ids: the bags to serve, in this order (e.g. one split); default all cached bags.
         max_slices: keep at most this many evenly spaced slices per bag (order kept).
         augment: a :class:`BagAugment` for training; ``None`` (default) serves the cache as is.
@@ -130,7 +130,7 @@ class CTBagDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor | None, float, str]:
         """Item ``i``; a damaged cache file (truncated, another shape or dtype, non-finite values) raises
-        :class:`milgp.data.cache.CacheCorruptError` naming the bag and the file."""
+        :class:`milgp.ct.cache.CacheCorruptError` naming the bag and the file."""
         if not 0 <= i < len(self):
             raise IndexError(f"bag index {i} out of range for {len(self)} bags")
         bag_id = self.bag_ids[i]

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from milgp.data.atomic import atomic_write_json
-from milgp.data.report_entry import printable
-from milgp.data.windows import HEAD_CT_WINDOWS
+from milgp.ct.report_entry import printable
+from milgp.ct.windows import HEAD_CT_WINDOWS
 
 __all__ = [
     "CACHE_FORMAT_VERSION",

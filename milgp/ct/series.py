@@ -8,11 +8,11 @@ from typing import Sequence
 
 import numpy as np
 
-from milgp.data.dicom import read_headers, walk_files
-from milgp.data.hounsfield import read_series_values
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_check import SeriesRefused, check_series
-from milgp.data.series_policy import SeriesPolicy
+from milgp.ct.dicom import read_headers, walk_files
+from milgp.ct.hounsfield import read_series_values
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.series_check import SeriesRefused, check_series
+from milgp.ct.series_policy import SeriesPolicy
 
 __all__ = ["CTSeries", "load_series"]
 
@@ -51,14 +51,14 @@ def load_series(
     """Read one CT series (a folder, searched recursively, or a list of files), ordered along the scan axis.
 
     Headers are read first (no pixels) to check and order the series
-    (:func:`milgp.data.series_check.check_series`); then pixels are read. Unreadable files,
+    (:func:`milgp.ct.series_check.check_series`); then pixels are read. Unreadable files,
     non-CT files and duplicate slices are skipped and listed in ``CTSeries.skipped``; gaps, an
     assumed default rescale and air clamped by the 12-bit repair are listed in
     ``CTSeries.warnings`` and warned about once (``UserWarning``), not once per slice.
 
     Raises:
         ValueError: one line naming the folder/files when there is no readable image, or the series
-            is refused (:class:`~milgp.data.series_check.SeriesRefused`: mixed series or sizes,
+            is refused (:class:`~milgp.ct.series_check.SeriesRefused`: mixed series or sizes,
             non-axial, interleaved acquisitions, different images at one position).
     """
     if isinstance(directory_or_paths, (str, os.PathLike)):

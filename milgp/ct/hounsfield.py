@@ -7,7 +7,7 @@
 * :func:`repair_rsna_12bit_fault` -- the known pixel-representation fault of the RSNA archive,
   with air noise kept at air.
 
-Every failure raises :class:`milgp.data.dicom.DicomReadError` naming the file.
+Every failure raises :class:`milgp.ct.dicom.DicomReadError` naming the file.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import numpy as np
 import pydicom
 from pydicom.pixels import get_decoder
 
-from milgp.data.dicom import DicomReadError, element_value, first_value, header_from_dataset, read_dataset, required_int
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_policy import SeriesPolicy, value_units
+from milgp.ct.dicom import DicomReadError, element_value, first_value, header_from_dataset, read_dataset, required_int
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.series_policy import SeriesPolicy, value_units
 
 __all__ = [
     "RSNA_12BIT_AIR_BAND",
@@ -244,7 +244,7 @@ def read_hu(path: str | os.PathLike[str]) -> np.ndarray:
     """One CT slice in Hounsfield units (:func:`read_slice_values` for CT only).
 
     Warns (``UserWarning``) when a default rescale was assumed or the 12-bit repair clamped air
-    noise; batch readers (:func:`milgp.data.ct_series.load_series`, the cache) call
+    noise; batch readers (:func:`milgp.ct.series.load_series`, the cache) call
     :func:`read_slice_values` instead and warn once per series.
 
     Returns:

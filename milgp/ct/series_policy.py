@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from pydicom.uid import UID
 
 if TYPE_CHECKING:
-    from milgp.data.dicom import SliceHeader
+    from milgp.ct.dicom import SliceHeader
 
 __all__ = ["CT_IMAGE_STORAGE", "SeriesPolicy", "value_units"]
 

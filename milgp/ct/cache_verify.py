@@ -6,7 +6,7 @@ whose header, shape, dtype, size and SHA-256 match, and source files that did no
 (sources that are gone are noted, not held against the bag: the cached copy is then the only
 copy); every bag of ``splits.json`` in the manifest.
 
-Repair reruns :func:`milgp.data.cache.build_cache` on the index the cache was built from
+Repair reruns :func:`milgp.ct.cache.build_cache` on the index the cache was built from
 (``index.json``, or the index rows recorded in the markers when ``index.json`` is missing or
 unreadable): bags that verify are reused, corrupt or stale bags are rebuilt, bags that cannot be
 rebuilt leave the manifest, and ``splits.json`` loses the bags the manifest no longer lists. Then the
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from milgp.data.atomic import atomic_write_json
-from milgp.data.cache import CacheCorruptError, CacheEntry, build_cache, read_manifest
-from milgp.data.cache_bag import cached_bag_problem, record_from_marker
-from milgp.data.cache_lock import CacheLock
-from milgp.data.cache_params import read_cache_params
-from milgp.data.ct_index import BagIndex, BagRecord
-from milgp.data.report_entry import ReportEntry, printable
+from milgp.ct.cache import CacheCorruptError, CacheEntry, build_cache, read_manifest
+from milgp.ct.cache_bag import cached_bag_problem, record_from_marker
+from milgp.ct.cache_lock import CacheLock
+from milgp.ct.cache_params import read_cache_params
+from milgp.ct.index import BagIndex, BagRecord
+from milgp.ct.report_entry import ReportEntry, printable
 
 __all__ = ["VerifyReport", "verify_cache"]
 
@@ -156,7 +156,7 @@ def verify_cache(
 ) -> VerifyReport:
     """Check a cache (module docstring); with ``repair``, rebuild what can be rebuilt and check again.
 
-    Holds the cache's writer lock throughout (``wait_s`` as in :class:`milgp.data.cache_lock.CacheLock`).
+    Holds the cache's writer lock throughout (``wait_s`` as in :class:`milgp.ct.cache_lock.CacheLock`).
 
     Raises:
         FileNotFoundError, ValueError: naming the folder or ``params.json`` when the folder is not a

@@ -23,12 +23,12 @@ from typing import NamedTuple
 import numpy as np
 
 from milgp.data.atomic import atomic_save_npy, atomic_write_json, file_sha256
-from milgp.data.bag_array_file import array_file_problem
-from milgp.data.cache_params import CacheParams
-from milgp.data.ct_index import BagRecord
-from milgp.data.hounsfield import read_series_values
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.windows import ct_channels
+from milgp.ct.bag_array_file import array_file_problem
+from milgp.ct.cache_params import CacheParams
+from milgp.ct.index import BagRecord
+from milgp.ct.hounsfield import read_series_values
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.windows import ct_channels
 
 __all__ = [
     "MANIFEST_KEYS",

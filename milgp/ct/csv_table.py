@@ -10,7 +10,7 @@ import csv
 import os
 from typing import Iterator, Sequence
 
-from milgp.data.report_entry import printable
+from milgp.ct.report_entry import printable
 
 __all__ = ["read_csv_rows"]
 
@@ -22,7 +22,7 @@ def read_csv_rows(
 
     Column names are stripped; a missing value (a short row) reads as ``""``; values are stripped.
     ``errors="surrogateescape"`` reads files that hold undecodable file names written by
-    :meth:`milgp.data.ct_index.BagIndex.save`.
+    :meth:`milgp.ct.index.BagIndex.save`.
 
     Raises:
         ValueError: naming the file when it cannot be read, is not UTF-8, is empty, or lacks a

@@ -6,9 +6,9 @@ Layout::
     labels.csv                     bag_id,label[,patient_id]
     slice_labels.csv (optional)    bag_id,file,label   (file: path relative to root/<bag_id>)
 
-Slices are checked and ordered by :func:`milgp.data.series_check.check_series`. Without
+Slices are checked and ordered by :func:`milgp.ct.series_check.check_series`. Without
 ``patient_id`` each bag is its own patient. Labels are validated by a
-:class:`~milgp.data.label_rule.LabelRule`: 0/1 for MIL (a mapping for other encodings), or finite
+:class:`~milgp.ct.label_rule.LabelRule`: 0/1 for MIL (a mapping for other encodings), or finite
 non-negative numbers for aggregate targets. A listed bag that cannot be indexed (no folder, invalid
 or conflicting label, no readable slice, a slice without a label, a refused series) is left out
 whole and reported in ``BagIndex.refused``.
@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from milgp.data.csv_table import read_csv_rows
-from milgp.data.ct_index import BagIndex
-from milgp.data.dicom import SliceHeader, read_headers, walk_files
-from milgp.data.label_rule import LabelRule
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_policy import SeriesPolicy
+from milgp.ct.csv_table import read_csv_rows
+from milgp.ct.index import BagIndex
+from milgp.ct.dicom import SliceHeader, read_headers, walk_files
+from milgp.ct.label_rule import LabelRule
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.series_policy import SeriesPolicy
 
 __all__ = ["index_generic", "read_bag_labels", "read_slice_labels"]
 

@@ -10,12 +10,12 @@ import numpy as np
 import pydicom
 import pytest
 
-from milgp.data.cq500 import SeriesSummary, choose_series, cq500_number, index_cq500, is_contrast_series
-from milgp.data.ct_index import BagIndex, BagRecord, split_by_patient
-from milgp.data.generic_layout import index_generic
-from milgp.data.rsna import index_rsna, read_rsna_labels
-from milgp.data.series_policy import SeriesPolicy
-from milgp.data.synthetic import SyntheticDataset, write_cq500_dataset, write_generic_dataset
+from milgp.ct.cq500 import SeriesSummary, choose_series, cq500_number, index_cq500, is_contrast_series
+from milgp.ct.index import BagIndex, BagRecord, split_by_patient
+from milgp.ct.generic_layout import index_generic
+from milgp.ct.rsna import index_rsna, read_rsna_labels
+from milgp.ct.series_policy import SeriesPolicy
+from milgp.ct.synthetic import SyntheticDataset, write_cq500_dataset, write_generic_dataset
 
 
 def test_rsna_index_matches_ground_truth(rsna_synth: SyntheticDataset) -> None:

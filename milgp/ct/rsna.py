@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from milgp.data.csv_table import read_csv_rows
-from milgp.data.ct_index import BagIndex
-from milgp.data.dicom import SliceHeader, read_headers
-from milgp.data.label_rule import LabelRule
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_policy import SeriesPolicy
+from milgp.ct.csv_table import read_csv_rows
+from milgp.ct.index import BagIndex
+from milgp.ct.dicom import SliceHeader, read_headers
+from milgp.ct.label_rule import LabelRule
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.series_policy import SeriesPolicy
 
 __all__ = ["RSNA_SUBTYPES", "index_rsna", "read_rsna_labels"]
 
@@ -101,16 +101,16 @@ def index_rsna(
     Args:
         image_dir: folder of ``ID_*.dcm`` files (not searched recursively).
         labels_csv: the ``stage_2_train.csv`` label file (:func:`read_rsna_labels`).
-        workers: processes for header reading (see :func:`milgp.data.dicom.read_headers`).
+        workers: processes for header reading (see :func:`milgp.ct.dicom.read_headers`).
         progress: show a progress bar while reading headers.
         rule: label validation (a mapping for other label encodings).
-        policy: what a series may contain (:class:`milgp.data.series_policy.SeriesPolicy`).
+        policy: what a series may contain (:class:`milgp.ct.series_policy.SeriesPolicy`).
 
     Returns:
         A :class:`BagIndex`: ``bag_id`` = SeriesInstanceUID, ``patient_id`` = PatientID, slices
         ordered along the scan axis, slice labels = ``any``, bag label = max of slice labels.
         Unreadable files are listed in ``skipped``; a series with an image whose label is invalid
-        or missing, or that :func:`milgp.data.series_check.check_series` refuses, is left out whole
+        or missing, or that :func:`milgp.ct.series_check.check_series` refuses, is left out whole
         and listed in ``refused``, so that no bag is ever half present.
 
     Raises:

@@ -13,7 +13,7 @@ preprocessed once (:func:`build_cache`) into::
       bags/<stem>.npy        (S, C, H, W) slices of one bag, in scan order
       bags/<stem>.json       per-bag marker: what the bag was made from and what was written
 
-Parameters and the uint8 storage are described in :mod:`milgp.data.cache_params`. Bags are stored
+Parameters and the uint8 storage are described in :mod:`milgp.ct.cache_params`. Bags are stored
 as uncompressed ``.npy`` so that the dataset can memory-map them and read only the slices it
 subsamples.
 
@@ -21,17 +21,17 @@ Robustness:
 
 * every file is written to a temporary file in its folder and moved into place with
   ``os.replace`` (never a partial file), with the permissions the umask gives;
-* one writer at a time (:class:`milgp.data.cache_lock.CacheLock`); pool workers die with the
-  writer (:mod:`milgp.data.worker_pool`);
-* a rerun reuses a bag only after verifying it (:func:`milgp.data.cache_bag.cached_bag_problem`:
+* one writer at a time (:class:`milgp.ct.cache_lock.CacheLock`); pool workers die with the
+  writer (:mod:`milgp.ct.worker_pool`);
+* a rerun reuses a bag only after verifying it (:func:`milgp.ct.cache_bag.cached_bag_problem`:
   same slices and labels, unchanged source files, array header, size and SHA-256); a corrupt or
   stale bag is rebuilt and reported as rebuilt;
 * one bag never stops a build: any exception while reading or writing it makes it a failed bag
   (reported with the file and the reason), and a worker process that dies (a decoder crash, out of
-  memory) costs only the bag it was working on (:func:`milgp.data.worker_pool.run_isolated`);
+  memory) costs only the bag it was working on (:func:`milgp.ct.worker_pool.run_isolated`);
 * :class:`CTCache` checks a bag's header, shape, dtype and size when it is opened, so a damaged file
   gives a :class:`CacheCorruptError` naming the bag and the file; ``milgp-cache verify`` checks
-  (and repairs) a whole cache, checksums included (:mod:`milgp.data.cache_verify`).
+  (and repairs) a whole cache, checksums included (:mod:`milgp.ct.cache_verify`).
 """
 from __future__ import annotations
 
@@ -47,20 +47,20 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from milgp.data.atomic import atomic_write_json, remove_stale_temporaries
-from milgp.data.bag_array_file import open_array_file
-from milgp.data.cache_bag import BagResult, process_bag_isolated
-from milgp.data.cache_lock import CacheLock
-from milgp.data.cache_params import (
+from milgp.ct.bag_array_file import open_array_file
+from milgp.ct.cache_bag import BagResult, process_bag_isolated
+from milgp.ct.cache_lock import CacheLock
+from milgp.ct.cache_params import (
     CacheParams,
     CacheParamsMismatch,
     check_cache_params,
     read_cache_params,
     write_cache_params,
 )
-from milgp.data.cache_report import CacheReport
-from milgp.data.ct_index import BagIndex
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.worker_pool import run_isolated
+from milgp.ct.cache_report import CacheReport
+from milgp.ct.index import BagIndex
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.worker_pool import run_isolated
 
 __all__ = [
     "CTCache",

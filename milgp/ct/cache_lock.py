@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import TextIO
 
 from milgp.data.atomic import current_umask
-from milgp.data.report_entry import printable
+from milgp.ct.report_entry import printable
 
 __all__ = ["CacheLock", "CacheLockedError", "LOCK_FILE_NAME"]
 

@@ -28,13 +28,13 @@ from typing import Sequence
 
 import numpy as np
 
-from milgp.data.csv_table import read_csv_rows
-from milgp.data.ct_index import BagIndex
-from milgp.data.dicom import SliceHeader, read_headers, walk_files
-from milgp.data.label_rule import LabelRule
-from milgp.data.report_entry import ReportEntry, printable
-from milgp.data.series_check import tilt_deg
-from milgp.data.series_policy import SeriesPolicy
+from milgp.ct.csv_table import read_csv_rows
+from milgp.ct.index import BagIndex
+from milgp.ct.dicom import SliceHeader, read_headers, walk_files
+from milgp.ct.label_rule import LabelRule
+from milgp.ct.report_entry import ReportEntry, printable
+from milgp.ct.series_check import tilt_deg
+from milgp.ct.series_policy import SeriesPolicy
 
 __all__ = [
     "CQ500_READERS",
