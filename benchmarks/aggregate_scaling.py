@@ -148,7 +148,7 @@ def child(model_name: str, N: int, M: int, epochs: int, bags_per_batch: int | No
     # correctness: posterior mean rate vs the truth, against the constant-in-bag baseline
     rng = np.random.default_rng(seed + 1)
     sub = np.sort(rng.choice(N, min(N, 200_000), replace=False))
-    mean, var = gp.predict_marginals(x[sub])
+    mean, var = gp.variational_strategy.predict_marginals(x[sub])
     with torch.no_grad():
         pred = lik.rate_mean(mean, var).numpy()
     lam = d["lam"][sub]

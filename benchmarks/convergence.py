@@ -86,7 +86,7 @@ def gpytorch_baseline(batch, hyper, method, lr, budget_s, max_steps, target, eva
         opt = torch.optim.Adam(model.variational_parameters(), lr=lr)
     model.train()
     with torch.no_grad():
-        mean0, _ = model.predict_marginals(x)
+        mean0, _ = model.variational_strategy.predict_marginals(x)
     pi = lik.init_locals(bi, labels, B, mean0)
     trace = [(0, 0.0, 0.0, closed_form_elbo(model, lik, batch, pi))]
     clock = Clock()

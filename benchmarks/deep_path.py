@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> dict:
                 with torch.no_grad():
                     x0 = torch.rand(64, 3, args.size, args.size, device=device)
                     model.gp.initialize(model.extractor(x0), torch.arange(64, device=device) % 2)
-                opt = torch.optim.Adam([{"params": model.gp.hyperparameters(), "lr": 1e-2},
+                opt = torch.optim.Adam([{"params": model.gp.variational_strategy.hyperparameters(), "lr": 1e-2},
                                         {"params": model.extractor.parameters(), "lr": 1e-4}])
                 step = _gp_step(model, opt, args.amp, device)
             model.train()

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.prediction [--quick]
 
-* instances/s for ``q(f*)`` (``SparseGP.predict_marginals``) plus the instance probability and its
+* instances/s for ``q(f*)`` (``ClosedFormStrategy.predict_marginals``) plus the instance probability and its
   standard deviation (``LogisticLink.moments``, 40-node quadrature);
 * bags/s for the noisy-OR bag probability with std (Eqs. 34–36, quadrature, factorised q(f*));
 * bags/s for the bag probability under the joint within-bag ``q(f*_b)``
@@ -55,18 +55,18 @@ def main(argv=None):
     xt, bit, Bt = test.x, test.bag_index, test.num_bags
     rows = []
     with torch.no_grad():
-        w, c = best_of(lambda: model.predict_marginals(xt))
+        w, c = best_of(lambda: model.variational_strategy.predict_marginals(xt))
         rows.append({"what": "q(f*) mean+var (predict_marginals)", "unit": "instances", "count": test.num_instances, "per_s": test.num_instances / w, "per_cpu_s": test.num_instances / c, "wall_s": w})
 
         def inst():
-            mu, var = model.predict_marginals(xt)
+            mu, var = model.variational_strategy.predict_marginals(xt)
             return lik.instance_link.moments(mu, var)
 
         w, c = best_of(inst)
         rows.append({"what": "instance probability + std", "unit": "instances", "count": test.num_instances, "per_s": test.num_instances / w, "per_cpu_s": test.num_instances / c, "wall_s": w})
 
         def noisy_or():
-            mu, var = model.predict_marginals(xt)
+            mu, var = model.variational_strategy.predict_marginals(xt)
             return NoisyOrRule()(BagPosterior(mu, var, bit, Bt), lik.instance_link)
 
         w, c = best_of(noisy_or)

@@ -118,10 +118,10 @@ def compare(name, batch, M, sweeps):
     t, c = time.perf_counter(), time.process_time()
     res = fit_closed_form(ours, lik, batch, max_iter=sweeps, tol=0.0, min_iter=sweeps, learn_hyperparameters=False)
     t_ours, c_ours = time.perf_counter() - t, time.process_time() - c
-    mu_o, var_o = ours.predict_marginals(batch.x)
+    mu_o, var_o = ours.variational_strategy.predict_marginals(batch.x)
     # reference
     t, c = time.perf_counter(), time.process_time()
-    ref = ReferenceVGPMIL(X, bi, T, Z, hyper["lengthscale"], hyper["outputscale"], jitter=ours.jitter)
+    ref = ReferenceVGPMIL(X, bi, T, Z, hyper["lengthscale"], hyper["outputscale"], jitter=ours.variational_strategy.jitter)
     for _ in range(sweeps):
         ref.sweep()
     t_ref, c_ref = time.perf_counter() - t, time.process_time() - c

@@ -49,7 +49,8 @@ from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.linalg import robust_cholesky
 from milgp.metrics import log_loss
-from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
 
 # The pieces of one fit_aggregate iteration, reused as they are (not re-derived here).
 from milgp.variational.aggregate_fit import (
@@ -222,7 +223,7 @@ class GPHead(nn.Module):
             rng = np.random.default_rng(self.seed)
             Z = np.concatenate([Z, Z[rng.integers(len(Z), size=M - len(Z))] + 1e-3 * rng.standard_normal((M - len(Z), Z.shape[1]))])
         device = self.feature_mean.device
-        self.gp.variational_strategy.inducing_points.data.copy_(torch.as_tensor(Z, dtype=torch.float64, device=device))
+        self.strategy.inducing_points.data.copy_(torch.as_tensor(Z, dtype=torch.float64, device=device))
         ls = self.init_lengthscale if self.init_lengthscale is not None else median_lengthscale(z, seed=self.seed)
         # a tensor, not a Python float: GPyTorch's setter would round a float through float32
         self.gp.covar_module.base_kernel.lengthscale = torch.as_tensor(float(ls), dtype=torch.float64, device=device)
@@ -238,7 +239,7 @@ class GPHead(nn.Module):
         M = self.num_inducing
         dev = self.feature_mean.device
         eye = torch.eye(M, dtype=torch.float64, device=dev)
-        self.gp.set_whitened_posterior(WhitenedPosterior(m=torch.zeros(M, dtype=torch.float64, device=dev), S=eye, precision=eye.clone()))
+        self.strategy.set_whitened_posterior(WhitenedPosterior(m=torch.zeros(M, dtype=torch.float64, device=dev), S=eye, precision=eye.clone()))
 
     @torch.no_grad()
     def update_standardization(self, h: Tensor, momentum: float, reduce: Callable[[Tensor], Tensor] | None = None) -> None:
@@ -261,9 +262,14 @@ class GPHead(nn.Module):
         new_var = (1 - momentum) * self.feature_scale**2 + momentum * var
         self.feature_scale.copy_(new_var.sqrt().clamp_min(1e-8))
 
+    @property
+    def strategy(self) -> ClosedFormStrategy:
+        """The GP's variational strategy: projections, ``q(v)`` in natural parameters, bag blocks."""
+        return self.gp.variational_strategy
+
     def hyperparameters(self) -> list[nn.Parameter]:
         """Kernel (and mean, and Z when learned) parameters: everything Adam may update."""
-        return [p for p in self.gp.hyperparameters() if p.requires_grad] + [p for p in self.likelihood.parameters() if p.requires_grad]
+        return [p for p in self.strategy.hyperparameters() if p.requires_grad] + [p for p in self.likelihood.parameters() if p.requires_grad]
 
     # -- computations ----------------------------------------------------------------------------
     def standardize(self, h: Tensor) -> Tensor:
@@ -271,13 +277,13 @@ class GPHead(nn.Module):
         return (h.to(torch.float64) - self.feature_mean) / self.feature_scale
 
     def posterior(self) -> WhitenedPosterior:
-        return self.gp.whitened_posterior()
+        return self.strategy.whitened_posterior()
 
     def moments(self, z: Tensor, q: WhitenedPosterior | None = None) -> tuple[Tensor, Tensor]:
         """``q(f_n)`` mean and variance ``(N,)`` of standardised features; differentiable in ``z``
         and the hyperparameters (q(v) fixed)."""
         q = self.posterior() if q is None else q
-        return self.gp.marginals(self.gp.projection(z), q)
+        return self.strategy.marginals(self.strategy.projection(z), q)
 
     def initial_locals(self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Any:
         return self.likelihood.init_locals(bag_index, bag_labels.to(mean.dtype), num_bags, mean)
@@ -307,9 +313,9 @@ class GPHead(nn.Module):
         z = z.detach()
         labels = bag_labels.to(torch.float64)
         q = self.posterior()
-        L = self.gp.inducing_cholesky()
-        proj = self.gp.projection(z, L)
-        mean, var = self.gp.marginals(proj, q)
+        L = self.strategy.inducing_cholesky()
+        proj = self.strategy.projection(z, L)
+        mean, var = self.strategy.marginals(proj, q)
         if locals_ is None:
             locals_ = self.initial_locals(mean, var, bag_index, labels, num_bags)
         b, lam = self.likelihood.quadratic_terms(mean, var, bag_index, labels, num_bags, locals_)
@@ -317,8 +323,8 @@ class GPHead(nn.Module):
         if reduce is not None:
             stats = reduce(stats)
         q = natural_step(q, stats, rho=rho, scale=scale)
-        self.gp.set_whitened_posterior(q)
-        mean, var = self.gp.marginals(proj, q)
+        self.strategy.set_whitened_posterior(q)
+        mean, var = self.strategy.marginals(proj, q)
         locals_ = self.likelihood.update_locals(mean, var, bag_index, labels, num_bags, locals_)
         return q, locals_
 
@@ -339,7 +345,7 @@ class GPHead(nn.Module):
 
     def clear_caches(self) -> None:
         """Clear GPyTorch's variational caches (after kernel hyperparameters changed)."""
-        self.gp.variational_strategy._clear_cache()
+        self.strategy._clear_cache()
 
     # -- bag decisions ---------------------------------------------------------------------------
     def bag_posterior(self, z: Tensor, bag_index: Tensor, num_bags: int) -> BagPosterior:
@@ -534,7 +540,7 @@ class GPHead(nn.Module):
             r = float(rho)
         elif q_new is not None:
             r = min(rho_max, r * 1.5)
-        self.gp.set_whitened_posterior(new)  # also clears GPyTorch's caches
+        self.strategy.set_whitened_posterior(new)  # also clears GPyTorch's caches
         return AggregateStep(rho=used, next_rho=r, data=data, elbo=estimate_old)
 
     def aggregate_objective(self, z: Tensor, bag_index: Tensor, bag_targets: Tensor, weights: Tensor | None, num_bags: int) -> Tensor:
@@ -545,7 +551,7 @@ class GPHead(nn.Module):
         z = z.to(torch.float64)
         batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
         q = self.posterior()
-        L = self.gp.inducing_cholesky()
+        L = self.strategy.inducing_cholesky()
         groups = self.aggregate_groups(bag_index, num_bags)
         return torch.stack([group_terms(self.gp, lik, batch, g, q.m, q.S, L, True).sum() for g in groups]).sum()
 
@@ -593,13 +599,13 @@ class GPHead(nn.Module):
         """``log E_{q(f_b)} p(y_a | η_a)`` per bag by Monte Carlo over the joint ``q(f_b)``."""
         lik = self.likelihood
         q = self.posterior()
-        L = self.gp.inducing_cholesky()
+        L = self.strategy.inducing_cholesky()
         gen = torch.Generator(device=z.device).manual_seed(self.seed)
         out = z.new_empty(num_bags)
         S_total = max(1, self.nll_samples)
         for g in self.aggregate_groups(bag_index, num_bags, blocks=True):
             xg = z[g.inst]
-            blocks = bag_blocks(self.gp, xg, self.gp.projection(xg, L), g.local, g.num_bags, q.m, q.S, w[g.inst], kernel_grad=False)
+            blocks = bag_blocks(self.gp, xg, self.strategy.projection(xg, L), g.local, g.num_bags, q.m, q.S, w[g.inst], kernel_grad=False)
             chol = robust_cholesky(blocks.cov, what="within-bag covariance of q(f_b)")
             yg = y[g.bags]
             B_g, n = blocks.mean.shape

@@ -136,7 +136,7 @@ class ProbitMILClassifier(MILClassifierBase):
         if self.inference == "gibbs":
             self.gibbs_ = sample_probit_posterior(
                 self.model_, batch, num_samples=self.num_samples, burn_in=self.burn_in, thin=self.thin,
-                num_chains=self.num_chains, init=self.model_.whitened_posterior(), init_dispersion=self.init_dispersion,
+                num_chains=self.num_chains, init=self.model_.variational_strategy.whitened_posterior(), init_dispersion=self.init_dispersion,
                 seed=self.random_state, progress=self.verbose,
             )
             self.gibbs_summary_ = self.gibbs_.summary()

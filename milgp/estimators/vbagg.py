@@ -197,7 +197,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             tol=self.tol, bags_per_batch=self.bags_per_batch, chunk_instances=self.chunk_instances,
             block_budget=self.block_budget, seed=self.random_state, progress=self.verbose,
         )
-        learn = learn and bool(model.hyperparameters() or list(likelihood.parameters()))
+        learn = learn and bool(model.variational_strategy.hyperparameters() or list(likelihood.parameters()))
         result = fit_aggregate(
             model, likelihood, batch, max_iter=max(1, self.warmup_iter if learn else self.max_iter), learn_hyperparameters=False, **common
         )
@@ -243,7 +243,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             raise ValueError(f"X must be (n, {self.n_features_in_}) individual covariates, got shape {X.shape}")
         if not np.isfinite(X).all():
             raise ValueError(f"X has NaN or inf features (first in row {int(np.nonzero(~np.isfinite(X).all(1))[0][0])})")
-        return self.model_.predict_marginals(self._transform(X))
+        return self.model_.variational_strategy.predict_marginals(self._transform(X))
 
     def predict(self, X: Any) -> np.ndarray:
         """Posterior mean of the individual rate / mean parameter ``Ψ(f(x))`` ``(n,)``."""

@@ -217,17 +217,17 @@ class BlockBase:
 def block_base(
     model: Any, x: Tensor, proj: Any, bag_index: Tensor, num_bags: int, weights: Tensor, kernel_grad: bool = True
 ) -> BlockBase:
-    """:class:`BlockBase` of a group of bags (``model``: a :class:`milgp.models.SparseGP`, ``proj``
-    its projection of ``x``). ``kernel_grad=False`` builds the kernel block without a graph."""
+    """:class:`BlockBase` of a group of bags (``model``: an ``ApproximateGP`` on
+    :class:`milgp.models.ClosedFormStrategy`, ``proj`` its projection of ``x``). ``kernel_grad=False`` builds the kernel block without a graph."""
     x_pad, mask = to_padded(x, bag_index, num_bags)
     A_pad, _ = to_padded(proj.A.mT, bag_index, num_bags)  # (B, n, M)
     mu0_pad, _ = to_padded(proj.prior_mean, bag_index, num_bags)
     w_pad, _ = to_padded(weights, bag_index, num_bags, fill=0.0)
     with torch.set_grad_enabled(kernel_grad and torch.is_grad_enabled()):
-        K = model.covar_module(x_pad).to_dense()
+        K = model.forward(x_pad).lazy_covariance_matrix.to_dense()
     n_max = mask.shape[1]
     eye = torch.eye(n_max, dtype=x.dtype, device=x.device)
-    base = K + model.jitter * eye - A_pad @ A_pad.mT
+    base = K + model.variational_strategy.jitter * eye - A_pad @ A_pad.mT
     return BlockBase(A_pad=A_pad, base=base, prior_mean=mu0_pad, weights=w_pad, mask=mask)
 
 
@@ -255,8 +255,8 @@ def bag_blocks(
 ) -> PaddedBlocks:
     """Per-bag blocks ``S^a = K_bb + jitter·I + A_bᵀ(S − I)A_b`` and means (Law et al. 2018, Eq. 9, whitened).
 
-    ``model`` is a :class:`milgp.models.SparseGP` (its ``covar_module`` and ``jitter``), ``proj``
-    its :class:`~milgp.models.sparse_gp.Projection` of ``x``. Differentiable in ``m``, ``S`` and
+    ``model`` is an ``ApproximateGP`` on :class:`milgp.models.ClosedFormStrategy` (its prior kernel
+    and jitter), ``proj`` its :class:`~milgp.models.Projection` of ``x``. Differentiable in ``m``, ``S`` and
     the kernel hyperparameters (``kernel_grad=False``: the kernel block is built without a graph,
     e.g. for natural steps). Memory ``O(B · n_max²)``: group bags of similar size.
     """
@@ -397,7 +397,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             if model is not None and x is not None:
                 q_u = model.variational_strategy.variational_distribution
                 m, S = q_u.mean, q_u.covariance_matrix
-                proj = model.projection(x)
+                proj = model.variational_strategy.projection(x)
                 mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
                 blocks = bag_blocks(model, x, proj, bag_index, num_bags, m, S, weights)
             elif _is_train_mode_diagonal(function_dist) and bool((bag_sizes(bag_index, num_bags) > 1).any()):

@@ -1,4 +1,5 @@
-"""GP heads."""
-from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+"""GP heads: milgp's closed-form variational strategy and the estimators' sparse GP built on it."""
+from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
 
-__all__ = ["Projection", "SparseGP", "WhitenedPosterior"]
+__all__ = ["ClosedFormStrategy", "Projection", "SparseGP", "WhitenedPosterior"]

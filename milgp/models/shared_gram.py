@@ -5,7 +5,7 @@ kernels of :class:`~milgp.models.sparse_gp.SparseGP` are functions of the inner 
 RBF: ``s² exp(−(‖z‖² + ‖x‖² − 2zᵀx)/(2ℓ²))``, linear: ``s² zᵀx/D`` — so :class:`SharedGram`
 computes ``Z xᵀ`` (``2·M·N·D`` flops, the whole cost for wide features) once and derives every
 candidate's projection ``A = L⁻¹K_zx`` from it. The result is what
-:meth:`SparseGP.projection` computes for a model with that kernel (to rounding; tested).
+:meth:`ClosedFormStrategy.projection` computes for a model with that kernel (to rounding; tested).
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from milgp.linalg import robust_cholesky
-from milgp.models.sparse_gp import Projection, SparseGP
+from milgp.models.closed_form_strategy import Projection
+from milgp.models.sparse_gp import SparseGP
 
 __all__ = ["SharedGram"]
 
@@ -47,11 +48,11 @@ class SharedGram:
     def projection(self, model: SparseGP) -> tuple[Tensor, Projection]:
         """``(L, Projection)`` of the inputs under ``model``'s kernel (zero mean, shared lengthscale):
         ``L Lᵀ = s²K_zz + jitter·I``, ``A = L⁻¹ s²K_zx``, prior variance ``s²k(x, x) + jitter``,
-        the values of :meth:`SparseGP.inducing_cholesky` and :meth:`SparseGP.projection`."""
+        the values of :meth:`ClosedFormStrategy.inducing_cholesky` and :meth:`ClosedFormStrategy.projection`."""
         if hasattr(model.mean_module, "constant"):
             raise ValueError("SharedGram projections assume a zero mean function")
         K_zz, K_zx, k_xx = self._kernel(model)
-        outputscale, jitter = model.covar_module.outputscale.detach().reshape(()), model.jitter
+        outputscale, jitter = model.covar_module.outputscale.detach().reshape(()), model.variational_strategy.jitter
         L = robust_cholesky(outputscale * K_zz, jitter=jitter, what="K_zz (inducing-point kernel matrix)")
         A = torch.linalg.solve_triangular(L, outputscale * K_zx, upper=False)
         prior_var = outputscale * k_xx + jitter

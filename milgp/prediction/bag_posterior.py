@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
+from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.data.bags import bag_sizes, make_bag_groups
-from milgp.models.sparse_gp import SparseGP
 
 __all__ = ["BLOCK_BUDGET", "BagPosterior", "JointBlocks", "MAX_JOINT_INSTANCES"]
 
@@ -68,25 +68,25 @@ class BagPosterior:
     @classmethod
     def from_model(
         cls,
-        model: SparseGP,
+        model: ApproximateGP,
         x: Tensor,
         bag_index: Tensor,
         num_bags: int,
         block_budget: int | None = None,
     ) -> "BagPosterior":
         """The predictive ``q(f*)`` of ``model`` at inputs ``x`` ``(N, D)`` (no gradients)."""
-        q = model.whitened_posterior()
-        mean, var = model.predict_marginals(x)
+        q = model.variational_strategy.whitened_posterior()
+        mean, var = model.variational_strategy.predict_marginals(x)
 
         def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
-            return model.bag_covariances(x[inst], local, n_bags, q)
+            return model.variational_strategy.bag_covariances(x[inst], local, n_bags, q)
 
         return cls(mean, var, bag_index, num_bags, blocks, block_budget)
 
     @classmethod
     def from_blocks(cls, mean_pad: Tensor, cov_pad: Tensor, mask: Tensor) -> "BagPosterior":
         """A posterior given as padded joint blocks ``(B, n)``, ``(B, n, n)``, ``(B, n)`` (e.g. from
-        :meth:`SparseGP.bag_covariances` or a user's own ``q(f*_b)``); every joint rule then sees the
+        :meth:`ClosedFormStrategy.bag_covariances` or a user's own ``q(f*_b)``); every joint rule then sees the
         blocks exactly as given, in one group."""
         B, n = mask.shape
         bag_index = torch.arange(B, device=mask.device).unsqueeze(1).expand(B, n)[mask]

@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.models.sparse_gp import SparseGP
 from milgp.prediction.bag_decision import BagDecision
 from milgp.prediction.bag_posterior import BagPosterior
 
@@ -56,7 +56,7 @@ class AveragedFit:
     """One candidate of the mixture: a fitted model, its likelihood, its calibrated bag decision
     and its weight."""
 
-    model: SparseGP
+    model: ApproximateGP
     likelihood: AugmentedBagLikelihood
     decision: BagDecision
     weight: float
@@ -71,7 +71,7 @@ class ModelAverage:
     @classmethod
     def from_candidates(
         cls,
-        candidates: list[tuple[SparseGP, AugmentedBagLikelihood, BagDecision]],
+        candidates: list[tuple[ApproximateGP, AugmentedBagLikelihood, BagDecision]],
         labels: Tensor,
         seed: int = 0,
     ) -> "ModelAverage":
@@ -104,7 +104,7 @@ class ModelAverage:
 
     def instance_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Instance probability ``E[p(y=1|f*)]`` and its std ``(N,)`` of the mixture."""
-        parts = [m.likelihood.instance_link.moments(*m.model.predict_marginals(x)) for m in self.members]
+        parts = [m.likelihood.instance_link.moments(*m.model.variational_strategy.predict_marginals(x)) for m in self.members]
         return self._mix(parts)
 
     def _mix(self, parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from gpytorch.models import ApproximateGP
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -45,7 +46,7 @@ from milgp.data.bags import BagBatch, segment_sum, to_padded
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import sample_truncated
 from milgp.linalg import robust_cholesky
-from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import WhitenedPosterior
 from milgp.sampling.diagnostics import effective_sample_size, split_rhat
 from milgp.data.bags import make_bag_groups
 
@@ -107,27 +108,27 @@ class ProbitGibbsResult:
     # ``(M, n_c)`` projection of the current instance chunk and the ``(C·S, M)`` draws themselves,
     # instead of ``(C·S, N)`` / ``(C·S, N, 32)`` tensors over all test instances at once
     # (2,000 instances × 4,000 draws × 32 nodes was ≈ 2 GB per temporary, ≈ 7 GB in all).
-    def _projection(self, model: SparseGP, x: Tensor, L: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _projection(self, model: ApproximateGP, x: Tensor, L: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(prior_mean, A, K̃)`` of ``x`` ``(n_c, D)``: ``(n_c,)``, ``(M, n_c)``, ``(n_c,)``."""
-        proj = model.projection(x, L)
+        proj = model.variational_strategy.projection(x, L)
         resid = (proj.prior_var - (proj.A * proj.A).sum(0)).clamp_min(0.0)  # K̃_nn
         return proj.prior_mean, proj.A, resid
 
-    def latent_mean(self, model: SparseGP, x: Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
+    def latent_mean(self, model: ApproximateGP, x: Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
         """Posterior mean of ``f*`` ``(N,)``; instances in chunks of ``max_elements // (C·S)``."""
         draws = self.draws
         S = draws.shape[0]
         chunk = max(1, max_elements // S)
         out = []
         with torch.no_grad():
-            L = model.inducing_cholesky()
+            L = model.variational_strategy.inducing_cholesky()
             for start in range(0, x.shape[0], chunk):
                 mu0, A, _ = self._projection(model, x[start : start + chunk], L)
                 out.append((mu0 + draws @ A).mean(0))
         return torch.cat(out) if out else x.new_zeros(0)
 
     def instance_probability(
-        self, model: SparseGP, x: Tensor, num_points: int = 32, max_elements: int = DEFAULT_MAX_ELEMENTS
+        self, model: ApproximateGP, x: Tensor, num_points: int = 32, max_elements: int = DEFAULT_MAX_ELEMENTS
     ) -> tuple[Tensor, Tensor]:
         """``E[Φ(f*)]`` and ``std[Φ(f*)]`` under the posterior, ``(N,)`` each.
 
@@ -149,7 +150,7 @@ class ProbitGibbsResult:
             chunk, draw_chunk = 1, max(1, max_elements // num_points)
         ps, sds = [], []
         with torch.no_grad():
-            L = model.inducing_cholesky()
+            L = model.variational_strategy.inducing_cholesky()
             for start in range(0, x.shape[0], chunk):
                 mu0, A, resid = self._projection(model, x[start : start + chunk], L)
                 if draw_chunk == S:
@@ -173,7 +174,7 @@ class ProbitGibbsResult:
         return torch.cat(ps), torch.cat(sds)
 
     def bag_probability_draws(
-        self, model: SparseGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
+        self, model: ApproximateGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
     ) -> Tensor:
         """Per-draw ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` laid out ``(C, S, B)``.
 
@@ -188,7 +189,7 @@ class ProbitGibbsResult:
         C = self.v.shape[0]
         out = x.new_zeros(S, num_bags)
         with torch.no_grad():
-            L = model.inducing_cholesky()
+            L = model.variational_strategy.inducing_cholesky()
             for g in make_bag_groups(bag_index, num_bags, chunk_instances=max(1, max_elements // S)):
                 mu0, A, resid = self._projection(model, x[g.inst], L)
                 scale = torch.sqrt(1.0 + resid)
@@ -201,7 +202,7 @@ class ProbitGibbsResult:
         return out.reshape(C, S // C, num_bags)
 
     def bag_probability(
-        self, model: SparseGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
+        self, model: ApproximateGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
     ) -> tuple[Tensor, Tensor]:
         """``P(Y* = 1)`` per bag and its Monte-Carlo standard error, ``(B,)`` each.
 
@@ -221,7 +222,7 @@ class ProbitGibbsResult:
 
 
 def sample_probit_posterior(
-    model: SparseGP,
+    model: ApproximateGP,
     batch: BagBatch,
     *,
     num_samples: int = 1000,
@@ -260,7 +261,7 @@ def sample_probit_posterior(
     labels = batch.bag_labels.to(torch.bool)
     dtype, device = x.dtype, x.device
     with torch.no_grad():
-        proj = model.projection(x)
+        proj = model.variational_strategy.projection(x)
         A, mu0 = proj.A, proj.prior_mean  # (M, N), (N,)
         M, N = A.shape
         d = 1.0 + (proj.prior_var - (A * A).sum(0)).clamp_min(0.0)  # 1 + K̃_nn

@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from gpytorch.models import ApproximateGP
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, random_bags_within, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
-from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, try_natural_step
 
 __all__ = [
@@ -72,10 +73,10 @@ class _Cached:
     block: BlockBase | None
 
 
-def _prepare(model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, group: BagGroup, L: Tensor, grad_hyper: bool) -> _Cached:
+def _prepare(model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, group: BagGroup, L: Tensor, grad_hyper: bool) -> _Cached:
     x = batch.x[group.inst]
     with torch.set_grad_enabled(grad_hyper and torch.is_grad_enabled()):
-        proj = model.projection(x, L)
+        proj = model.variational_strategy.projection(x, L)
         block = None
         if likelihood.needs_covariance:
             block = block_base(model, x, proj, group.local, group.num_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
@@ -83,7 +84,7 @@ def _prepare(model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, 
 
 
 def group_terms(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
     group: BagGroup,
@@ -109,9 +110,9 @@ class GroupCache:
     """Per-group :class:`_Cached` while the hyperparameters are fixed, if it fits in
     ``max_entries`` floats (else recomputed on the fly)."""
 
-    def __init__(self, model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup], max_entries: int):
+    def __init__(self, model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup], max_entries: int):
         self.model, self.likelihood, self.batch, self.groups = model, likelihood, batch, groups
-        M = model.num_inducing
+        M = model.variational_strategy.num_inducing
         entries = sum(int(g.inst.numel()) * (M + 2) for g in groups)
         if likelihood.needs_covariance:
             for g in groups:
@@ -128,13 +129,13 @@ class GroupCache:
             return [None] * len(self.groups)
         if self.items is None:
             with torch.no_grad():
-                L = self.model.inducing_cholesky()
+                L = self.model.variational_strategy.inducing_cholesky()
                 self.items = [_prepare(self.model, self.likelihood, self.batch, g, L, False) for g in self.groups]
         return self.items
 
 
 def aggregate_elbo(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
     groups: list[BagGroup],
@@ -142,12 +143,12 @@ def aggregate_elbo(
     cache: GroupCache | None = None,
 ) -> float:
     """The VBAgg objective: ``Σ_a bag_terms − KL(q(v) ‖ N(0, I))`` (float)."""
-    q = model.whitened_posterior() if q is None else q
+    q = model.variational_strategy.whitened_posterior() if q is None else q
     return aggregate_data_terms(model, likelihood, batch, groups, q, cache) - float(q.kl_divergence())
 
 
 def aggregate_data_terms(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
     groups: list[BagGroup],
@@ -156,13 +157,13 @@ def aggregate_data_terms(
 ) -> float:
     """``Σ_a bag_terms`` over the bags of ``groups`` under ``q`` (float; no KL)."""
     with torch.no_grad():
-        L = model.inducing_cholesky() if cache is None or not cache.enabled else None
+        L = model.variational_strategy.inducing_cholesky() if cache is None or not cache.enabled else None
         items = cache.get() if cache is not None else [None] * len(groups)
         return sum(float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum()) for g, c in zip(groups, items))
 
 
 def aggregate_natural_statistics(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
     groups: list[BagGroup],
@@ -177,7 +178,7 @@ def aggregate_natural_statistics(
     """
     items = cache.get() if cache is not None else [None] * len(groups)
     with torch.no_grad():
-        L = model.inducing_cholesky()
+        L = model.variational_strategy.inducing_cholesky()
     if closed_form and is_conjugate(likelihood):
         stats, value = None, 0.0
         w_all = _weights(batch)
@@ -242,7 +243,7 @@ class AggregateFitResult:
 
 
 def _hyper_step(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
     groups: list[BagGroup],
@@ -252,14 +253,14 @@ def _hyper_step(
 ) -> None:
     optimizer.zero_grad(set_to_none=True)
     for g in groups:
-        L = model.inducing_cholesky()
+        L = model.variational_strategy.inducing_cholesky()
         terms = group_terms(model, likelihood, batch, g, q.m, q.S, L, True).sum()
         (-terms / normaliser).backward()
     optimizer.step()
 
 
 def _ascends(
-    model: SparseGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup],
+    model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup],
     q_new: WhitenedPosterior, scale: float, elbo_before: float, cache: GroupCache | None = None,
 ) -> bool:
     """Whether ``scale · Σ_{a∈groups} bag_terms − KL`` under ``q_new`` is finite and not below ``elbo_before``."""
@@ -268,7 +269,7 @@ def _ascends(
 
 
 def fit_aggregate(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
     *,
@@ -306,6 +307,7 @@ def fit_aggregate(
         cache_entries: keep the q-independent projections/kernel blocks of all chunks between
             hyperparameter steps when they fit in this many floats (else recompute per pass).
     """
+    ClosedFormStrategy.of(model)  # a one-line TypeError for a model on another strategy
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     B = batch.num_bags
@@ -314,12 +316,12 @@ def fit_aggregate(
     groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget)
     conjugate = is_conjugate(likelihood)
     cache = GroupCache(model, likelihood, batch, groups, cache_entries)
-    params = list(model.hyperparameters()) + list(likelihood.parameters())
+    params = list(model.variational_strategy.hyperparameters()) + list(likelihood.parameters())
     optimizer = torch.optim.Adam(params, lr=lr) if learn_hyperparameters and params else None
     schedule = schedule or RobbinsMonro()
     sizes = bag_sizes(batch.bag_index, B)
     result = AggregateFitResult()
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     rho = 1.0 if conjugate else min(rho0, rho_max)
     step_t, quiet = 0, 0
 
@@ -373,7 +375,7 @@ def fit_aggregate(
                     cache.invalidate()
         if bags_per_batch is None:
             hyper_round()
-        model.set_whitened_posterior(q)  # writes q(v) and clears GPyTorch's caches
+        model.variational_strategy.set_whitened_posterior(q)  # writes q(v) and clears GPyTorch's caches
         elbo = aggregate_elbo(model, likelihood, batch, groups, q, cache)
         if not math.isfinite(elbo):
             raise FloatingPointError(
@@ -398,7 +400,7 @@ def fit_aggregate(
 
 
 def predict_bag_moments(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AggregateLikelihood,
     x: Tensor,
     bag_index: Tensor,
@@ -413,15 +415,15 @@ def predict_bag_moments(
     ``y_mean``/``y_var`` of the observed aggregate (:meth:`AggregateLikelihood.observation_moments`).
     """
     weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     groups = make_bag_groups(bag_index, num_bags, chunk_instances, block_budget)
     rate_mean = x.new_zeros(num_bags)
     rate_var = x.new_zeros(num_bags)
     with torch.no_grad():
-        L = model.inducing_cholesky()
+        L = model.variational_strategy.inducing_cholesky()
         for g in groups:
             xg = x[g.inst]
-            proj = model.projection(xg, L)
+            proj = model.variational_strategy.projection(xg, L)
             blocks = bag_blocks(model, xg, proj, g.local, g.num_bags, q.m, q.S, weights[g.inst])
             mu, var = likelihood.bag_rate_moments(blocks)
             rate_mean[g.bags] = mu

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from gpytorch.models import ApproximateGP
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from milgp.data.bags import BagBatch, bag_sizes, random_bags_within
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics, natural_step, try_natural_step
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
 
@@ -82,9 +83,9 @@ class _Projector:
     hyperparameter setting either way. No gradients are recorded.
     """
 
-    def __init__(self, model: SparseGP, x: Tensor, chunk_size: int, cache_bytes: int):
-        self.model, self.x, self.chunk_size = model, x, max(1, int(chunk_size))
-        N, M = x.shape[0], model.num_inducing
+    def __init__(self, strategy: ClosedFormStrategy, x: Tensor, chunk_size: int, cache_bytes: int):
+        self.strategy, self.x, self.chunk_size = strategy, x, max(1, int(chunk_size))
+        N, M = x.shape[0], strategy.num_inducing
         self.cacheable = N * (M + 2) * x.element_size() <= cache_bytes
         self.invalidate()
 
@@ -108,17 +109,17 @@ class _Projector:
     def L(self) -> Tensor:
         if self._L is None:
             with torch.no_grad():
-                self._L = self.model.inducing_cholesky()
+                self._L = self.strategy.inducing_cholesky()
         return self._L
 
     def _fill(self) -> None:
-        x, N, M = self.x, self.x.shape[0], self.model.num_inducing
+        x, N, M = self.x, self.x.shape[0], self.strategy.num_inducing
         AT = x.new_empty((N, M))
         prior_var, prior_mean = x.new_empty(N), x.new_empty(N)
         with torch.no_grad():
             L = self.L()
             for s in range(0, N, self.chunk_size):
-                proj = self.model.projection(x[s : s + self.chunk_size], L)
+                proj = self.strategy.projection(x[s : s + self.chunk_size], L)
                 AT[s : s + self.chunk_size] = proj.A.mT
                 prior_var[s : s + self.chunk_size] = proj.prior_var
                 prior_mean[s : s + self.chunk_size] = proj.prior_mean
@@ -135,7 +136,7 @@ class _Projector:
             if self._AT is not None:
                 yield s, Projection(self._AT[s:e].mT, self._prior_var[s:e], self._prior_mean[s:e], self._residual[s:e])
             else:  # callers run under torch.no_grad()
-                yield s, self.model.projection(self.x[s:e], self.L())
+                yield s, self.strategy.projection(self.x[s:e], self.L())
 
     def rows(self, idx: Tensor) -> Projection | None:
         """The projection of instances ``idx`` from the cache (``None`` when nothing is cached)."""
@@ -147,20 +148,20 @@ class _Projector:
 
 
 def _moments(
-    model: SparseGP, x: Tensor, q: WhitenedPosterior, chunk_size: int, projector: _Projector | None = None
+    strategy: ClosedFormStrategy, x: Tensor, q: WhitenedPosterior, chunk_size: int, projector: _Projector | None = None
 ) -> tuple[Tensor, Tensor]:
-    projector = _Projector(model, x, chunk_size, 0) if projector is None else projector
+    projector = _Projector(strategy, x, chunk_size, 0) if projector is None else projector
     with torch.no_grad():
-        parts = [model.marginals(proj, q) for _, proj in projector.chunks()]
+        parts = [strategy.marginals(proj, q) for _, proj in projector.chunks()]
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def _statistics(
-    model: SparseGP, x: Tensor, b: Tensor, lam: Tensor, chunk_size: int, projector: _Projector | None = None
+    strategy: ClosedFormStrategy, x: Tensor, b: Tensor, lam: Tensor, chunk_size: int, projector: _Projector | None = None
 ) -> NaturalStatistics:
-    projector = _Projector(model, x, chunk_size, 0) if projector is None else projector
+    projector = _Projector(strategy, x, chunk_size, 0) if projector is None else projector
     with torch.no_grad():
         stats = None
         for s, proj in projector.chunks():
@@ -171,22 +172,24 @@ def _statistics(
 
 
 def closed_form_elbo(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AugmentedBagLikelihood,
     batch: BagBatch,
     locals_: Any,
     chunk_size: int = 65536,
 ) -> float:
-    """The closed-form ELBO (data terms at ``locals_`` minus ``KL(q(v) ‖ N(0, I))``)."""
-    q = model.whitened_posterior()
-    mean, var = _moments(model, batch.x, q, chunk_size)
+    """The closed-form ELBO (data terms at ``locals_`` minus ``KL(q(v) ‖ N(0, I))``) of a model
+    built on :class:`~milgp.models.ClosedFormStrategy`."""
+    strategy = ClosedFormStrategy.of(model)
+    q = strategy.whitened_posterior()
+    mean, var = _moments(strategy, batch.x, q, chunk_size)
     with torch.no_grad():
         data = likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_).sum()
         return float(data - q.kl_divergence())
 
 
 def _hyper_step(
-    model: SparseGP,
+    strategy: ClosedFormStrategy,
     likelihood: AugmentedBagLikelihood,
     batch: BagBatch,
     locals_: Any,
@@ -195,8 +198,7 @@ def _hyper_step(
     q: WhitenedPosterior,
 ) -> None:
     optimizer.zero_grad(set_to_none=True)
-    proj = model.projection(batch.x)
-    mean, var = model.marginals(proj, q)
+    mean, var = strategy.marginals(strategy.projection(batch.x), q)
     data = likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_).sum()
     loss = -scale * data / max(1, batch.num_instances)
     loss.backward()
@@ -218,7 +220,7 @@ def _bag_subset(batch: BagBatch, max_instances: int, generator: torch.Generator)
 
 
 def fit_closed_form(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AugmentedBagLikelihood,
     batch: BagBatch,
     *,
@@ -243,6 +245,9 @@ def fit_closed_form(
     """Fit ``model``'s q(v), the locals and (optionally) the hyperparameters on ``batch``.
 
     Args:
+        model: any ``ApproximateGP`` whose ``variational_strategy`` is
+            :class:`~milgp.models.ClosedFormStrategy` (e.g. :class:`~milgp.models.SparseGP`, or a
+            user's own model with their kernel and mean).
         batch: all training bags (``x`` ``(N, D)``, ``bag_index``, ``bag_labels``), on the model's
             device and dtype.
         max_iter: iterations (full batch) or epochs (``bags_per_batch`` set).
@@ -274,19 +279,20 @@ def fit_closed_form(
             "max_overrelaxation > 1 needs full-batch sweeps without hyperparameter learning "
             "(bags_per_batch=None, learn_hyperparameters=False): its safeguard compares ELBOs of one objective"
         )
+    strategy = ClosedFormStrategy.of(model)
     relax = AdaptiveOverrelaxation(max_overrelaxation) if max_overrelaxation != 1.0 else None
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
     result = FitResult()
     B, N = batch.num_bags, batch.num_instances
-    optimizer = torch.optim.Adam(model.hyperparameters(), lr=lr) if learn_hyperparameters else None
-    q = model.whitened_posterior()
+    optimizer = torch.optim.Adam(strategy.hyperparameters(), lr=lr) if learn_hyperparameters else None
+    q = strategy.whitened_posterior()
     # With minibatches and hyperparameter steps A changes after every minibatch: no full cache.
     budget = 0 if (bags_per_batch is not None and learn_hyperparameters) else cache_bytes
-    projector = _Projector(model, batch.x, chunk_size, budget)
+    projector = _Projector(strategy, batch.x, chunk_size, budget)
     if projection is not None:
         projector.adopt(*projection)
-    mean, var = _moments(model, batch.x, q, chunk_size, projector)
+    mean, var = _moments(strategy, batch.x, q, chunk_size, projector)
     if initial_locals is None:
         locals_ = likelihood.init_locals(batch.bag_index, batch.bag_labels, B, mean)
     else:
@@ -299,7 +305,7 @@ def fit_closed_form(
         elbo = None
         if bags_per_batch is None:
             b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
-            stats = _statistics(model, batch.x, b, lam, chunk_size, projector)
+            stats = _statistics(strategy, batch.x, b, lam, chunk_size, projector)
             plain = natural_step(q, stats, rho=1.0)
             step, indefinite = plain, False
             if relax is not None and relax.omega > 1.0:  # past the optimum
@@ -307,7 +313,7 @@ def fit_closed_form(
                 if step is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
                     step, indefinite = plain, True
                     relax.reject()
-            new_mean, new_var = _moments(model, batch.x, step, chunk_size, projector)
+            new_mean, new_var = _moments(strategy, batch.x, step, chunk_size, projector)
             new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
             if step is not plain:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
                 with torch.no_grad():
@@ -317,47 +323,47 @@ def fit_closed_form(
                     relax.reject()
                     result.rejected_steps += 1
                     step, elbo = plain, None
-                    new_mean, new_var = _moments(model, batch.x, step, chunk_size, projector)
+                    new_mean, new_var = _moments(strategy, batch.x, step, chunk_size, projector)
                     new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
                 else:
                     relax.accept()
             elif relax is not None and not indefinite:
                 relax.accept()
             q, mean, var, locals_ = step, new_mean, new_var, new_locals
-            model.set_whitened_posterior(q)
+            strategy.set_whitened_posterior(q)
         else:
             order = torch.randperm(B, generator=generator)
             for s in range(0, B, bags_per_batch):
                 bags = order[s : s + bags_per_batch].to(batch.bag_index.device)
                 mb, idx = batch.select_bags_with_index(bags)
                 # one projection of the minibatch serves both passes of this step
-                mb_proj = _Projector(model, mb.x, chunk_size, cache_bytes)
+                mb_proj = _Projector(strategy, mb.x, chunk_size, cache_bytes)
                 cached_rows = projector.rows(idx)
                 if cached_rows is not None:
                     mb_proj.adopt(projector.L(), cached_rows)
-                mb_mean, mb_var = _moments(model, mb.x, q, chunk_size, mb_proj)
+                mb_mean, mb_var = _moments(strategy, mb.x, q, chunk_size, mb_proj)
                 mb_locals = _subset_locals(locals_, idx)
                 b, lam = likelihood.quadratic_terms(mb_mean, mb_var, mb.bag_index, mb.bag_labels, mb.num_bags, mb_locals)
-                q = natural_step(q, _statistics(model, mb.x, b, lam, chunk_size, mb_proj), rho=schedule(step_t), scale=B / mb.num_bags)
+                q = natural_step(q, _statistics(strategy, mb.x, b, lam, chunk_size, mb_proj), rho=schedule(step_t), scale=B / mb.num_bags)
                 step_t += 1
-                model.set_whitened_posterior(q)
-                mb_mean, mb_var = _moments(model, mb.x, q, chunk_size, mb_proj)
+                strategy.set_whitened_posterior(q)
+                mb_mean, mb_var = _moments(strategy, mb.x, q, chunk_size, mb_proj)
                 del mb_proj
                 new_locals = likelihood.update_locals(mb_mean, mb_var, mb.bag_index, mb.bag_labels, mb.num_bags, mb_locals)
                 if isinstance(locals_, Tensor) and locals_.ndim == 1:
                     locals_[idx] = new_locals
                 if optimizer is not None:
                     for _ in range(hyper_steps):
-                        _hyper_step(model, likelihood, mb, new_locals, optimizer, 1.0, q)
+                        _hyper_step(strategy, likelihood, mb, new_locals, optimizer, 1.0, q)
                     projector.invalidate()
-            mean, var = _moments(model, batch.x, q, chunk_size, projector)
+            mean, var = _moments(strategy, batch.x, q, chunk_size, projector)
         if optimizer is not None and bags_per_batch is None:
             for _ in range(hyper_steps):
                 sub, idx, scale = _bag_subset(batch, hyper_max_instances, generator)
-                _hyper_step(model, likelihood, sub, _subset_locals(locals_, idx), optimizer, 1.0, q)
-            model.set_whitened_posterior(q)  # clears GPyTorch's caches after the kernel changed
+                _hyper_step(strategy, likelihood, sub, _subset_locals(locals_, idx), optimizer, 1.0, q)
+            strategy.set_whitened_posterior(q)  # clears GPyTorch's caches after the kernel changed
             projector.invalidate()  # A is recomputed once, here, and reused by the next sweep
-            mean, var = _moments(model, batch.x, q, chunk_size, projector)
+            mean, var = _moments(strategy, batch.x, q, chunk_size, projector)
         with torch.no_grad():
             kl = q.kl_divergence()
             if elbo is None:

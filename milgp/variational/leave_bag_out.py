@@ -22,11 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.data.bags import BagBatch, make_bag_groups, to_padded
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import Projection, WhitenedPosterior
 from milgp.prediction.bag_posterior import BagPosterior
 from milgp.variational.natural_update import natural_statistics
 
@@ -35,7 +36,7 @@ __all__ = ["leave_bag_out_posterior"]
 
 @torch.no_grad()
 def leave_bag_out_posterior(
-    model: SparseGP,
+    model: ApproximateGP,
     likelihood: AugmentedBagLikelihood,
     batch: BagBatch,
     locals_: Any,
@@ -67,8 +68,8 @@ def leave_bag_out_posterior(
         bag rules, the cavity's within-bag covariance blocks.
     """
     x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
-    proj = (model.projection(x) if projection is None else projection[1]).with_residual()
-    mean, var = model.marginals(proj, model.whitened_posterior()) if moments is None else moments
+    proj = (model.variational_strategy.projection(x) if projection is None else projection[1]).with_residual()
+    mean, var = model.variational_strategy.marginals(proj, model.variational_strategy.whitened_posterior()) if moments is None else moments
     beta, lam = likelihood.quadratic_terms(mean, var, bag_index, batch.bag_labels, B, locals_)
     beta = beta - lam * proj.prior_mean
     AT = proj.A.mT  # (N, M)
@@ -115,7 +116,7 @@ def leave_bag_out_posterior(
         _, cov_v, _ = cavity_v(inst, local, n_bags)
         A_pad, _ = to_padded(AT[inst], local, n_bags)
         mean_pad, _ = to_padded(cav_mean[inst], local, n_bags)
-        cov, mask = model.block_covariances(x[inst], local, n_bags, A_pad, cov_v)
+        cov, mask = model.variational_strategy.block_covariances(x[inst], local, n_bags, A_pad, cov_v)
         return mean_pad, cov, mask
 
     return BagPosterior(cav_mean, cav_var.clamp_min(1e-10), bag_index, B, blocks, block_budget)

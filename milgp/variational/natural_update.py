@@ -21,10 +21,11 @@ be accumulated over chunks of data or all-reduced across DDP ranks before the st
 from __future__ import annotations
 
 import torch
+from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.likelihoods.natural_statistics import NaturalStatistics
-from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import WhitenedPosterior
 
 __all__ = [
     "NaturalStatistics",
@@ -126,10 +127,10 @@ class RobbinsMonro:
         return float(min(1.0, (t + self.tau) ** (-self.kappa)))
 
 
-def apply_natural_step(model: SparseGP, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> WhitenedPosterior:
+def apply_natural_step(model: ApproximateGP, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> WhitenedPosterior:
     """:func:`natural_step` on ``model``'s current q(v), written back into the model."""
-    q_new = natural_step(model.whitened_posterior(), stats, rho=rho, scale=scale)
-    model.set_whitened_posterior(q_new)
+    q_new = natural_step(model.variational_strategy.whitened_posterior(), stats, rho=rho, scale=scale)
+    model.variational_strategy.set_whitened_posterior(q_new)
     return q_new
 
 

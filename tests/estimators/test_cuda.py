@@ -34,7 +34,7 @@ def test_mil_classifiers_on_cuda_agree_with_cpu(make) -> None:
     bags, y, _ = digit_bags()
     cpu = make(num_inducing=24, random_state=0).fit(bags, y)
     gpu = make(num_inducing=24, random_state=0, device="cuda").fit(bags, y)
-    assert gpu.model_.inducing_points.device.type == "cuda"
+    assert gpu.model_.variational_strategy.inducing_points.device.type == "cuda"
     test, _, _ = digit_bags(num_bags=10, seed=1)
     for a, b in zip(cpu.predict_bag_proba(test), gpu.predict_bag_proba(test)):
         np.testing.assert_allclose(b, a, atol=1e-8)

@@ -97,7 +97,7 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     or the grouped computation changes the answer: each bag must get exactly what it gets when
     predicted alone, and agree with the one-shot padded computation within the QMC error."""
     from milgp.likelihoods.instance_link import ProbitLink
-    from milgp.models.sparse_gp import SparseGP
+    from milgp.models.closed_form_strategy import ClosedFormStrategy
     from milgp.prediction import BagPosterior, OrthantRule, bag_posterior
 
     (tr, ytr, _), _ = data
@@ -111,14 +111,14 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     bags = [rng.normal(size=(k, 3)) * 3 + 5 + (rng.random() < 0.5) * np.array([3.6, 0, 0]) for k in sizes]
 
     shapes = []
-    orig = SparseGP.bag_covariances
+    orig = ClosedFormStrategy.bag_covariances
 
     def spy(self, x, bag_index, num_bags=None, q=None):
         out = orig(self, x, bag_index, num_bags, q)
         shapes.append(tuple(out[1].shape))
         return out
 
-    monkeypatch.setattr(SparseGP, "bag_covariances", spy)
+    monkeypatch.setattr(ClosedFormStrategy, "bag_covariances", spy)
     p_all, se_all = clf.predict_bag_proba(bags)
     assert max(b * n * n for b, n, _ in shapes) <= max(bag_posterior.BLOCK_BUDGET, 90 * 90)
     # a tight budget: several groups, the small bags together and not padded to the bag of 90;
@@ -136,10 +136,10 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
         np.testing.assert_allclose(p_b[0], p_all[b], rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(se_b[0], se_all[b], rtol=1e-8, atol=1e-13)
     # the one-shot padded computation (every bag padded to 90): same probabilities within QMC error
-    monkeypatch.setattr(SparseGP, "bag_covariances", orig)
+    monkeypatch.setattr(ClosedFormStrategy, "bag_covariances", orig)
     x, bag_index = clf._to_tensor(bags)
     with torch.no_grad():
-        mp_, cp, mk = clf.model_.bag_covariances(x, bag_index, len(bags))
+        mp_, cp, mk = clf.model_.variational_strategy.bag_covariances(x, bag_index, len(bags))
         p_pad, se_pad = OrthantRule(num_points=256, seed=1)(BagPosterior.from_blocks(mp_, cp, mk), ProbitLink())
     tol = 4 * np.sqrt(se_pad.numpy() ** 2 + se_all**2) + 1e-9
     assert (np.abs(p_pad.numpy() - p_all) <= tol).all()
@@ -150,7 +150,7 @@ def test_a_ten_thousand_instance_bag_is_predicted_without_joint_blocks(data, mon
     """If this fails, predicting one 10,000-instance bag builds its 10⁴×10⁴ within-bag covariance
     again (7 GB and minutes before): the default bag rule reads marginals only, and the orthant
     rule refuses such a bag with a message naming it instead of factorising it."""
-    from milgp.models.sparse_gp import SparseGP
+    from milgp.models.closed_form_strategy import ClosedFormStrategy
 
     (tr, ytr, _), _ = data
     clf = ProbitMILClassifier(num_inducing=20, max_iter=15, search_iter=5).fit(tr, ytr)
@@ -160,7 +160,7 @@ def test_a_ten_thousand_instance_bag_is_predicted_without_joint_blocks(data, mon
     def no_blocks(*args, **kwargs):
         raise AssertionError("a joint block was built")
 
-    monkeypatch.setattr(SparseGP, "bag_covariances", no_blocks)
+    monkeypatch.setattr(ClosedFormStrategy, "bag_covariances", no_blocks)
     p, s = clf.predict_bag_proba([huge, tr[0]])
     assert p.shape == (2,) and np.isfinite(p).all() and (s >= 0).all()
     monkeypatch.undo()

@@ -129,7 +129,7 @@ def test_float32_works():
     """dtype='float32' must fit and predict with float32 tensors and finite outputs."""
     bags, y = toy_bags()
     clf = VGPMILClassifier(dtype="float32", num_inducing=8, max_iter=15).fit(bags, y)
-    assert clf.model_.inducing_points.dtype == torch.float32
+    assert clf.model_.variational_strategy.inducing_points.dtype == torch.float32
     p = clf.predict_proba(bags)[:, 1]
     assert np.isfinite(p).all() and (clf.predict(bags) == y).mean() >= 0.8
 

@@ -136,9 +136,9 @@ def test_normal_exact_step_matches_vbagg_regressor() -> None:
     model = GPMILModule(feature_dim=2, likelihood=NormalAggregateLikelihood(noise=0.3), num_inducing=12,
                         hyper_steps=0, warmup_epochs=0, lengthscale=ls, seed=0)
     _trainer(1).fit(model, dict_loader(data, idx))
-    torch.testing.assert_close(model.gp.gp.inducing_points, reg.model_.inducing_points, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(model.gp.gp.variational_strategy.inducing_points, reg.model_.variational_strategy.inducing_points, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.gp.gp.mean_module.constant.detach(), reg.model_.mean_module.constant.detach(), rtol=1e-12, atol=1e-12)
-    q, q_ref = model.gp.posterior(), reg.model_.whitened_posterior()
+    q, q_ref = model.gp.posterior(), reg.model_.variational_strategy.whitened_posterior()
     torch.testing.assert_close(q.m, q_ref.m, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(q.S, q_ref.S, rtol=1e-9, atol=1e-9)
     X = np.concatenate(data["x"])
@@ -171,7 +171,7 @@ def test_epochs_equal_fit_aggregate(kind: str) -> None:
     res = fit_aggregate(ref.gp, ref.likelihood, BagBatch(z, batch.bag_index, batch.bag_labels.double(), instance_weights=batch.instance_weights.double()),
                         max_iter=K, tol=0.0, min_iter=K, hyper_steps=2, lr=0.05, rho0=0.5)
     assert res.iterations == K and int(model.natural_steps) == K
-    q, q_ref = model.gp.posterior(), ref.gp.whitened_posterior()
+    q, q_ref = model.gp.posterior(), ref.gp.variational_strategy.whitened_posterior()
     torch.testing.assert_close(q.m, q_ref.m, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(q.S, q_ref.S, rtol=1e-9, atol=1e-9)
     state, state_ref = model.gp.state_dict(), ref.state_dict()

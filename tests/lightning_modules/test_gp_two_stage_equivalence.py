@@ -7,7 +7,7 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_modules import BagArrayDataModule, GPMILModule
-from milgp.models.sparse_gp import WhitenedPosterior
+from milgp.models.closed_form_strategy import WhitenedPosterior
 from milgp.variational.fit import fit_closed_form
 from lm_helpers import feature_bags
 
@@ -30,14 +30,14 @@ def test_full_batch_epochs_equal_fit_closed_form() -> None:
     z = model.gp.standardize(batch.x)
     ref = copy.deepcopy(model.gp.gp)  # same Z and kernel (no hyperparameter steps were taken) ...
     eye = torch.eye(10, dtype=torch.float64)
-    ref.set_whitened_posterior(WhitenedPosterior(torch.zeros(10, dtype=torch.float64), eye, eye))  # ... q(v) back at the prior
+    ref.variational_strategy.set_whitened_posterior(WhitenedPosterior(torch.zeros(10, dtype=torch.float64), eye, eye))  # ... q(v) back at the prior
     lik = model.gp.likelihood
     from milgp.data.bags import BagBatch
 
     result = fit_closed_form(ref, lik, BagBatch(z, batch.bag_index, batch.bag_labels.double()), max_iter=K, tol=0.0,
                              learn_hyperparameters=False, min_iter=K)
     assert result.iterations == K
-    q_ref, q = ref.whitened_posterior(), model.gp.posterior()
+    q_ref, q = ref.variational_strategy.whitened_posterior(), model.gp.posterior()
     torch.testing.assert_close(q.m, q_ref.m, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(q.S, q_ref.S, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(model._get_locals(batch.to("cpu")), result.locals, rtol=1e-10, atol=1e-10)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from milgp.data.bags import BagBatch, bag_index_from_sizes
-from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
 
 
 def random_model(dim: int = 2, num_inducing: int = 6, seed: int = 0, constant_mean: bool = True, natural: bool = True) -> SparseGP:
@@ -34,10 +35,10 @@ def random_bags(sizes: list[int], dim: int = 2, seed: int = 2) -> tuple[torch.Te
 def dense_posterior(model: SparseGP, x: torch.Tensor, q: WhitenedPosterior) -> tuple[torch.Tensor, torch.Tensor]:
     """The full N×N q(f) by the textbook formula (small N only): the reference for blocks."""
     with torch.no_grad():
-        L = model.inducing_cholesky()
-        Kzx = model.covar_module(model.inducing_points, x).to_dense()
+        L = model.variational_strategy.inducing_cholesky()
+        Kzx = model.covar_module(model.variational_strategy.inducing_points, x).to_dense()
         A = torch.linalg.solve_triangular(L, Kzx, upper=False)
-        K = model.covar_module(x).to_dense() + model.jitter * torch.eye(x.shape[0], dtype=x.dtype)
+        K = model.covar_module(x).to_dense() + model.variational_strategy.jitter * torch.eye(x.shape[0], dtype=x.dtype)
         mean = model.mean_module(x) + A.mT @ q.m
         cov = K - A.mT @ A + A.mT @ q.S @ A
     return mean, 0.5 * (cov + cov.mT)

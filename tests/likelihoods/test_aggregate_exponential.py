@@ -19,14 +19,14 @@ def test_bound_is_below_monte_carlo_expected_log_likelihood():
     ``E_q[−y/η_a − log η_a]``; it must also not be vacuous (within a few nats here)."""
     sizes = [3, 5, 1, 6]
     model = random_model(seed=3)
-    q = random_posterior(model.num_inducing, seed=4)
+    q = random_posterior(model.variational_strategy.num_inducing, seed=4)
     x, bag_index = random_bags(sizes, seed=5)
     w = 0.5 + torch.rand(len(bag_index), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     y = torch.tensor([2.0, 7.0, 0.5, 4.0], dtype=torch.float64)
     lik = ExponentialAggregateLikelihood("exp")
     g = make_bag_groups(bag_index, len(sizes))[0]
     with torch.no_grad():
-        bound = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.inducing_cholesky(), False)
+        bound = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
         bound = bound[torch.argsort(g.bags)]
         mean, cov = dense_posterior(model, x, q)
         f = mean + torch.randn(200000, len(mean), generator=torch.Generator().manual_seed(0), dtype=torch.float64) @ torch.linalg.cholesky(cov).mT

@@ -19,8 +19,8 @@ TAU = 0.37
 
 def _setup(sizes, seed=0, weights=True):
     model = random_model(seed=seed)
-    q = random_posterior(model.num_inducing, seed=seed + 1)
-    model.set_whitened_posterior(q)
+    q = random_posterior(model.variational_strategy.num_inducing, seed=seed + 1)
+    model.variational_strategy.set_whitened_posterior(q)
     x, bag_index = random_bags(sizes, seed=seed + 2)
     g = torch.Generator().manual_seed(seed + 3)
     y = torch.randn(len(sizes), generator=g, dtype=torch.float64) * 2
@@ -79,9 +79,9 @@ def _collapsed_bound(model, x, bag_index, y, w, tau):
     W = torch.zeros(B, len(bag_index), dtype=torch.float64)
     W[bag_index, torch.arange(len(bag_index))] = w
     with torch.no_grad():
-        L = model.inducing_cholesky()
-        A = torch.linalg.solve_triangular(L, model.covar_module(model.inducing_points, x).to_dense(), upper=False)
-        K = model.covar_module(x).to_dense() + model.jitter * torch.eye(len(x), dtype=torch.float64)
+        L = model.variational_strategy.inducing_cholesky()
+        A = torch.linalg.solve_triangular(L, model.covar_module(model.variational_strategy.inducing_points, x).to_dense(), upper=False)
+        K = model.covar_module(x).to_dense() + model.variational_strategy.jitter * torch.eye(len(x), dtype=torch.float64)
         Q = A.mT @ A
         mu0 = model.mean_module(x)
         Sy = torch.diag(tau * (W * W).sum(1))
@@ -104,7 +104,7 @@ def test_one_natural_step_is_the_exact_optimum():
     model, _, x, bag_index, y, w, lik = _setup(sizes, seed=4)
     batch = make_batch(x, bag_index, y, w)
     groups = make_bag_groups(bag_index, len(sizes))
-    q0 = random_posterior(model.num_inducing, seed=9)
+    q0 = random_posterior(model.variational_strategy.num_inducing, seed=9)
     stats, _ = aggregate_natural_statistics(model, lik, batch, groups, q0)
     q1 = try_natural_step(q0, stats, 1.0, 1.0)
     elbo = aggregate_elbo(model, lik, batch, groups, q1)
@@ -130,7 +130,7 @@ def test_expected_log_likelihood_matches_monte_carlo():
     from milgp.variational.aggregate_fit import group_terms
 
     with torch.no_grad():
-        terms = group_terms(model, lik, batch, groups[0], q.m, q.S, model.inducing_cholesky(), False)
+        terms = group_terms(model, lik, batch, groups[0], q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
         terms = terms[torch.argsort(groups[0].bags)]
         mean, cov = dense_posterior(model, x, q)
         g = torch.Generator().manual_seed(0)

@@ -29,8 +29,8 @@ SIZES = [3, 5, 8, 2]
 def _setup(mean_level=0.3, seed=0, sizes=SIZES):
     model = random_model(seed=seed)
     model.mean_module.constant.data.fill_(mean_level)
-    q = random_posterior(model.num_inducing, seed=seed + 1)
-    model.set_whitened_posterior(q)
+    q = random_posterior(model.variational_strategy.num_inducing, seed=seed + 1)
+    model.variational_strategy.set_whitened_posterior(q)
     x, bag_index = random_bags(sizes, seed=seed + 2)
     g = torch.Generator().manual_seed(seed + 3)
     w = 0.5 + torch.rand(len(bag_index), generator=g, dtype=torch.float64)
@@ -43,7 +43,7 @@ def _terms(model, lik, x, bag_index, y, w, q):
     out = torch.empty(len(y), dtype=torch.float64)
     with torch.no_grad():
         for g in groups:
-            out[g.bags] = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.inducing_cholesky(), False)
+            out[g.bags] = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
     return out
 
 
@@ -85,7 +85,7 @@ def test_square_link_taylor_approximation_is_close_to_monte_carlo():
     assert ((approx - mc).abs() < 0.02 * y.clamp_min(1) + 4 * se).all(), (approx, mc)
     # the approximation of E log‖V‖² itself
     with torch.no_grad():
-        proj = model.projection(x)
+        proj = model.variational_strategy.projection(x)
         blocks = bag_blocks(model, x, proj, bag_index, len(y), q.m, q.S, w)
         zeta = lik.taylor_log_norm(blocks)
     norm = torch.zeros(f.shape[0], len(y), dtype=torch.float64).index_add_(1, bag_index, f * f * w)
@@ -98,7 +98,7 @@ def test_square_link_taylor_approximation_is_close_to_monte_carlo():
     # the expansion converges as E‖V‖² grows relative to its spread (the truncation error shrinks)
     model.mean_module.constant.data.fill_(6.0)
     with torch.no_grad():
-        blocks = bag_blocks(model, x, model.projection(x), bag_index, len(y), q.m, q.S, w)
+        blocks = bag_blocks(model, x, model.variational_strategy.projection(x), bag_index, len(y), q.m, q.S, w)
         zeta_far = lik.taylor_log_norm(blocks)
     f_far = _mc_samples(model, x, q)
     norm_far = torch.zeros(f_far.shape[0], len(y), dtype=torch.float64).index_add_(1, bag_index, f_far * f_far * w)
@@ -111,7 +111,7 @@ def test_within_bag_covariance_equals_block_of_full_predictive_covariance():
     as GPyTorch computes it in eval mode. Padded rows/columns must be the identity."""
     model, q, x, bag_index, y, w = _setup()
     with torch.no_grad():
-        blocks = bag_blocks(model, x, model.projection(x), bag_index, len(y), q.m, q.S, w)
+        blocks = bag_blocks(model, x, model.variational_strategy.projection(x), bag_index, len(y), q.m, q.S, w)
         mean, cov = dense_posterior(model, x, q)
         model.eval()
         full = model(x).covariance_matrix
@@ -164,14 +164,14 @@ def test_natural_gradient_fit_increases_the_objective_to_a_fixed_point(link):
     A wrong expectation-parameter gradient (e.g. forgetting ``−2 (∂E/∂S) m``) breaks both."""
     sizes = [4, 6, 3, 5, 7, 2, 6, 5]
     model, _, x, bag_index, _, w = _setup(mean_level=1.0 if link == "square" else 0.0, sizes=sizes)
-    model.set_whitened_posterior(random_posterior(model.num_inducing, seed=5, scale=0.0))
+    model.variational_strategy.set_whitened_posterior(random_posterior(model.variational_strategy.num_inducing, seed=5, scale=0.0))
     y = torch.tensor([5.0, 12.0, 2.0, 9.0, 20.0, 1.0, 8.0, 6.0], dtype=torch.float64)
     lik = PoissonAggregateLikelihood(link)
     batch = make_batch(x, bag_index, y, w)
     res = fit_aggregate(model, lik, batch, max_iter=150, tol=1e-12, learn_hyperparameters=False, rho0=0.5)
     diffs = np.diff(res.elbo)
     assert (diffs >= -1e-8 * np.abs(res.elbo[:-1])).all()
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     stats, _ = aggregate_natural_statistics(model, lik, batch, make_bag_groups(bag_index, len(sizes)), q)
     eta1_hat, P_hat = stats.targets()
     torch.testing.assert_close(eta1_hat, q.precision @ q.m, rtol=1e-4, atol=1e-5)
@@ -186,7 +186,7 @@ def test_minibatch_natural_steps_approach_the_full_batch_optimum():
     out = []
     for bpb in (None, 2):
         model, _, x, bag_index, _, w = _setup(sizes=sizes)
-        model.set_whitened_posterior(random_posterior(model.num_inducing, seed=5, scale=0.0))
+        model.variational_strategy.set_whitened_posterior(random_posterior(model.variational_strategy.num_inducing, seed=5, scale=0.0))
         lik = PoissonAggregateLikelihood("exp")
         res = fit_aggregate(model, lik, make_batch(x, bag_index, y, w), max_iter=25 if bpb else 60, tol=0.0,
                             learn_hyperparameters=False, bags_per_batch=bpb, rho_max=0.5)
@@ -223,7 +223,7 @@ def test_minibatch_steps_never_lower_the_objective_estimate(link):
     overshoot on these counts (the objective fell by ~10⁶ in one step)."""
     sizes = [4, 6, 3, 5, 7, 2, 6, 5]
     model, _, x, bag_index, _, w = _setup(mean_level=1.0, seed=0, sizes=sizes)
-    model.set_whitened_posterior(random_posterior(model.num_inducing, seed=5, scale=0.0))
+    model.variational_strategy.set_whitened_posterior(random_posterior(model.variational_strategy.num_inducing, seed=5, scale=0.0))
     y = 50.0 * torch.tensor([5.0, 12.0, 2.0, 9.0, 20.0, 1.0, 8.0, 6.0], dtype=torch.float64)
     res = fit_aggregate(model, PoissonAggregateLikelihood(link), make_batch(x, bag_index, y, w), max_iter=8, tol=0.0,
                         learn_hyperparameters=False, bags_per_batch=len(sizes), rho_max=1.0)

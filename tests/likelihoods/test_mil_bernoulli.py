@@ -39,7 +39,7 @@ def test_expected_log_prob_value_equals_closed_form_elbo_terms(psi):
     out = model(batch.x)
     target = batch.bag_labels[batch.bag_index]
     elp = lik.expected_log_prob(target, out, bag_index=batch.bag_index, locals=res.locals).sum()
-    mean, var = model.predict_marginals(batch.x)
+    mean, var = model.variational_strategy.predict_marginals(batch.x)
     closed = lik.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, res.locals).sum()
     assert elp.item() == pytest.approx(closed.item(), rel=1e-10)
     # and the whole VariationalELBO (× N) equals the fast path's ELBO
@@ -134,17 +134,17 @@ def test_bags_of_one_reduce_to_sparse_gp_logistic_classification():
     lik = MILBernoulliLikelihood("pg", H=1e12)
     res = fit_closed_form(model, lik, batch, max_iter=200, tol=1e-13, learn_hyperparameters=False)
     with torch.no_grad():
-        proj = model.projection(x)
+        proj = model.variational_strategy.projection(x)
     A = proj.A.numpy()
     PRIOR_RESIDUAL = proj.prior_var.numpy() - (A * A).sum(0)
     m_ref, S_ref = logistic_pg_cavi(A, y.numpy())
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     assert (res.locals - y).abs().max() < 2e-7
     np.testing.assert_allclose(q.m.numpy(), m_ref, atol=1e-5)
     np.testing.assert_allclose(q.S.numpy(), S_ref, atol=1e-5)
 
     # the closed-form ELBO is a lower bound of the exact logistic ELBO at the same q (quadrature)
-    mean, var = model.predict_marginals(x)
+    mean, var = model.variational_strategy.predict_marginals(x)
     sign = 2 * y - 1
     exact = gauss_hermite_expectation(lambda f: torch.nn.functional.logsigmoid(sign.unsqueeze(-1) * f), mean, var, 80)
     c = torch.sqrt(mean**2 + var)

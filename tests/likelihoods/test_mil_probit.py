@@ -178,7 +178,7 @@ def test_elbo_is_a_lower_bound_on_the_exact_log_marginal():
     model = SparseGP(X.clone(), lengthscale=1.0, outputscale=0.5)
     res = fit_closed_form(model, MILProbitLikelihood(), batch, max_iter=300, tol=1e-12, learn_hyperparameters=False)
     with torch.no_grad():
-        K = model.covar_module(X).to_dense().numpy() + model.jitter * np.eye(4)
+        K = model.covar_module(X).to_dense().numpy() + model.variational_strategy.jitter * np.eye(4)
     C = K + np.eye(4)
     mvn = lambda idx: stats.multivariate_normal(np.zeros(len(idx)), C[np.ix_(idx, idx)], abseps=1e-10, releps=1e-10).cdf(np.zeros(len(idx)))  # noqa: E731
     log_evidence = math.log(mvn([0, 1]) - mvn([0, 1, 2, 3]))
@@ -220,9 +220,9 @@ def test_vi_matches_independent_unwhitened_reference():
     Z = batch.x[::4].clone()
     model = SparseGP(Z, lengthscale=1.2, outputscale=1.5)
     fit_closed_form(model, MILProbitLikelihood(), batch, max_iter=1000, tol=0, min_iter=50, learn_hyperparameters=False)
-    mean, var = model.predict_marginals(batch.x)
+    mean, var = model.variational_strategy.predict_marginals(batch.x)
     ref_mean, ref_var = reference_cavi(
-        batch.x.numpy(), batch.bag_index.numpy(), batch.bag_labels.numpy(), Z.numpy(), 1.5, 1.2, model.jitter
+        batch.x.numpy(), batch.bag_index.numpy(), batch.bag_labels.numpy(), Z.numpy(), 1.5, 1.2, model.variational_strategy.jitter
     )
     np.testing.assert_allclose(mean.numpy(), ref_mean, atol=1e-6)
     np.testing.assert_allclose(var.numpy(), ref_var, atol=1e-6)
@@ -245,8 +245,8 @@ def test_minibatch_natural_steps_approach_the_full_batch_optimum():
     assert math.isfinite(r_mini.elbo[-1])
     # Robbins–Monro steps (κ = 0.51) after 160 noisy steps: within 5% of the optimum's ELBO
     assert r_mini.elbo[-1] > r_full.elbo[-1] - 0.05 * abs(r_full.elbo[-1])
-    m_full, _ = full.predict_marginals(batch.x)
-    m_mini, _ = mini.predict_marginals(batch.x)
+    m_full, _ = full.variational_strategy.predict_marginals(batch.x)
+    m_mini, _ = mini.variational_strategy.predict_marginals(batch.x)
     # SVI with decaying steps is still creeping towards the optimum (means somewhat shrunk) but the
     # latent function has the optimum's shape
     assert float(torch.corrcoef(torch.stack([m_full, m_mini]))[0, 1]) > 0.97
@@ -262,13 +262,13 @@ def test_plain_gpytorch_value_and_one_ngd_step_equal_the_closed_form():
     lik = MILProbitLikelihood()
     fit_closed_form(model, lik, batch, max_iter=2, tol=0, min_iter=1, learn_hyperparameters=False)
     # move q(v) away from a fixed point so the step is not trivial
-    q0 = model.whitened_posterior()
+    q0 = model.variational_strategy.whitened_posterior()
     q0 = type(q0).from_natural(q0.precision @ (q0.m + 0.3), q0.precision * 1.5)
-    model.set_whitened_posterior(q0)
-    mean, var = model.predict_marginals(batch.x)
+    model.variational_strategy.set_whitened_posterior(q0)
+    mean, var = model.variational_strategy.predict_marginals(batch.x)
     nu = lik.optimal_locals(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags)
     b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, nu)
-    proj = model.projection(batch.x)
+    proj = model.variational_strategy.projection(batch.x)
     with torch.no_grad():
         expected = natural_step(q0, natural_statistics(proj.A, b, lam, proj.prior_mean), rho=1.0)
     closed_elbo = closed_form_elbo(model, lik, batch, nu)
@@ -282,7 +282,7 @@ def test_plain_gpytorch_value_and_one_ngd_step_equal_the_closed_form():
     assert abs(float(value) * N - closed_elbo) < 1e-8 * max(1.0, abs(closed_elbo))
     (-value).backward()
     opt.step()
-    got = model.whitened_posterior()
+    got = model.variational_strategy.whitened_posterior()
     np.testing.assert_allclose(got.m.numpy(), expected.m.numpy(), atol=1e-8)
     np.testing.assert_allclose(got.S.numpy(), expected.S.numpy(), atol=1e-8)
 
@@ -349,9 +349,9 @@ def test_bag_prediction_accounts_for_within_bag_correlation():
     # through the model: a bag [x, x] has the full correlation from bag_covariances
     model = SparseGP(torch.tensor([[0.0], [3.0]], dtype=torch.float64), lengthscale=1.0, outputscale=2.0)
     x = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
-    mp_, cp, mk = model.bag_covariances(x, torch.zeros(2, dtype=torch.long), 1)
+    mp_, cp, mk = model.variational_strategy.bag_covariances(x, torch.zeros(2, dtype=torch.long), 1)
     p_joint, _ = OrthantRule()(BagPosterior.from_blocks(mp_, cp, mk), ProbitLink())
-    m, v = model.predict_marginals(x)
+    m, v = model.variational_strategy.predict_marginals(x)
     p_indep, _ = NoisyOrRule()(BagPosterior(m, v, torch.zeros(2, dtype=torch.long), 1), ProbitLink())
     assert float(p_joint) < float(p_indep) - 0.05
 

@@ -50,9 +50,9 @@ def test_a_non_finite_density_names_the_candidate():
 
 def _fit(Z, kernel, mean):
     model = SparseGP(Z, kernel=kernel, lengthscale=1.0, outputscale=1.0).double()
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     M = Z.shape[0]
-    model.set_whitened_posterior(type(q)(torch.full((M,), mean, dtype=torch.float64), 0.5 * torch.eye(M, dtype=torch.float64), 2.0 * torch.eye(M, dtype=torch.float64)))
+    model.variational_strategy.set_whitened_posterior(type(q)(torch.full((M,), mean, dtype=torch.float64), 0.5 * torch.eye(M, dtype=torch.float64), 2.0 * torch.eye(M, dtype=torch.float64)))
     return model
 
 
@@ -82,6 +82,6 @@ def test_mixture_is_the_weighted_mean_with_the_law_of_total_variance():
     torch.testing.assert_close(p, ref_p, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(s, ref_var.clamp_min(0).sqrt(), rtol=1e-10, atol=1e-12)
     pi, si = avg.instance_moments(x)
-    inst = [m.likelihood.instance_link.moments(*m.model.predict_marginals(x)) for m in avg.members]
+    inst = [m.likelihood.instance_link.moments(*m.model.variational_strategy.predict_marginals(x)) for m in avg.members]
     torch.testing.assert_close(pi, w[0] * inst[0][0] + w[1] * inst[1][0], rtol=1e-12, atol=1e-14)
     assert (si >= 0).all() and (si > torch.minimum(inst[0][1], inst[1][1]) - 1e-12).all()

@@ -29,7 +29,7 @@ def fitted():
     lik = MILProbitLikelihood()
     fit_closed_form(model, lik, batch, max_iter=1000, tol=0, learn_hyperparameters=False)
     gibbs = sample_probit_posterior(
-        model, batch, num_samples=1500, burn_in=300, num_chains=4, init=model.whitened_posterior(), seed=0
+        model, batch, num_samples=1500, burn_in=300, num_chains=4, init=model.variational_strategy.whitened_posterior(), seed=0
     )
     return batch, model, lik, gibbs
 
@@ -45,7 +45,7 @@ def test_gibbs_agrees_with_vi_and_with_the_reference(fitted):
     batch, model, lik, gibbs = fitted
     summary = gibbs.summary()
     assert summary["max_rhat"] < 1.1 and summary["min_ess"] > 100, summary
-    mean_vi, var_vi = model.predict_marginals(batch.x)
+    mean_vi, var_vi = model.variational_strategy.predict_marginals(batch.x)
     p_vi = lik.instance_link.moments(mean_vi, var_vi)[0]
     mean_g = gibbs.latent_mean(model, batch.x)
     p_g = gibbs.instance_probability(model, batch.x)[0]
@@ -53,7 +53,7 @@ def test_gibbs_agrees_with_vi_and_with_the_reference(fitted):
     assert float((p_vi - p_g).abs().max()) < 0.05
     assert float((p_vi - p_g).abs().mean()) < 0.015
     ref_mean, ref_var = reference_cavi(
-        batch.x.numpy(), batch.bag_index.numpy(), batch.bag_labels.numpy(), batch.x.numpy(), 0.5, 1.0, model.jitter
+        batch.x.numpy(), batch.bag_index.numpy(), batch.bag_labels.numpy(), batch.x.numpy(), 0.5, 1.0, model.variational_strategy.jitter
     )
     assert float(np.abs(mean_g.numpy() - ref_mean).max()) < 0.2
     np.testing.assert_allclose(mean_vi.numpy(), ref_mean, atol=1e-5)
@@ -187,7 +187,7 @@ def test_chains_start_over_dispersed_and_reproducibly(fitted):
     the inflation factor is not the documented covariance multiplier, or a seed does not reproduce
     a run."""
     batch, model, _, _ = fitted
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     C = 3000
     res = sample_probit_posterior(model, batch, num_samples=4, burn_in=0, num_chains=C, init=q, seed=5)
     assert res.settings["init_dispersion"] == 4.0

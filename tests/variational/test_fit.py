@@ -54,15 +54,15 @@ def test_converged_state_is_a_fixed_point(psi, rule):
     lik = MILBernoulliLikelihood(psi, H=100.0, max_rule=rule)
     res = fit_closed_form(model, lik, batch, max_iter=500, tol=1e-13, learn_hyperparameters=False)
     assert res.converged
-    q0 = model.whitened_posterior()
+    q0 = model.variational_strategy.whitened_posterior()
     pi0 = res.locals.clone()
     # one more sweep by hand: θ from q, natural step, then π from the converged π
     with torch.no_grad():
-        proj = model.projection(batch.x)
-        mean, var = model.marginals(proj, q0)
+        proj = model.variational_strategy.projection(batch.x)
+        mean, var = model.variational_strategy.marginals(proj, q0)
         b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
         q1 = natural_step(q0, natural_statistics(proj.A, b, lam, proj.prior_mean))
-        mean1, var1 = model.marginals(proj, q1)
+        mean1, var1 = model.variational_strategy.marginals(proj, q1)
         pi1 = lik.update_locals(mean1, var1, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
     assert (q1.m - q0.m).abs().max() < 1e-6
     assert (q1.S - q0.S).abs().max() < 1e-6
@@ -143,3 +143,41 @@ def test_objective_is_the_tighter_unaugmented_elbo(learn):
         assert res.objective[-1] > warm.objective[-1]
     else:
         assert len(obj) == 1 and obj[0] >= elbo[-1]
+
+
+def test_a_users_own_model_on_the_closed_form_strategy_reaches_the_estimators_elbo():
+    """A user's ``ApproximateGP`` (their own class, kernel and mean) with milgp's ClosedFormStrategy,
+    trained by ``fit_closed_form``, must reach the same ELBO as ``VGPMILClassifier`` fitted on the
+    same bags with the same kernel, inducing points and π rule, to 1e-8: one fit loop serves both,
+    and the strategy computes the prior from the user's ``forward`` exactly as the estimator's model."""
+    import gpytorch
+
+    from milgp.data.synthetic_mil import synthetic_mil
+    from milgp.estimators import VGPMILClassifier
+    from milgp.models import ClosedFormStrategy
+
+    x, bag_index, y, _ = synthetic_mil(num_instances=600, dim=4, bag_sizes=(5, 15), seed=3)
+    bags = [x[bag_index == b] for b in range(len(y))]
+    clf = VGPMILClassifier(
+        kernel="rbf", lengthscale=2.0, outputscale=1.0, max_rule="max", bag_rule="max", calibrate=False,
+        average=False, bag_size_cap=None, standardize=False, num_inducing=20, max_iter=40,
+    ).fit(bags, y)
+
+    class MyGP(gpytorch.models.ApproximateGP):
+        def __init__(self, Z):
+            super().__init__(ClosedFormStrategy(self, Z, gpytorch.variational.NaturalVariationalDistribution(len(Z))))
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    model = MyGP(clf.model_.variational_strategy.inducing_points).double()
+    model.covar_module.base_kernel.lengthscale, model.covar_module.outputscale = 2.0, 1.0
+    batch = BagBatch(torch.as_tensor(np.concatenate(bags)), bag_index_from_sizes([len(b) for b in bags]), torch.as_tensor(y))
+    likelihood = MILBernoulliLikelihood(psi="pg", H=1e12, max_rule="max", damping=0.5)
+    result = fit_closed_form(model, likelihood, batch, max_iter=40, tol=clf.tol, learn_hyperparameters=False)
+
+    assert result.iterations == clf.fit_result_.iterations
+    assert result.objective[-1] == pytest.approx(clf.elbo_, rel=1e-8, abs=1e-8)
+    assert result.elbo[-1] == pytest.approx(clf.fit_result_.elbo[-1], rel=1e-8, abs=1e-8)

@@ -21,7 +21,8 @@ from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.prediction import BagPosterior, JointNoisyOrRule
 from milgp.likelihoods.noisy_or import bag_layout, positions_in_bag, update_instance_labels
-from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
 from milgp.variational import fit as fit_mod
 from milgp.variational.fit import fit_closed_form
 
@@ -61,13 +62,13 @@ def test_chunked_statistics_and_moments_equal_unchunked():
     g = torch.Generator().manual_seed(3)
     b = torch.randn(N, generator=g, dtype=torch.float64)
     lam = torch.rand(N, generator=g, dtype=torch.float64)
-    full = fit_mod._statistics(model, batch.x, b, lam, chunk_size=N)
-    m_full, v_full = fit_mod._moments(model, batch.x, q, chunk_size=N)
+    full = fit_mod._statistics(model.variational_strategy, batch.x, b, lam, chunk_size=N)
+    m_full, v_full = fit_mod._moments(model.variational_strategy, batch.x, q, chunk_size=N)
     for chunk in (1, 7, 50):
         for budget in (0, 10**9):
-            proj = fit_mod._Projector(model, batch.x, chunk, budget)
-            st = fit_mod._statistics(model, batch.x, b, lam, chunk, proj)
-            m, v = fit_mod._moments(model, batch.x, q, chunk, proj)
+            proj = fit_mod._Projector(model.variational_strategy, batch.x, chunk, budget)
+            st = fit_mod._statistics(model.variational_strategy, batch.x, b, lam, chunk, proj)
+            m, v = fit_mod._moments(model.variational_strategy, batch.x, q, chunk, proj)
             assert proj.cached == (budget > 0)
             torch.testing.assert_close(st.h, full.h, rtol=0, atol=1e-12)
             torch.testing.assert_close(st.G, full.G, rtol=0, atol=1e-12)
@@ -82,8 +83,8 @@ def test_statistics_match_direct_formula():
     b = torch.linspace(-0.5, 0.5, N, dtype=torch.float64)
     lam = torch.linspace(0.01, 0.25, N, dtype=torch.float64)
     with torch.no_grad():
-        A = model.projection(batch.x).A
-    st = fit_mod._statistics(model, batch.x, b, lam, 13, fit_mod._Projector(model, batch.x, 13, 10**9))
+        A = model.variational_strategy.projection(batch.x).A
+    st = fit_mod._statistics(model.variational_strategy, batch.x, b, lam, 13, fit_mod._Projector(model.variational_strategy, batch.x, 13, 10**9))
     torch.testing.assert_close(st.h, A @ b, rtol=0, atol=1e-12)
     torch.testing.assert_close(st.G, A @ torch.diag(lam) @ A.mT, rtol=0, atol=1e-12)
 
@@ -92,7 +93,7 @@ def _run(batch, Z, **kw):
     model = make_model(Z)
     lik = MILBernoulliLikelihood()
     res = fit_closed_form(model, lik, batch, tol=0.0, **kw)
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     return res, q, model
 
 
@@ -134,13 +135,13 @@ def test_minibatch_svi_converges_close_to_full_batch():
     model = make_model(Z)
     lik = MILBernoulliLikelihood()
     svi = fit_closed_form(model, lik, batch, max_iter=60, tol=0.0, learn_hyperparameters=False, bags_per_batch=20)
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     elbo_svi = fit_mod.closed_form_elbo(model, lik, batch, svi.locals)
     assert elbo_svi == pytest.approx(full.elbo[-1], rel=0.01)
-    mu_full = model.predict_marginals(batch.x)[0]
+    mu_full = model.variational_strategy.predict_marginals(batch.x)[0]
     model_full = make_model(Z)
-    model_full.set_whitened_posterior(q_full)
-    mu_ref = model_full.predict_marginals(batch.x)[0]
+    model_full.variational_strategy.set_whitened_posterior(q_full)
+    mu_ref = model_full.variational_strategy.predict_marginals(batch.x)[0]
     assert torch.corrcoef(torch.stack([mu_full, mu_ref]))[0, 1] > 0.98
 
 
@@ -188,21 +189,21 @@ def test_fused_marginal_variance_matches_formula_and_grad_path():
     model = make_model(Z)
     q = random_posterior(Z.shape[0])
     with torch.no_grad():
-        proj = model.projection(batch.x)
-        mean, var = SparseGP.marginals(proj, q)
+        proj = model.variational_strategy.projection(batch.x)
+        mean, var = ClosedFormStrategy.marginals(proj, q)
     A = proj.A
     ref = proj.prior_var - (A * A).sum(0) + (A * (q.S @ A)).sum(0)
     torch.testing.assert_close(var, ref.clamp_min(1e-10), rtol=0, atol=1e-12)
     torch.testing.assert_close(mean, proj.prior_mean + A.mT @ q.m, rtol=0, atol=1e-12)
-    proj_g = model.projection(batch.x)
-    mean_g, var_g = SparseGP.marginals(proj_g, q)
+    proj_g = model.variational_strategy.projection(batch.x)
+    mean_g, var_g = ClosedFormStrategy.marginals(proj_g, q)
     assert var_g.requires_grad
     torch.testing.assert_close(var_g.detach(), var, rtol=0, atol=1e-12)
     var_g.sum().backward()  # differentiable for the hyperparameter steps
     assert model.covar_module.raw_outputscale.grad is not None
     # the cached A is not modified by the in-place variance pass
     A_copy = A.clone()
-    SparseGP.marginals(Projection(A=A, prior_var=proj.prior_var, prior_mean=proj.prior_mean), q)
+    ClosedFormStrategy.marginals(Projection(A=A, prior_var=proj.prior_var, prior_mean=proj.prior_mean), q)
     assert torch.equal(A, A_copy)
 
 

@@ -5,7 +5,8 @@ import torch
 from milgp.data.bags import BagBatch, bag_index_from_sizes
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.mil_probit import MILProbitLikelihood
-from milgp.models.sparse_gp import Projection, SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import Projection, WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
 from milgp.variational.fit import fit_closed_form
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
 from milgp.variational.natural_update import natural_statistics
@@ -51,17 +52,17 @@ def test_cavity_equals_posterior_without_the_bag(likelihood, constant_mean, num_
             n = int(blk.mask[j].sum())
             blocks[b] = (blk.mean[j, :n], blk.cov[j, :n, :n])
     with torch.no_grad():
-        proj = model.projection(batch.x)
-        mean, var = model.marginals(proj, model.whitened_posterior())
+        proj = model.variational_strategy.projection(batch.x)
+        mean, var = model.variational_strategy.marginals(proj, model.variational_strategy.whitened_posterior())
         b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_)
         for bag in range(batch.num_bags):
             keep, sel = batch.bag_index != bag, batch.bag_index == bag
             eta1, P = natural_statistics(proj.A[:, keep], b[keep], lam[keep], proj.prior_mean[keep]).targets()
             q_minus = WhitenedPosterior.from_natural(eta1, P)
-            m_ref, v_ref = model.marginals(Projection(proj.A[:, sel], proj.prior_var[sel], proj.prior_mean[sel]), q_minus)
+            m_ref, v_ref = model.variational_strategy.marginals(Projection(proj.A[:, sel], proj.prior_var[sel], proj.prior_mean[sel]), q_minus)
             torch.testing.assert_close(post.mean[sel], m_ref, rtol=0, atol=1e-10)
             torch.testing.assert_close(post.var[sel], v_ref, rtol=0, atol=1e-10)
-            mp, cp, _ = model.bag_covariances(batch.x[sel], torch.zeros(int(sel.sum()), dtype=torch.long), 1, q_minus)
+            mp, cp, _ = model.variational_strategy.bag_covariances(batch.x[sel], torch.zeros(int(sel.sum()), dtype=torch.long), 1, q_minus)
             torch.testing.assert_close(blocks[bag][0], mp[0], rtol=0, atol=1e-10)
             torch.testing.assert_close(blocks[bag][1], cp[0], rtol=0, atol=1e-10)
 
@@ -72,7 +73,7 @@ def test_cavity_is_not_the_full_posterior():
     likelihood = MILBernoulliLikelihood("pg", max_rule="max")
     model, batch, locals_ = _fit(likelihood)
     post = leave_bag_out_posterior(model, likelihood, batch, locals_)
-    mean, _ = model.predict_marginals(batch.x)
+    mean, _ = model.variational_strategy.predict_marginals(batch.x)
     pos = batch.bag_labels[batch.bag_index] > 0.5
     assert (mean[pos] - post.mean[pos]).mean() > 0.01
     assert (mean[~pos] - post.mean[~pos]).mean() < -0.01

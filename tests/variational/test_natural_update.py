@@ -16,7 +16,8 @@ import torch
 from milgp.data.bags import BagBatch, bag_index_from_sizes
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.noisy_or import MAX_RULE_DAMPING, PI_CLAMP, update_instance_labels
-from milgp.models.sparse_gp import SparseGP, WhitenedPosterior
+from milgp.models.closed_form_strategy import WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
 from milgp.variational import fit_closed_form, natural_statistics, natural_step
 from milgp.variational.natural_update import RobbinsMonro
 
@@ -47,8 +48,8 @@ class PaperReference:
 
     def __init__(self, model, batch, H=100.0, rule="exact"):
         with torch.no_grad():
-            Z = model.inducing_points
-            jitter = model.jitter
+            Z = model.variational_strategy.inducing_points
+            jitter = model.variational_strategy.jitter
             self.Kzz = model.covar_module(Z).to_dense().numpy() + jitter * np.eye(len(Z))
             self.Kzx = model.covar_module(Z, batch.x).to_dense().numpy()
             self.kxx = model.covar_module(batch.x, diag=True).numpy() + jitter
@@ -112,9 +113,9 @@ class PaperReference:
 
 
 def to_u_space(model):
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     with torch.no_grad():
-        L = model.inducing_cholesky()
+        L = model.variational_strategy.inducing_cholesky()
     return (L @ q.m).numpy(), (L @ q.S @ L.mT).numpy()
 
 
@@ -140,7 +141,7 @@ def test_whitened_cavi_equals_unwhitened_paper_updates(constant_mean, rule, iter
     np.testing.assert_allclose(res.locals.numpy(), pi, rtol=1e-8, atol=1e-10)
     # and the predictive marginals agree with Eq. 30
     mu_ref, var_ref = ref.marginals()
-    mu, var = model.predict_marginals(batch.x)
+    mu, var = model.variational_strategy.predict_marginals(batch.x)
     np.testing.assert_allclose(mu.numpy(), mu_ref, rtol=1e-8, atol=1e-8)
     np.testing.assert_allclose(var.numpy(), var_ref, rtol=1e-8, atol=1e-8)
 
@@ -222,11 +223,11 @@ def _ngd_setup(constant_mean):
     lik = MILBernoulliLikelihood("pg", H=100.0)
     res = fit_closed_form(model, lik, batch, max_iter=2, tol=0.0, learn_hyperparameters=False)
     # move q away from the CAVI optimum so that a step has something to do
-    q = model.whitened_posterior()
+    q = model.variational_strategy.whitened_posterior()
     g = torch.Generator().manual_seed(2)
     M = q.m.shape[0]
     R = torch.randn(M, M, generator=g, dtype=torch.float64) * 0.2
-    model.set_whitened_posterior(WhitenedPosterior.from_natural(q.natural[0] + 0.3, q.precision + R @ R.mT))
+    model.variational_strategy.set_whitened_posterior(WhitenedPosterior.from_natural(q.natural[0] + 0.3, q.precision + R @ R.mT))
     return model, batch, lik, res.locals
 
 
@@ -240,11 +241,11 @@ def test_gpytorch_ngd_step_equals_closed_form_natural_step(constant_mean, rho):
     the natural parameterisation differs."""
     model, batch, lik, pi = _ngd_setup(constant_mean)
     N = batch.num_instances
-    q0 = model.whitened_posterior()
+    q0 = model.variational_strategy.whitened_posterior()
     # closed form: θ from the same q, same π
     with torch.no_grad():
-        proj = model.projection(batch.x)
-        mean, var = model.marginals(proj, q0)
+        proj = model.variational_strategy.projection(batch.x)
+        mean, var = model.variational_strategy.marginals(proj, q0)
         b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi)
         expected = natural_step(q0, natural_statistics(proj.A, b, lam, proj.prior_mean), rho=rho)
     # GPyTorch
@@ -257,7 +258,7 @@ def test_gpytorch_ngd_step_equals_closed_form_natural_step(constant_mean, rho):
     loss = -mll(model(batch.x), target, bag_index=batch.bag_index, locals=pi)
     loss.backward()
     opt.step()
-    got = model.whitened_posterior()
+    got = model.variational_strategy.whitened_posterior()
     torch.testing.assert_close(got.m, expected.m, rtol=1e-8, atol=1e-8)
     torch.testing.assert_close(got.S, expected.S, rtol=1e-8, atol=1e-8)
 
@@ -266,10 +267,10 @@ def test_natural_step_rho_interpolates_natural_parameters():
     """ρ < 1 must be the convex combination in natural parameters (not in (m, S)); ρ outside
     (0, 1] must raise."""
     model, batch, lik, pi = _ngd_setup(False)
-    q0 = model.whitened_posterior()
+    q0 = model.variational_strategy.whitened_posterior()
     with torch.no_grad():
-        proj = model.projection(batch.x)
-        mean, var = model.marginals(proj, q0)
+        proj = model.variational_strategy.projection(batch.x)
+        mean, var = model.variational_strategy.marginals(proj, q0)
         b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi)
         stats = natural_statistics(proj.A, b, lam)
     full = natural_step(q0, stats, rho=1.0)

@@ -1,0 +1,289 @@
+"""A whitened GPyTorch variational strategy that also serves the closed-form natural steps.
+
+:class:`ClosedFormStrategy` is GPyTorch's whitened ``VariationalStrategy`` — ``q(v) = N(m, S)``
+over ``v = L⁻¹(u − mean(Z))`` with ``K_zz + jitter·I = L Lᵀ`` (Hensman, Matthews and Ghahramani,
+*Scalable Variational Gaussian Process Classification*, AISTATS 2015) — so a model built on it
+works with ``gpytorch.mlls.VariationalELBO``, Adam and ``gpytorch.optim.NGD`` as before. It adds
+what the augmentation-based closed-form updates of the bag likelihoods need, for *any*
+``ApproximateGP`` that uses it (the model's own ``forward``: its kernel and mean), computed
+without ``N×N`` matrices:
+
+* :meth:`~ClosedFormStrategy.projection` — ``A = L⁻¹ K_zx`` ``(M, N)``, the prior diagonal
+  ``k(x_n, x_n) + jitter`` and the prior mean;
+* :meth:`~ClosedFormStrategy.whitened_posterior` / :meth:`~ClosedFormStrategy.set_whitened_posterior`
+  — ``q(v)`` read from and written to the variational distribution (natural or Cholesky
+  parameters), its caches cleared after every write;
+* :meth:`~ClosedFormStrategy.marginals` — ``μ_n = mean(x_n) + A_nᵀ m``,
+  ``σ²_n = k_nn − ‖A_n‖² + A_nᵀ S A_n``;
+* :meth:`~ClosedFormStrategy.bag_covariances` — per-bag blocks ``K_bb − A_bᵀA_b + A_bᵀ S A_b``.
+
+Put it where ``VariationalStrategy`` would go::
+
+    class MyGP(gpytorch.models.ApproximateGP):
+        def __init__(self, Z):
+            q = gpytorch.variational.NaturalVariationalDistribution(Z.shape[0])
+            super().__init__(ClosedFormStrategy(self, Z, q))
+            self.mean_module, self.covar_module = gpytorch.means.ZeroMean(), MyKernel()
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+and :func:`milgp.variational.fit_closed_form` trains it by closed-form natural steps. The jitter is
+GPyTorch's own (``jitter_val``), so the fast path and GPyTorch's predictions agree exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gpytorch
+import numpy as np
+import torch
+from scipy.linalg import blas
+from torch import Tensor
+
+from milgp.data.bags import to_padded
+from milgp.linalg import cholesky_inverse_from_precision, robust_cholesky
+
+__all__ = ["ClosedFormStrategy", "Projection", "WhitenedPosterior"]
+
+_BLAS_TRMM = {torch.float64: blas.dtrmm, torch.float32: blas.strmm}
+_MARGINAL_BLOCK = 2048
+"""Instances per triangular product in :meth:`ClosedFormStrategy.marginals` (an ``M × 2048`` block stays in cache)."""
+
+
+@dataclass
+class Projection:
+    """Whitened projection of a set of inputs onto the inducing variables.
+
+    Attributes:
+        A: ``(M, N)`` ``L⁻¹ K_zx``.
+        prior_var: ``(N,)`` ``k(x_n, x_n) + jitter``.
+        prior_mean: ``(N,)`` the GP mean function at ``x_n``.
+    """
+
+    A: Tensor
+    prior_var: Tensor
+    prior_mean: Tensor
+    residual: Tensor | None = None
+    """``(N,)`` ``k(x_n, x_n) + jitter − ‖A_n‖²`` (the variance the inducing points do not explain),
+    when already computed (a cache reuses it across sweeps)."""
+
+    def with_residual(self) -> "Projection":
+        """This projection with :attr:`residual` computed (no gradients)."""
+        if self.residual is not None:
+            return self
+        with torch.no_grad():
+            return Projection(self.A, self.prior_var, self.prior_mean, self.prior_var - (self.A * self.A).sum(0))
+
+
+@dataclass
+class WhitenedPosterior:
+    """``q(v) = N(m, S)`` over the whitened inducing values ``v = L⁻¹(u − mean(Z))``.
+
+    Attributes:
+        m: ``(M,)`` mean.
+        S: ``(M, M)`` covariance.
+        precision: ``(M, M)`` ``S⁻¹``.
+    """
+
+    m: Tensor
+    S: Tensor
+    precision: Tensor
+    chol_precision: Tensor | None = field(default=None, repr=False, compare=False)
+    """Lower Cholesky factor of ``precision`` when already known (saves a factorisation)."""
+
+    @property
+    def natural(self) -> tuple[Tensor, Tensor]:
+        """Natural parameters ``(η₁, η₂) = (S⁻¹m, −½S⁻¹)``."""
+        return self.precision @ self.m, -0.5 * self.precision
+
+    def kl_divergence(self) -> Tensor:
+        """``KL(N(m, S) ‖ N(0, I)) = ½ (tr S + mᵀm − M − log|S|)``."""
+        L_P = self.chol_precision if self.chol_precision is not None else robust_cholesky(self.precision, what="q(v) precision")
+        logdet_S = -2.0 * torch.log(torch.diagonal(L_P)).sum()
+        M = self.m.shape[0]
+        return 0.5 * (torch.diagonal(self.S).sum() + self.m @ self.m - M - logdet_S)
+
+    @classmethod
+    def from_natural(cls, eta1: Tensor, precision: Tensor) -> "WhitenedPosterior":
+        precision = 0.5 * (precision + precision.mT)
+        S, L_P = cholesky_inverse_from_precision(precision, what="q(v) precision")
+        return cls(m=S @ eta1, S=S, precision=precision, chol_precision=L_P)
+
+
+class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
+    """GPyTorch's whitened ``VariationalStrategy`` plus the fast path's projections and ``q(v)`` access.
+
+    Args:
+        model: the ``ApproximateGP`` it belongs to (its ``forward`` gives the prior mean and kernel).
+        inducing_points: ``(M, D)`` inducing locations ``Z``.
+        variational_distribution: ``NaturalVariationalDistribution`` (for ``gpytorch.optim.NGD``) or
+            ``CholeskyVariationalDistribution`` (for Adam) over the ``M`` whitened values.
+        learn_inducing_locations: make ``Z`` a trainable parameter (default ``False``: the
+            closed-form steps leave ``Z`` where it is put).
+        jitter_val: GPyTorch's jitter on ``K_zz`` (``None``: its default for the dtype).
+
+    ``q(v)`` starts at the prior ``N(0, I)`` and is marked initialised, so GPyTorch never
+    re-initialises (with noise) or "re-whitens" what a closed-form step wrote.
+    """
+
+    def __init__(
+        self,
+        model: gpytorch.models.ApproximateGP,
+        inducing_points: Tensor,
+        variational_distribution: gpytorch.variational._VariationalDistribution,
+        learn_inducing_locations: bool = False,
+        jitter_val: float | None = None,
+    ):
+        super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
+        self.variational_params_initialized.fill_(1)  # the distributions start at N(0, I): the whitened prior
+        self.updated_strategy.fill_(True)
+
+    @classmethod
+    def of(cls, model: gpytorch.models.ApproximateGP) -> "ClosedFormStrategy":
+        """``model.variational_strategy``, which must be a :class:`ClosedFormStrategy` (one-line
+        ``TypeError`` otherwise)."""
+        strategy = getattr(model, "variational_strategy", None)
+        if not isinstance(strategy, cls):
+            raise TypeError(
+                f"closed-form steps need a model whose variational_strategy is milgp's ClosedFormStrategy, "
+                f"got {type(strategy).__name__} on {type(model).__name__}"
+            )
+        return strategy
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def num_inducing(self) -> int:
+        return int(self.inducing_points.shape[-2])
+
+    @property
+    def jitter(self) -> float:
+        return float(self.jitter_val)
+
+    @property
+    def is_natural(self) -> bool:
+        return isinstance(self._variational_distribution, gpytorch.variational.NaturalVariationalDistribution)
+
+    def hyperparameters(self) -> list[torch.nn.Parameter]:
+        """The model's trainable kernel and mean parameters (and ``Z`` when learned): all but q(v)."""
+        var_ids = {id(p) for p in self._variational_distribution.parameters()}
+        return [p for p in self.model.parameters() if id(p) not in var_ids and p.requires_grad]
+
+    # -- projections ------------------------------------------------------------------------------
+    def inducing_cholesky(self) -> Tensor:
+        """``L`` with ``L Lᵀ = K_zz + jitter·I`` (escalating jitter on failure), ``(M, M)``."""
+        Kzz = self.model.forward(self.inducing_points).lazy_covariance_matrix.to_dense()
+        return robust_cholesky(Kzz, jitter=self.jitter, what="K_zz (inducing-point kernel matrix)")
+
+    def projection(self, x: Tensor, L: Tensor | None = None) -> Projection:
+        """Whitened projection of ``x`` ``(N, D)``; differentiable w.r.t. the hyperparameters.
+
+        The prior comes from the model's ``forward`` on ``[Z; x]``, as GPyTorch's own strategy
+        computes it; of its lazy kernel only the ``K_zx`` block and the diagonal of ``K_xx`` are
+        evaluated.
+        """
+        L = self.inducing_cholesky() if L is None else L
+        M = self.num_inducing
+        prior = self.model.forward(torch.cat([self.inducing_points, x], dim=-2))
+        covar = prior.lazy_covariance_matrix
+        A = torch.linalg.solve_triangular(L, covar[..., :M, M:].to_dense(), upper=False)
+        prior_var = covar[..., M:, M:].diagonal(dim1=-1, dim2=-2) + self.jitter
+        return Projection(A=A, prior_var=prior_var, prior_mean=prior.mean[..., M:])
+
+    # -- q(v) ---------------------------------------------------------------------------------------
+    def whitened_posterior(self) -> WhitenedPosterior:
+        """Current ``q(v)`` read from the variational distribution (detached)."""
+        dist = self._variational_distribution
+        with torch.no_grad():
+            if self.is_natural:
+                return WhitenedPosterior.from_natural(dist.natural_vec.detach().clone(), -2.0 * dist.natural_mat.detach())
+            m = dist.variational_mean.detach().clone()
+            L_S = torch.tril(dist.chol_variational_covar.detach())
+            S = L_S @ L_S.mT
+            precision = torch.cholesky_inverse(L_S)
+            return WhitenedPosterior(m=m, S=S, precision=0.5 * (precision + precision.mT))
+
+    def set_whitened_posterior(self, q: WhitenedPosterior) -> None:
+        """Write ``q(v)`` into the variational distribution and clear this strategy's caches."""
+        dist = self._variational_distribution
+        with torch.no_grad():
+            if self.is_natural:
+                eta1, eta2 = q.natural
+                dist.natural_vec.copy_(eta1)
+                dist.natural_mat.copy_(eta2)
+            else:
+                dist.variational_mean.copy_(q.m)
+                dist.chol_variational_covar.copy_(robust_cholesky(q.S, what="q(v) covariance"))
+        self._clear_cache()
+
+    # -- marginals and bag blocks -------------------------------------------------------------------
+    @staticmethod
+    def marginals(proj: Projection, q: WhitenedPosterior) -> tuple[Tensor, Tensor]:
+        """Marginals of ``q(f_n)``: mean ``(N,)`` and variance ``(N,)`` (clamped at 1e-10).
+
+        ``σ²_n = k_nn − ‖A_n‖² + A_nᵀSA_n``. Without gradients on the CPU, and with ``A`` the
+        transposed view of a row-major ``Aᵀ`` (the fit's cache), ``A_nᵀSA_n = ‖L_Sᵀ A_n‖²`` with
+        ``S = L_S L_Sᵀ`` is a BLAS triangular product (half the flops of the general product), taken over column blocks;
+        otherwise ``A_nᵀ(S − I)A_n`` by one matrix product.
+        """
+        A = proj.A
+        mean = proj.prior_mean + A.mT @ q.m
+        differentiable = torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad)
+        if not differentiable and A.device.type == "cpu" and A.dtype in _BLAS_TRMM and A.mT.is_contiguous():
+            L_S = torch.linalg.cholesky_ex(q.S)[0].numpy()
+            A_np = A.numpy()
+            quad = np.empty(A_np.shape[1], dtype=A_np.dtype)
+            # column blocks keep L_Sᵀ A_block in cache for the squared column sums (no N×M temporaries)
+            for start in range(0, A_np.shape[1], _MARGINAL_BLOCK):
+                W = _BLAS_TRMM[A.dtype](1.0, L_S, A_np[:, start : start + _MARGINAL_BLOCK], side=0, lower=1, trans_a=1)
+                quad[start : start + _MARGINAL_BLOCK] = np.einsum("ij,ij->j", W, W)
+            var = proj.with_residual().residual + torch.from_numpy(quad)
+            return mean, var.clamp_min(1e-10)
+        # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
+        S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)
+        SA = S_minus_I @ A
+        var = proj.prior_var + ((SA * A).sum(0) if differentiable else SA.mul_(A).sum(0))
+        return mean, var.clamp_min(1e-10)
+
+    def predict_marginals(self, x: Tensor, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
+        """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients."""
+        q = self.whitened_posterior()
+        with torch.no_grad():
+            L = self.inducing_cholesky()
+            means, variances = [], []
+            for start in range(0, x.shape[0], chunk_size):
+                mu, var = self.marginals(self.projection(x[start : start + chunk_size], L), q)
+                means.append(mu)
+                variances.append(var)
+        return torch.cat(means), torch.cat(variances)
+
+    def bag_covariances(
+        self, x: Tensor, bag_index: Tensor, num_bags: int | None = None, q: WhitenedPosterior | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-bag predictive blocks of ``q(f)``: padded means ``(B, N_max)``, covariances
+        ``(B, N_max, N_max)`` and the mask ``(B, N_max)``. Padded rows/columns are the identity.
+
+        Each block is ``K_bb + jitter·I − A_bᵀA_b + A_bᵀ S A_b``; no N×N matrix is formed.
+        """
+        q = self.whitened_posterior() if q is None else q
+        proj = self.projection(x, self.inducing_cholesky())
+        A_pad, _ = to_padded(proj.A.mT, bag_index, num_bags)  # (B, N_max, M)
+        mean_pad, _ = to_padded(proj.prior_mean + proj.A.mT @ q.m, bag_index, num_bags)
+        cov, mask = self.block_covariances(x, bag_index, num_bags, A_pad, A_pad @ q.S @ A_pad.mT)
+        return mean_pad, cov, mask
+
+    def block_covariances(
+        self, x: Tensor, bag_index: Tensor, num_bags: int | None, A_pad: Tensor, cov_v: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Padded within-bag covariances ``K_bb + jitter·I − A_bᵀA_b + cov_v`` ``(B, N_max, N_max)``
+        and the mask ``(B, N_max)``, for ``A_pad`` ``(B, N_max, M)`` the bags' padded projections and
+        ``cov_v`` ``(B, N_max, N_max)`` the covariance of ``A_bᵀv`` under whichever ``q(v)`` (the
+        posterior's, or a leave-one-bag-out cavity's). Padded rows/columns are the identity; exactly
+        symmetric."""
+        x_pad, mask = to_padded(x, bag_index, num_bags)
+        K = self.model.forward(x_pad).lazy_covariance_matrix.to_dense()  # (B, N_max, N_max)
+        n_max = mask.shape[1]
+        eye = torch.eye(n_max, dtype=x.dtype, device=x.device)
+        cov = K + self.jitter * eye - A_pad @ A_pad.mT + cov_v
+        pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
+        cov = torch.where(pair, cov, eye.expand_as(cov))
+        return 0.5 * (cov + cov.mT), mask

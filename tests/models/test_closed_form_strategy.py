@@ -1,0 +1,241 @@
+"""ClosedFormStrategy (in SparseGP and in a user's own ApproximateGP): the fast-path quantities equal GPyTorch's own
+predictive distribution and an independent computation; q(v) is read and written faithfully."""
+import gpytorch
+import pytest
+import torch
+
+from milgp.data.bags import bag_index_from_sizes
+from milgp.linalg import CholeskyError
+from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
+from milgp.models.sparse_gp import SparseGP
+
+
+def fitted_like_model(natural=True, constant_mean=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.randn(7, 3, generator=g, dtype=torch.float64)
+    model = SparseGP(Z, lengthscale=1.1, outputscale=1.8, natural=natural, constant_mean=constant_mean)
+    if constant_mean:
+        model.mean_module.constant.data.fill_(0.3)
+    R = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    S = 0.3 * R @ R.mT + 0.2 * torch.eye(7, dtype=torch.float64)
+    m = torch.randn(7, generator=g, dtype=torch.float64)
+    model.variational_strategy.set_whitened_posterior(WhitenedPosterior(m=m, S=S, precision=torch.linalg.inv(S)))
+    return model, g
+
+
+@pytest.mark.parametrize("natural", [True, False])
+@pytest.mark.parametrize("constant_mean", [False, True])
+def test_marginals_equal_gpytorch_predictive(natural, constant_mean):
+    """predict_marginals must equal GPyTorch's q(f) mean and variance (same jitter, whitening,
+    mean function) in eval and train mode; otherwise the fast path optimises another model."""
+    model, g = fitted_like_model(natural, constant_mean)
+    x = torch.randn(15, 3, generator=g, dtype=torch.float64)
+    mu, var = model.variational_strategy.predict_marginals(x)
+    for mode in (model.eval, model.train):
+        mode()
+        with torch.no_grad():
+            out = model(x)
+        torch.testing.assert_close(mu, out.mean, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(var, out.variance, rtol=1e-9, atol=1e-10)
+
+
+def test_whitened_posterior_round_trip_both_parameterisations():
+    """Writing q(v) and reading it back must be the identity for natural and Cholesky storage."""
+    for natural in (True, False):
+        model, _ = fitted_like_model(natural)
+        q = model.variational_strategy.whitened_posterior()
+        model.variational_strategy.set_whitened_posterior(q)
+        q2 = model.variational_strategy.whitened_posterior()
+        torch.testing.assert_close(q2.m, q.m)
+        torch.testing.assert_close(q2.S, q.S)
+        torch.testing.assert_close(q.precision @ q.S, torch.eye(7, dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+def test_kl_divergence_matches_torch_distributions():
+    """KL(N(m,S) ‖ N(0,I)) must match torch.distributions and GPyTorch's strategy KL."""
+    model, _ = fitted_like_model()
+    q = model.variational_strategy.whitened_posterior()
+    ref = torch.distributions.kl_divergence(
+        torch.distributions.MultivariateNormal(q.m, q.S),
+        torch.distributions.MultivariateNormal(torch.zeros(7, dtype=torch.float64), torch.eye(7, dtype=torch.float64)),
+    )
+    assert q.kl_divergence().item() == pytest.approx(ref.item(), rel=1e-10)
+    assert model.variational_strategy.kl_divergence().item() == pytest.approx(ref.item(), rel=1e-8)
+
+
+def test_bag_covariances_equal_gpytorch_full_covariance_blocks():
+    """Per-bag blocks must equal the corresponding blocks of GPyTorch's full predictive
+    covariance (eval mode); padded rows/columns are the identity, padded means 0, mask right."""
+    model, g = fitted_like_model(constant_mean=True)
+    sizes = [3, 1, 4, 2]
+    bag_index = bag_index_from_sizes(sizes)[torch.randperm(10, generator=g)]  # interleaved bags
+    x = torch.randn(10, 3, generator=g, dtype=torch.float64)
+    mean_pad, cov_pad, mask = model.variational_strategy.bag_covariances(x, bag_index, 4)
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        out = model(x)
+        full_mean, full_cov = out.mean, out.covariance_matrix
+    assert mask.shape == (4, 4) and mask.sum(1).tolist() == sizes
+    for b in range(4):
+        idx = torch.nonzero(bag_index == b, as_tuple=True)[0]  # instances keep their order
+        k = len(idx)
+        torch.testing.assert_close(mean_pad[b, :k], full_mean[idx], rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(cov_pad[b, :k, :k], full_cov[idx][:, idx], rtol=1e-8, atol=1e-9)
+        assert (mean_pad[b, k:] == 0).all()
+        pad = cov_pad[b, k:, k:]
+        torch.testing.assert_close(pad, torch.eye(4 - k, dtype=torch.float64))
+        assert (cov_pad[b, :k, k:] == 0).all() and (cov_pad[b, k:, :k] == 0).all()
+        assert mask[b, :k].all() and not mask[b, k:].any()
+
+
+def test_nan_kernel_raises_cholesky_error():
+    """A NaN kernel hyperparameter must surface as CholeskyError naming K_zz, not as a silent NaN
+    posterior or a bare torch error."""
+    model, g = fitted_like_model()
+    model.covar_module.raw_outputscale.data.fill_(float("nan"))
+    with pytest.raises(CholeskyError, match="K_zz"):
+        model.variational_strategy.inducing_cholesky()
+
+
+def test_duplicated_inducing_points_need_only_jitter():
+    """Duplicated inducing points make K_zz singular; robust_cholesky must escalate the jitter
+    and still factorise it (a finite L)."""
+    Z = torch.zeros(4, 2, dtype=torch.float64)
+    model = SparseGP(Z)
+    L = model.variational_strategy.inducing_cholesky()
+    assert torch.isfinite(L).all()
+
+
+def test_hyperparameters_exclude_variational_parameters():
+    """hyperparameters() is what Adam trains in Algorithm 1: it must not contain q(v)."""
+    model, _ = fitted_like_model()
+    var_ids = {id(p) for p in model.variational_parameters()}
+    hyp = model.variational_strategy.hyperparameters()
+    assert hyp and not any(id(p) in var_ids for p in hyp)
+
+
+def test_marginals_blas_and_matrix_product_paths_agree():
+    """The variance ``k − ‖A‖² + AᵀSA`` by the BLAS triangular product (row-major ``Aᵀ`` views, no
+    gradient) and by the general matrix product (any other layout) must agree to 1e-12, in float64
+    and to 1e-5 in float32."""
+    from milgp.models.closed_form_strategy import Projection, WhitenedPosterior
+
+    g = torch.Generator().manual_seed(0)
+    M, N = 7, 40
+    AT = torch.randn(N, M, generator=g, dtype=torch.float64)
+    X = torch.randn(M, M, generator=g, dtype=torch.float64)
+    S = X @ X.mT / M + 0.1 * torch.eye(M, dtype=torch.float64)
+    q = WhitenedPosterior(m=torch.randn(M, generator=g, dtype=torch.float64), S=S, precision=torch.linalg.inv(S))
+    prior_var = 1.0 + (AT * AT).sum(1)
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        qd = WhitenedPosterior(m=q.m.to(dtype), S=q.S.to(dtype), precision=q.precision.to(dtype))
+        view = Projection(A=AT.to(dtype).mT, prior_var=prior_var.to(dtype), prior_mean=torch.zeros(N, dtype=dtype))
+        dense = Projection(A=AT.to(dtype).mT.contiguous(), prior_var=view.prior_var, prior_mean=view.prior_mean)
+        m1, v1 = ClosedFormStrategy.marginals(view, qd)
+        m2, v2 = ClosedFormStrategy.marginals(dense, qd)
+        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+        torch.testing.assert_close(m1, m2, rtol=tol, atol=tol)
+        assert torch.allclose(v2.double(), 1.0 + (AT * (AT @ S)).sum(1), rtol=tol, atol=tol)
+
+
+class UserGP(gpytorch.models.ApproximateGP):
+    """A user's own model: their kernel and mean, milgp's strategy in place of VariationalStrategy."""
+
+    def __init__(self, Z: torch.Tensor, kernel: gpytorch.kernels.Kernel, natural: bool = True):
+        dist = gpytorch.variational.NaturalVariationalDistribution if natural else gpytorch.variational.CholeskyVariationalDistribution
+        super().__init__(ClosedFormStrategy(self, Z, dist(Z.shape[0])))
+        self.mean_module = gpytorch.means.ConstantMean()
+        self.covar_module = kernel
+
+    def forward(self, x: torch.Tensor) -> gpytorch.distributions.MultivariateNormal:
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _matern_user_model(seed: int = 0) -> tuple[UserGP, torch.Tensor, torch.Generator]:
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    model = UserGP(Z, gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))).to(torch.float64)
+    model.covar_module.outputscale = 2.0
+    model.covar_module.base_kernel.lengthscale = 0.7
+    model.mean_module.constant.data.fill_(-0.4)
+    return model, Z, g
+
+
+def test_a_user_model_starts_at_the_whitened_prior_and_stays_there_under_gpytorch() -> None:
+    """q(v) of a new ClosedFormStrategy must be N(0, I), and a GPyTorch call in train mode must not
+    re-initialise it with noise (GPyTorch does that for a strategy it thinks uninitialised): the
+    closed-form steps read q(v) from the distribution."""
+    model, _, g = _matern_user_model()
+    q = model.variational_strategy.whitened_posterior()
+    assert (q.m == 0).all() and torch.equal(q.S, torch.eye(6, dtype=torch.float64))
+    model.train()
+    model(torch.randn(5, 2, generator=g, dtype=torch.float64))
+    assert (model.variational_strategy.whitened_posterior().m == 0).all()
+
+
+def test_a_user_model_projection_equals_an_independent_matern_computation() -> None:
+    """The strategy builds ``A = L⁻¹K_zx``, the prior variance and mean from the user's ``forward``;
+    they must equal the Matérn-3/2 formula written out here (float64), else the closed-form steps
+    would fit another prior than the model's."""
+    model, Z, g = _matern_user_model()
+    x = torch.randn(9, 2, generator=g, dtype=torch.float64)
+
+    def matern(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        r = torch.cdist(a, b) / 0.7
+        return 2.0 * (1 + 3**0.5 * r) * torch.exp(-(3**0.5) * r)
+
+    jitter = model.variational_strategy.jitter
+    L = torch.linalg.cholesky(matern(Z, Z) + jitter * torch.eye(6, dtype=torch.float64))
+    proj = model.variational_strategy.projection(x)
+    # GPyTorch's distances (‖a‖² + ‖b‖² − 2aᵀb) and torch.cdist round differently, by ~1e-8 here
+    torch.testing.assert_close(proj.A, torch.linalg.solve_triangular(L, matern(Z, x), upper=False), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(proj.prior_var, torch.full((9,), 2.0 + jitter, dtype=torch.float64))
+    torch.testing.assert_close(proj.prior_mean, torch.full((9,), -0.4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("natural", [True, False])
+def test_a_user_model_fast_path_marginals_and_bag_blocks_equal_its_gpytorch_predictive(natural: bool) -> None:
+    """For a user's kernel and mean, the strategy's marginals and per-bag blocks must equal what
+    GPyTorch predicts with the same model (whitening, jitter and mean agree)."""
+    model, _, g = _matern_user_model()
+    if not natural:
+        model = UserGP(model.variational_strategy.inducing_points, model.covar_module, natural=False).to(torch.float64)
+    R = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    S = 0.2 * R @ R.mT + 0.3 * torch.eye(6, dtype=torch.float64)
+    model.variational_strategy.set_whitened_posterior(
+        WhitenedPosterior(m=torch.randn(6, generator=g, dtype=torch.float64), S=S, precision=torch.linalg.inv(S))
+    )
+    x = torch.randn(8, 2, generator=g, dtype=torch.float64)
+    bag_index = torch.tensor([0, 1, 0, 2, 1, 0, 2, 2])
+    mu, var = model.variational_strategy.predict_marginals(x)
+    mean_pad, cov_pad, _ = model.variational_strategy.bag_covariances(x, bag_index, 3)
+    model.eval()
+    with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
+        out = model(x)
+    torch.testing.assert_close(mu, out.mean, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(var, out.variance, rtol=1e-9, atol=1e-10)
+    idx = torch.nonzero(bag_index == 2, as_tuple=True)[0]
+    torch.testing.assert_close(cov_pad[2, :3, :3], out.covariance_matrix[idx][:, idx], rtol=1e-8, atol=1e-9)
+    torch.testing.assert_close(mean_pad[2, :3], out.mean[idx], rtol=1e-9, atol=1e-10)
+
+
+def test_a_model_without_the_closed_form_strategy_is_refused_by_name() -> None:
+    """GPyTorch's own VariationalStrategy has no projections: the closed-form path must say which
+    strategy it needs instead of failing on a missing attribute deep inside a sweep."""
+
+    class PlainGP(gpytorch.models.ApproximateGP):
+        def __init__(self, Z: torch.Tensor):
+            dist = gpytorch.variational.NaturalVariationalDistribution(Z.shape[0])
+            super().__init__(gpytorch.variational.VariationalStrategy(self, Z, dist))
+
+    with pytest.raises(TypeError, match="ClosedFormStrategy.*VariationalStrategy on PlainGP"):
+        ClosedFormStrategy.of(PlainGP(torch.zeros(3, 2)))
+
+
+def test_learned_inducing_locations_are_hyperparameters() -> None:
+    """With ``learn_inducing_locations=True`` the Adam steps of Algorithm 1 must move Z: it belongs to
+    hyperparameters(), and q(v)'s parameters never do."""
+    model = SparseGP(torch.randn(5, 2, dtype=torch.float64), learn_inducing_locations=True)
+    hyp = {id(p) for p in model.variational_strategy.hyperparameters()}
+    assert id(model.variational_strategy.inducing_points) in hyp
+    assert not hyp & {id(p) for p in model.variational_strategy._variational_distribution.parameters()}
