@@ -42,12 +42,9 @@ from torch import Tensor, nn
 
 from milgp.data.bags import BagBatch, make_bag_groups
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
-from milgp.likelihoods.aggregate import AggregateLikelihood, bag_blocks
-from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
-from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
+from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
-from milgp.linalg import robust_cholesky
 from milgp.metrics import log_loss
 from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
@@ -58,6 +55,7 @@ from milgp.variational.aggregate_fit import (
     aggregate_data_terms,
     aggregate_elbo,
     aggregate_natural_statistics,
+    bag_log_predictive,
     checked_natural_step,
     group_terms,
     is_conjugate,
@@ -574,9 +572,9 @@ class GPHead(nn.Module):
             ``Ψ(f)`` ``(N,)``; bag moments ``{"bag_rate_mean", "bag_rate_var"}`` of
             ``η_a = Σ w_i Ψ(f_i)`` and ``{"y_mean", "y_var"}`` of the observed aggregate ``(B,)``
             (full within-bag covariance, :func:`predict_bag_moments`); with ``bag_targets`` also
-            ``"bag_nll"`` ``(B,)``, the predictive ``−log p(y_a | data)`` — exact for the Normal
-            model, Monte Carlo over the joint ``q(f_b)`` (``nll_samples``) for Poisson and
-            Exponential, a moment-matched Gaussian for other aggregate likelihoods.
+            ``"bag_nll"`` ``(B,)``, the predictive ``−log p(y_a | data)`` (:func:`bag_log_predictive`:
+            exact for the Normal model, Monte Carlo over the joint ``q(f_b)`` with ``nll_samples``
+            draws for the others).
         """
         lik = self._check_aggregate()
         z = z.to(torch.float64)
@@ -587,39 +585,9 @@ class GPHead(nn.Module):
         bag = predict_bag_moments(self.gp, lik, z, bag_index, num_bags, w, self.chunk_instances, self.block_budget)
         out.update(bag_rate_mean=bag["rate_mean"], bag_rate_var=bag["rate_var"], y_mean=bag["y_mean"], y_var=bag["y_var"])
         if bag_targets is not None:
-            y = bag_targets.to(z)
-            if isinstance(lik, (PoissonAggregateLikelihood, ExponentialAggregateLikelihood)):
-                out["bag_nll"] = -self._mc_log_predictive(z, bag_index, num_bags, w, y)
-            else:  # exact for Normal: y_a | data ~ N(E[η_a], Var[η_a] + τ Σ w²)
-                var_y = bag["y_var"].clamp_min(1e-300)
-                out["bag_nll"] = 0.5 * (math.log(2 * math.pi) + torch.log(var_y) + (y - bag["y_mean"]) ** 2 / var_y)
-        return out
-
-    def _mc_log_predictive(self, z: Tensor, bag_index: Tensor, num_bags: int, w: Tensor, y: Tensor) -> Tensor:
-        """``log E_{q(f_b)} p(y_a | η_a)`` per bag by Monte Carlo over the joint ``q(f_b)``."""
-        lik = self.likelihood
-        q = self.posterior()
-        L = self.strategy.inducing_cholesky()
-        gen = torch.Generator(device=z.device).manual_seed(self.seed)
-        out = z.new_empty(num_bags)
-        S_total = max(1, self.nll_samples)
-        for g in self.aggregate_groups(bag_index, num_bags, blocks=True):
-            xg = z[g.inst]
-            blocks = bag_blocks(self.gp, xg, self.strategy.projection(xg, L), g.local, g.num_bags, q.m, q.S, w[g.inst], kernel_grad=False)
-            chol = robust_cholesky(blocks.cov, what="within-bag covariance of q(f_b)")
-            yg = y[g.bags]
-            B_g, n = blocks.mean.shape
-            per = max(1, 4_000_000 // max(1, B_g * n * n))
-            parts = []
-            for s0 in range(0, S_total, per):
-                s = min(per, S_total - s0)
-                eps = torch.randn((s, B_g, n, 1), generator=gen, dtype=z.dtype, device=z.device)
-                f = blocks.mean + (chol @ eps).squeeze(-1)
-                eta = (blocks.weights * lik.link(f)).sum(-1).clamp_min(1e-300)  # (s, B_g)
-                if isinstance(lik, PoissonAggregateLikelihood):
-                    parts.append(yg * torch.log(eta) - eta - torch.lgamma(yg + 1))
-                else:  # Exponential with mean η
-                    parts.append(-yg / eta - torch.log(eta))
-            lp = torch.cat(parts)
-            out[g.bags] = torch.logsumexp(lp, 0) - math.log(lp.shape[0])
+            out["bag_nll"] = -bag_log_predictive(
+                self.gp, lik, z, bag_index, num_bags, bag_targets, w, samples=self.nll_samples,
+                generator=torch.Generator(device=z.device).manual_seed(self.seed), chunk_instances=self.chunk_instances,
+                block_budget=self.block_budget, moments=bag,
+            )
         return out

@@ -324,6 +324,13 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         normalising constants so that it is comparable with ``E_q[log p(y_a | f_a)]``)."""
 
     @abstractmethod
+    def log_prob_given_rate(self, y: Tensor, rate: Tensor, weight_sq_sum: Tensor) -> Tensor:
+        """``log p(y_a | η_a)`` of the observed aggregate given its rate ``η_a = Σ w_i Ψ(f_i)``
+        (broadcast over leading sample dimensions of ``rate``; ``weight_sq_sum`` ``(B,)`` is
+        ``Σ w_i²``, the Normal model's noise scale). The bag's predictive log-likelihood is its
+        average over the joint ``q(f_b)`` (:func:`milgp.variational.aggregate_fit.bag_log_predictive`)."""
+
+    @abstractmethod
     def check_targets(self, y: np.ndarray) -> None:
         """Raise ``ValueError`` naming the first bag whose target is invalid for this model."""
 

@@ -58,6 +58,10 @@ class ExponentialAggregateLikelihood(AggregateLikelihood):
         second = rate_var + rate_mean * rate_mean
         return rate_mean, 2 * second - rate_mean * rate_mean
 
+    def log_prob_given_rate(self, y: Tensor, rate: Tensor, weight_sq_sum: Tensor) -> Tensor:
+        """``log p(y_a | η_a) = −y_a/η_a − log η_a`` (exponential with mean ``η_a``)."""
+        return -y / rate - torch.log(rate)
+
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> torch.distributions.Exponential:
         """Individual response with unit weight: ``Exponential(rate = 1/Ψ(f))``."""
         return torch.distributions.Exponential(rate=1.0 / self.link(function_samples))

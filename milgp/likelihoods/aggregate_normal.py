@@ -100,6 +100,11 @@ class NormalAggregateLikelihood(AggregateLikelihood):
         """``y_a``: mean ``E[η_a]``, variance ``Var[η_a] + τ Σ w_i²``."""
         return rate_mean, rate_var + self.noise.detach().to(rate_var) * weight_sq_sum
 
+    def log_prob_given_rate(self, y: Tensor, rate: Tensor, weight_sq_sum: Tensor) -> Tensor:
+        """``log N(y_a | η_a, τ Σ w_i²)``."""
+        scale = self.noise.detach().to(rate) * weight_sq_sum
+        return -0.5 * (_LOG_2PI + torch.log(scale) + (y - rate) ** 2 / scale)
+
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> gpytorch.distributions.base_distributions.Normal:
         """Individual response with unit weight: ``N(f, τ)``."""
         return torch.distributions.Normal(function_samples, self.noise.sqrt())

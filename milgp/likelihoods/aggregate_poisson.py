@@ -79,6 +79,10 @@ class PoissonAggregateLikelihood(AggregateLikelihood):
         """``E[y_a] = E[η_a]``, ``Var[y_a] = E[η_a] + Var[η_a]``."""
         return rate_mean, rate_mean + rate_var
 
+    def log_prob_given_rate(self, y: Tensor, rate: Tensor, weight_sq_sum: Tensor) -> Tensor:
+        """``log Poisson(y_a | η_a) = y_a log η_a − η_a − log y_a!``."""
+        return y * torch.log(rate) - rate - torch.lgamma(y + 1)
+
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> torch.distributions.Poisson:
         """Individual count with unit population: ``Poisson(Ψ(f))``."""
         return torch.distributions.Poisson(self.link(function_samples))

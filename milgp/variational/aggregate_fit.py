@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, random_bags_within, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
+from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, try_natural_step
 
@@ -53,6 +54,7 @@ __all__ = [
     "aggregate_data_terms",
     "aggregate_elbo",
     "aggregate_natural_statistics",
+    "bag_log_predictive",
     "checked_natural_step",
     "fit_aggregate",
     "group_terms",
@@ -432,3 +434,55 @@ def predict_bag_moments(
         w_sq = segment_sum(weights * weights, bag_index, num_bags)
         y_mean, y_var = likelihood.observation_moments(rate_mean, rate_var, w_sum, w_sq)
     return {"rate_mean": rate_mean, "rate_var": rate_var, "y_mean": y_mean, "y_var": y_var}
+
+
+def bag_log_predictive(
+    model: ApproximateGP,
+    likelihood: AggregateLikelihood,
+    x: Tensor,
+    bag_index: Tensor,
+    num_bags: int,
+    y: Tensor,
+    weights: Tensor | None = None,
+    *,
+    samples: int = 256,
+    generator: torch.Generator | None = None,
+    chunk_instances: int = 32768,
+    block_budget: int = 2_000_000,
+    moments: dict[str, Tensor] | None = None,
+) -> Tensor:
+    """Predictive log-likelihood ``log p(y_a | data)`` of each bag's observed aggregate ``(B,)``.
+
+    Conjugate models (Normal): exact, ``y_a | data ~ N(E[η_a], Var[η_a] + τ Σ w_i²)`` from
+    :func:`predict_bag_moments` (pass its result as ``moments`` to reuse it). Otherwise a
+    Monte-Carlo average of :meth:`AggregateLikelihood.log_prob_given_rate` over ``samples`` draws
+    of the joint ``q(f_b)`` of each bag (in log space), drawn from ``generator``.
+    """
+    weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
+    y = y.to(x)
+    if is_conjugate(likelihood):
+        moments = moments or predict_bag_moments(model, likelihood, x, bag_index, num_bags, weights, chunk_instances, block_budget)
+        var_y = moments["y_var"].clamp_min(1e-300)
+        return -0.5 * (math.log(2 * math.pi) + torch.log(var_y) + (y - moments["y_mean"]) ** 2 / var_y)
+    strategy = ClosedFormStrategy.of(model)
+    q = strategy.whitened_posterior()
+    w_sq = segment_sum(weights * weights, bag_index, num_bags)
+    out = x.new_empty(num_bags)
+    with torch.no_grad():
+        L = strategy.inducing_cholesky()
+        for g in make_bag_groups(bag_index, num_bags, chunk_instances, block_budget):
+            xg = x[g.inst]
+            blocks = bag_blocks(model, xg, strategy.projection(xg, L), g.local, g.num_bags, q.m, q.S, weights[g.inst], kernel_grad=False)
+            chol = robust_cholesky(blocks.cov, what="within-bag covariance of q(f_b)")
+            B_g, n = blocks.mean.shape
+            per = max(1, 4_000_000 // max(1, B_g * n * n))  # draws per pass: bounded memory
+            parts = []
+            for s0 in range(0, max(1, samples), per):
+                s = min(per, max(1, samples) - s0)
+                eps = torch.randn((s, B_g, n, 1), generator=generator, dtype=x.dtype, device=x.device)
+                f = blocks.mean + (chol @ eps).squeeze(-1)
+                rate = (blocks.weights * likelihood.link(f)).sum(-1).clamp_min(1e-300)  # (s, B_g)
+                parts.append(likelihood.log_prob_given_rate(y[g.bags], rate, w_sq[g.bags]))
+            lp = torch.cat(parts)
+            out[g.bags] = torch.logsumexp(lp, 0) - math.log(lp.shape[0])
+    return out
