@@ -72,7 +72,7 @@ from milgp.prediction import (
     make_bag_rule,
 )
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
-from milgp.variational.natural_update import NaturalStatistics, natural_statistics, natural_step
+from milgp.variational.natural_update import NaturalStatistics, natural_statistics
 
 __all__ = ["AggregateStep", "GPHead", "RULE_NAMES"]
 
@@ -320,8 +320,7 @@ class GPHead(nn.Module):
         stats = natural_statistics(proj.A, b, lam, proj.prior_mean)
         if reduce is not None:
             stats = reduce(stats)
-        q = natural_step(q, stats, rho=rho, scale=scale)
-        self.strategy.set_whitened_posterior(q)
+        q = self.strategy.natural_step(stats, rho=rho, scale=scale)
         mean, var = self.strategy.marginals(proj, q)
         locals_ = self.likelihood.update_locals(mean, var, bag_index, labels, num_bags, locals_)
         return q, locals_

@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "inducing": set(),
     "plots": {"metrics"},
     "likelihoods": {"data", "linalg"},
-    "models": {"data", "linalg"},
+    "models": {"data", "likelihoods", "linalg"},
     "prediction": {"data", "likelihoods", "linalg", "metrics", "models"},
     "variational": {"data", "likelihoods", "linalg", "models", "prediction"},
     "sampling": {"data", "likelihoods", "linalg", "models"},

@@ -28,6 +28,7 @@ __all__ = [
     "collate_bags",
     "flatten_bags",
     "from_padded",
+    "identity_padded",
     "labels_per_instance",
     "make_bag_groups",
     "random_bags_within",
@@ -137,6 +138,16 @@ def to_padded(x: Tensor, bag_index: Tensor, num_bags: int | None = None, fill: f
     mask = torch.zeros(num_bags, n_max, dtype=torch.bool, device=x.device)
     mask[sorted_bags, position] = True
     return padded, mask
+
+
+def identity_padded(cov: Tensor, mask: Tensor) -> Tensor:
+    """Padded per-bag matrices ``(B, N_max, N_max)`` with the padded rows and columns replaced by the
+    identity (so a padded block stays positive definite and factorises) and exactly symmetrised;
+    ``mask`` ``(B, N_max)`` as from :func:`to_padded`."""
+    eye = torch.eye(mask.shape[1], dtype=cov.dtype, device=cov.device)
+    pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
+    cov = torch.where(pair, cov, eye.expand_as(cov))
+    return 0.5 * (cov + cov.mT)
 
 
 def from_padded(padded: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -35,7 +35,7 @@ from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 from scipy import stats
 from torch import Tensor
 
-from milgp.data.bags import bag_sizes, segment_max, segment_sum, to_padded
+from milgp.data.bags import bag_sizes, identity_padded, segment_max, segment_sum, to_padded
 
 __all__ = [
     "AggregateLikelihood",
@@ -218,28 +218,21 @@ def block_base(
     model: Any, x: Tensor, proj: Any, bag_index: Tensor, num_bags: int, weights: Tensor, kernel_grad: bool = True
 ) -> BlockBase:
     """:class:`BlockBase` of a group of bags (``model``: an ``ApproximateGP`` on
-    :class:`milgp.models.ClosedFormStrategy`, ``proj`` its projection of ``x``). ``kernel_grad=False`` builds the kernel block without a graph."""
-    x_pad, mask = to_padded(x, bag_index, num_bags)
+    :class:`milgp.models.ClosedFormStrategy`, ``proj`` its projection of ``x``; the blocks are the
+    strategy's :meth:`~milgp.models.ClosedFormStrategy.residual_blocks`). ``kernel_grad=False``
+    builds the kernel block without a graph."""
     A_pad, _ = to_padded(proj.A.mT, bag_index, num_bags)  # (B, n, M)
     mu0_pad, _ = to_padded(proj.prior_mean, bag_index, num_bags)
     w_pad, _ = to_padded(weights, bag_index, num_bags, fill=0.0)
-    with torch.set_grad_enabled(kernel_grad and torch.is_grad_enabled()):
-        K = model.forward(x_pad).lazy_covariance_matrix.to_dense()
-    n_max = mask.shape[1]
-    eye = torch.eye(n_max, dtype=x.dtype, device=x.device)
-    base = K + model.variational_strategy.jitter * eye - A_pad @ A_pad.mT
+    base, mask = model.variational_strategy.residual_blocks(x, bag_index, num_bags, A_pad, kernel_grad)
     return BlockBase(A_pad=A_pad, base=base, prior_mean=mu0_pad, weights=w_pad, mask=mask)
 
 
 def blocks_from_base(bb: BlockBase, m: Tensor, S: Tensor) -> PaddedBlocks:
     """``S^a = base + A_bᵀ S A_b`` and ``m^a = μ0 + A_bᵀ m`` (differentiable in ``m, S``)."""
-    cov = bb.base + bb.A_pad @ S @ bb.A_pad.mT
-    n_max = bb.mask.shape[1]
-    eye = torch.eye(n_max, dtype=cov.dtype, device=cov.device)
-    pair = bb.mask.unsqueeze(-1) & bb.mask.unsqueeze(-2)
-    cov = torch.where(pair, cov, eye.expand_as(cov))
+    cov = identity_padded(bb.base + bb.A_pad @ S @ bb.A_pad.mT, bb.mask)
     mean = bb.prior_mean + (bb.A_pad @ m.unsqueeze(-1)).squeeze(-1)
-    return PaddedBlocks(mean=mean, cov=0.5 * (cov + cov.mT), weights=bb.weights, mask=bb.mask)
+    return PaddedBlocks(mean=mean, cov=cov, weights=bb.weights, mask=bb.mask)
 
 
 def bag_blocks(

@@ -15,7 +15,9 @@ without ``N×N`` matrices:
   parameters), its caches cleared after every write;
 * :meth:`~ClosedFormStrategy.marginals` — ``μ_n = mean(x_n) + A_nᵀ m``,
   ``σ²_n = k_nn − ‖A_n‖² + A_nᵀ S A_n``;
-* :meth:`~ClosedFormStrategy.bag_covariances` — per-bag blocks ``K_bb − A_bᵀA_b + A_bᵀ S A_b``.
+* :meth:`~ClosedFormStrategy.bag_covariances` — per-bag blocks ``K_bb − A_bᵀA_b + A_bᵀ S A_b``;
+* :meth:`~ClosedFormStrategy.natural_step` — the closed-form natural step of size ``ρ`` from a
+  likelihood's :class:`~milgp.likelihoods.NaturalStatistics`.
 
 Put it where ``VariationalStrategy`` would go::
 
@@ -40,7 +42,8 @@ import torch
 from scipy.linalg import blas
 from torch import Tensor
 
-from milgp.data.bags import to_padded
+from milgp.data.bags import identity_padded, to_padded
+from milgp.likelihoods.natural_statistics import NaturalStatistics
 from milgp.linalg import cholesky_inverse_from_precision, robust_cholesky
 
 __all__ = ["ClosedFormStrategy", "Projection", "WhitenedPosterior"]
@@ -108,6 +111,40 @@ class WhitenedPosterior:
         precision = 0.5 * (precision + precision.mT)
         S, L_P = cholesky_inverse_from_precision(precision, what="q(v) precision")
         return cls(m=S @ eta1, S=S, precision=precision, chol_precision=L_P)
+
+    def natural_step(self, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> "WhitenedPosterior":
+        """One natural-gradient step of size ``rho`` towards the closed-form optimum
+        ``(η̂₁, P̂) = (s·h, I + s·G)`` of the statistics (``s = scale``).
+
+        ``η ← (1 − ρ) η + ρ η̂`` in natural parameters; ``rho = 1`` jumps to the optimum (CAVI;
+        Castro-Macías et al. 2024, Algorithm 1, Eqs. 26–27 whitened); ``rho < 1`` with minibatches
+        of bags is stochastic variational inference (Hoffman et al., *Stochastic Variational
+        Inference*, JMLR 2013).
+        """
+        if not 0.0 < rho <= 1.0:
+            raise ValueError(f"the natural step size rho must be in (0, 1], got {rho}")
+        eta1_hat, P_hat = stats.targets(scale)
+        if rho == 1.0:
+            return WhitenedPosterior.from_natural(eta1_hat, P_hat)
+        eta1_old = self.precision @ self.m
+        eta1 = (1.0 - rho) * eta1_old + rho * eta1_hat
+        P = (1.0 - rho) * self.precision + rho * P_hat
+        return WhitenedPosterior.from_natural(eta1, P)
+
+    def try_natural_step(self, stats: NaturalStatistics, rho: float, scale: float = 1.0) -> "WhitenedPosterior | None":
+        """``η ← (1−ρ)η + ρη̂ = η + ρ(η̂ − η)`` for any ``ρ > 0`` (``ρ > 1`` goes past the optimum: the
+        over-relaxed step of :mod:`milgp.variational.overrelaxation`), or ``None`` when the new
+        precision is not positive definite (or not finite)."""
+        eta1_hat, P_hat = stats.targets(scale)
+        P = (1.0 - rho) * self.precision + rho * P_hat
+        P = 0.5 * (P + P.mT)
+        eta1 = (1.0 - rho) * (self.precision @ self.m) + rho * eta1_hat
+        L_P, info = torch.linalg.cholesky_ex(P)
+        if int(info) != 0 or not torch.isfinite(L_P).all():
+            return None
+        S = torch.cholesky_inverse(L_P)
+        S = 0.5 * (S + S.mT)
+        return WhitenedPosterior(m=S @ eta1, S=S, precision=P)
 
 
 class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
@@ -215,6 +252,14 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
                 dist.chol_variational_covar.copy_(robust_cholesky(q.S, what="q(v) covariance"))
         self._clear_cache()
 
+    def natural_step(self, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> WhitenedPosterior:
+        """The closed-form natural step of size ``rho`` from a likelihood's statistics
+        (:meth:`WhitenedPosterior.natural_step`) on the current ``q(v)``, written back; returns the
+        new ``q(v)``."""
+        q = self.whitened_posterior().natural_step(stats, rho=rho, scale=scale)
+        self.set_whitened_posterior(q)
+        return q
+
     # -- marginals and bag blocks -------------------------------------------------------------------
     @staticmethod
     def marginals(proj: Projection, q: WhitenedPosterior) -> tuple[Tensor, Tensor]:
@@ -271,6 +316,19 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
         cov, mask = self.block_covariances(x, bag_index, num_bags, A_pad, A_pad @ q.S @ A_pad.mT)
         return mean_pad, cov, mask
 
+    def residual_blocks(
+        self, x: Tensor, bag_index: Tensor, num_bags: int | None, A_pad: Tensor, kernel_grad: bool = True
+    ) -> tuple[Tensor, Tensor]:
+        """The within-bag prior covariance the inducing points do not explain,
+        ``K_bb + jitter·I − A_bᵀA_b`` ``(B, N_max, N_max)`` (padded entries unspecified), and the
+        mask ``(B, N_max)``, for ``A_pad`` ``(B, N_max, M)`` the bags' padded projections.
+        ``kernel_grad=False`` builds the kernel block without a graph."""
+        x_pad, mask = to_padded(x, bag_index, num_bags)
+        with torch.set_grad_enabled(kernel_grad and torch.is_grad_enabled()):
+            K = self.model.forward(x_pad).lazy_covariance_matrix.to_dense()  # (B, N_max, N_max)
+        eye = torch.eye(mask.shape[1], dtype=x.dtype, device=x.device)
+        return K + self.jitter * eye - A_pad @ A_pad.mT, mask
+
     def block_covariances(
         self, x: Tensor, bag_index: Tensor, num_bags: int | None, A_pad: Tensor, cov_v: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -279,11 +337,5 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
         ``cov_v`` ``(B, N_max, N_max)`` the covariance of ``A_bᵀv`` under whichever ``q(v)`` (the
         posterior's, or a leave-one-bag-out cavity's). Padded rows/columns are the identity; exactly
         symmetric."""
-        x_pad, mask = to_padded(x, bag_index, num_bags)
-        K = self.model.forward(x_pad).lazy_covariance_matrix.to_dense()  # (B, N_max, N_max)
-        n_max = mask.shape[1]
-        eye = torch.eye(n_max, dtype=x.dtype, device=x.device)
-        cov = K + self.jitter * eye - A_pad @ A_pad.mT + cov_v
-        pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
-        cov = torch.where(pair, cov, eye.expand_as(cov))
-        return 0.5 * (cov + cov.mT), mask
+        base, mask = self.residual_blocks(x, bag_index, num_bags, A_pad)
+        return identity_padded(base + cov_v, mask), mask

@@ -12,7 +12,7 @@ where ``∇_μ E`` is the gradient with respect to the *expectation* parameters 
 
     h = ∂E/∂m − 2 (∂E/∂S) m,      G = −2 ∂E/∂S,        (η̂₁, P̂) = (s·h, I + s·G),
 
-i.e. exactly the target of :func:`~milgp.variational.natural_update.natural_step`; for a quadratic
+i.e. exactly the target of :meth:`~milgp.models.WhitenedPosterior.natural_step`; for a quadratic
 (augmented) likelihood it coincides with the closed-form statistics (tested). ``∂E/∂m`` and
 ``∂E/∂S`` come from autograd, accumulated over chunks of whole bags, so memory is bounded by the
 chunk. The Normal model has exact closed-form statistics (rank one per bag) and ρ = 1 is its
@@ -46,7 +46,7 @@ from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, rand
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
-from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, try_natural_step
+from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
 __all__ = [
     "AggregateFitResult",
@@ -220,12 +220,12 @@ def checked_natural_step(
     scale: float,
     accept: Callable[[WhitenedPosterior], bool] | None = None,
 ) -> tuple[WhitenedPosterior | None, float]:
-    """:func:`try_natural_step` with ``ρ`` halved (while ``ρ ≥ 1e-6``) until the new precision is
+    """:meth:`WhitenedPosterior.try_natural_step` with ``ρ`` halved (while ``ρ ≥ 1e-6``) until the new precision is
     positive definite and ``accept(q_new)`` holds (``None``: always). Returns ``(q_new, ρ)``, or
     ``(None, ρ)`` with the last ``ρ`` (< 1e-6) when every step was rejected."""
     r = rho
     while r >= 1e-6:
-        q_new = try_natural_step(q, stats, r, scale)
+        q_new = q.try_natural_step(stats, r, scale)
         if q_new is not None and (accept is None or accept(q_new)):
             return q_new, r
         r *= 0.5
@@ -348,7 +348,7 @@ def fit_aggregate(
             stats, data = aggregate_natural_statistics(model, likelihood, batch, groups, q, cache=cache)
             elbo_old = data - float(q.kl_divergence())
             if conjugate:
-                q = try_natural_step(q, stats, 1.0, 1.0) or q
+                q = q.try_natural_step(stats, 1.0, 1.0) or q
             else:  # backtracking on the ELBO, then a larger first try next time
                 q_new, rho = checked_natural_step(
                     q, stats, rho, 1.0, lambda q_: _ascends(model, likelihood, batch, groups, q_, 1.0, elbo_old, cache)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from milgp.data.bags import BagBatch, bag_sizes, random_bags_within
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
-from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics, natural_step, try_natural_step
+from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
 
 __all__ = ["FitResult", "closed_form_elbo", "fit_closed_form"]
@@ -306,10 +306,10 @@ def fit_closed_form(
         if bags_per_batch is None:
             b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
             stats = _statistics(strategy, batch.x, b, lam, chunk_size, projector)
-            plain = natural_step(q, stats, rho=1.0)
+            plain = q.natural_step(stats, rho=1.0)
             step, indefinite = plain, False
             if relax is not None and relax.omega > 1.0:  # past the optimum
-                step = try_natural_step(q, stats, relax.omega, 1.0)
+                step = q.try_natural_step(stats, relax.omega, 1.0)
                 if step is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
                     step, indefinite = plain, True
                     relax.reject()
@@ -344,7 +344,7 @@ def fit_closed_form(
                 mb_mean, mb_var = _moments(strategy, mb.x, q, chunk_size, mb_proj)
                 mb_locals = _subset_locals(locals_, idx)
                 b, lam = likelihood.quadratic_terms(mb_mean, mb_var, mb.bag_index, mb.bag_labels, mb.num_bags, mb_locals)
-                q = natural_step(q, _statistics(strategy, mb.x, b, lam, chunk_size, mb_proj), rho=schedule(step_t), scale=B / mb.num_bags)
+                q = q.natural_step(_statistics(strategy, mb.x, b, lam, chunk_size, mb_proj), rho=schedule(step_t), scale=B / mb.num_bags)
                 step_t += 1
                 strategy.set_whitened_posterior(q)
                 mb_mean, mb_var = _moments(strategy, mb.x, q, chunk_size, mb_proj)

@@ -16,24 +16,22 @@ steps of step size ρ, which is why one ``gpytorch.optim.NGD(lr=ρ)`` step on th
 ``VariationalELBO`` gives the same update (tested).
 
 The sufficient statistics ``h = A b`` and ``G = A diag(λ) Aᵀ`` are sums over instances, so they can
-be accumulated over chunks of data or all-reduced across DDP ranks before the step.
+be accumulated over chunks of data or all-reduced across DDP ranks before the step. This module
+forms them (:func:`natural_statistics`) and schedules minibatch steps (:class:`RobbinsMonro`); the
+step itself is :meth:`milgp.models.ClosedFormStrategy.natural_step` (on a model's ``q(v)``) or
+:meth:`milgp.models.WhitenedPosterior.natural_step` (on a ``q(v)`` held aside).
 """
 from __future__ import annotations
 
 import torch
-from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.likelihoods.natural_statistics import NaturalStatistics
-from milgp.models.closed_form_strategy import WhitenedPosterior
 
 __all__ = [
     "NaturalStatistics",
     "RobbinsMonro",
-    "apply_natural_step",
     "natural_statistics",
-    "natural_step",
-    "try_natural_step",
     "weighted_gram",
 ]
 
@@ -76,38 +74,6 @@ def weighted_gram(A: Tensor, w: Tensor) -> Tensor:
     return torch.from_numpy(Yt_np.T @ Yt_np)
 
 
-def natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> WhitenedPosterior:
-    """One natural-gradient step of size ``rho`` towards the closed-form optimum.
-
-    ``η ← (1 − ρ) η + ρ η̂`` in natural parameters; ``rho = 1`` jumps to the optimum (CAVI).
-    """
-    if not 0.0 < rho <= 1.0:
-        raise ValueError(f"the natural step size rho must be in (0, 1], got {rho}")
-    eta1_hat, P_hat = stats.targets(scale)
-    if rho == 1.0:
-        return WhitenedPosterior.from_natural(eta1_hat, P_hat)
-    eta1_old = q.precision @ q.m
-    eta1 = (1.0 - rho) * eta1_old + rho * eta1_hat
-    P = (1.0 - rho) * q.precision + rho * P_hat
-    return WhitenedPosterior.from_natural(eta1, P)
-
-
-def try_natural_step(q: WhitenedPosterior, stats: NaturalStatistics, rho: float, scale: float) -> WhitenedPosterior | None:
-    """``η ← (1−ρ)η + ρη̂ = η + ρ(η̂ − η)`` for any ``ρ > 0`` (``ρ > 1`` goes past the optimum: the
-    over-relaxed step of :mod:`milgp.variational.overrelaxation`), or ``None`` when the new
-    precision is not positive definite (or not finite)."""
-    eta1_hat, P_hat = stats.targets(scale)
-    P = (1.0 - rho) * q.precision + rho * P_hat
-    P = 0.5 * (P + P.mT)
-    eta1 = (1.0 - rho) * (q.precision @ q.m) + rho * eta1_hat
-    L_P, info = torch.linalg.cholesky_ex(P)
-    if int(info) != 0 or not torch.isfinite(L_P).all():
-        return None
-    S = torch.cholesky_inverse(L_P)
-    S = 0.5 * (S + S.mT)
-    return WhitenedPosterior(m=S @ eta1, S=S, precision=P)
-
-
 class RobbinsMonro:
     """Step sizes ``ρ_t = (t + τ)^(−κ)`` with ``κ ∈ (0.5, 1]`` and delay ``τ ≥ 0``.
 
@@ -125,13 +91,3 @@ class RobbinsMonro:
 
     def __call__(self, t: int) -> float:
         return float(min(1.0, (t + self.tau) ** (-self.kappa)))
-
-
-def apply_natural_step(model: ApproximateGP, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> WhitenedPosterior:
-    """:func:`natural_step` on ``model``'s current q(v), written back into the model."""
-    q_new = natural_step(model.variational_strategy.whitened_posterior(), stats, rho=rho, scale=scale)
-    model.variational_strategy.set_whitened_posterior(q_new)
-    return q_new
-
-
-

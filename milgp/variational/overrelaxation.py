@@ -9,7 +9,7 @@ natural parameters,
 
     η ← η + ω (η̂ − η),      P ← P + ω (P̂ − P),      ω ≥ 1
 
-(:func:`~milgp.variational.natural_update.try_natural_step` with ``ρ = ω``; an indefinite
+(:meth:`~milgp.models.WhitenedPosterior.try_natural_step` with ``ρ = ω``; an indefinite
 precision falls back to the plain step and ``ω`` to 1), and is kept only if the ELBO after the local update has
 not decreased; otherwise the plain step (``ω = 1``) is taken. ``ω`` grows by :data:`GROWTH` after
 every kept step, up to a cap, and falls back to 1 after a rejected one: the adaptive over-relaxed
@@ -29,7 +29,7 @@ GROWTH = 1.25
 
 class AdaptiveOverrelaxation:
     """The step size ``ω`` of the over-relaxed natural step
-    (:func:`milgp.variational.natural_update.try_natural_step` with ``ρ = ω``): starts at 1, grows
+    (:meth:`milgp.models.WhitenedPosterior.try_natural_step` with ``ρ = ω``): starts at 1, grows
     by :data:`GROWTH` after each kept step up to ``max_omega``, and returns to 1 after a rejected one.
 
     Args:

@@ -11,6 +11,7 @@ from milgp.data.bags import (
     collate_bags,
     flatten_bags,
     from_padded,
+    identity_padded,
     labels_per_instance,
     segment_max,
     segment_sum,
@@ -147,3 +148,22 @@ def test_random_bags_within_a_budget():
         again = random_bags_within(sizes, 9, torch.Generator().manual_seed(seed))
         assert torch.equal(keep, again)
     assert random_bags_within(torch.tensor([50, 60]), 9, torch.Generator().manual_seed(0)).numel() == 1
+
+
+def test_identity_padded_keeps_real_entries_and_makes_padding_the_identity():
+    """Per-bag blocks padded to the longest bag must keep every real entry (symmetrised), and their
+    padded rows and columns must be the identity: otherwise a padded block is singular or couples
+    a bag's instances to padding, and its Cholesky factor is wrong."""
+    g = torch.Generator().manual_seed(0)
+    bag_index = torch.tensor([0, 1, 1, 0, 1, 2])
+    x = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    x_pad, mask = to_padded(x, bag_index, 3)
+    cov = x_pad @ x_pad.mT + 5.0  # padded entries hold garbage (5.0)
+    cov[:, 0, 1] += 1e-3  # a slightly asymmetric real pair
+    out = identity_padded(cov, mask)
+    for b, n in enumerate([2, 3, 1]):
+        real = cov[b, :n, :n]
+        torch.testing.assert_close(out[b, :n, :n], 0.5 * (real + real.mT))
+        torch.testing.assert_close(out[b, n:, n:], torch.eye(3 - n, dtype=torch.float64))
+        assert (out[b, :n, n:] == 0).all() and (out[b, n:, :n] == 0).all()
+    torch.linalg.cholesky(out + 1e-9 * torch.eye(3, dtype=torch.float64))  # positive definite

@@ -12,7 +12,6 @@ from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_
 from milgp.likelihoods import NormalAggregateLikelihood
 from milgp.data.bags import make_bag_groups
 from milgp.variational.aggregate_fit import aggregate_elbo, aggregate_natural_statistics
-from milgp.variational.natural_update import try_natural_step
 
 TAU = 0.37
 
@@ -106,7 +105,7 @@ def test_one_natural_step_is_the_exact_optimum():
     groups = make_bag_groups(bag_index, len(sizes))
     q0 = random_posterior(model.variational_strategy.num_inducing, seed=9)
     stats, _ = aggregate_natural_statistics(model, lik, batch, groups, q0)
-    q1 = try_natural_step(q0, stats, 1.0, 1.0)
+    q1 = q0.try_natural_step(stats, 1.0, 1.0)
     elbo = aggregate_elbo(model, lik, batch, groups, q1)
     bound = _collapsed_bound(model, x, bag_index, y, w, TAU)
     assert abs(elbo - bound) < 1e-8 * abs(bound)
@@ -115,7 +114,7 @@ def test_one_natural_step_is_the_exact_optimum():
     torch.testing.assert_close(auto.h, stats.h, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(auto.G, stats.G, rtol=1e-9, atol=1e-10)
     # ... and is a fixed point at the optimum
-    q2 = try_natural_step(q1, aggregate_natural_statistics(model, lik, batch, groups, q1, closed_form=False)[0], 1.0, 1.0)
+    q2 = q1.try_natural_step(aggregate_natural_statistics(model, lik, batch, groups, q1, closed_form=False)[0], 1.0, 1.0)
     torch.testing.assert_close(q2.m, q1.m, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(q2.S, q1.S, rtol=1e-8, atol=1e-10)
 

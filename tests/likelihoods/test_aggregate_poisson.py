@@ -14,7 +14,6 @@ from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_
 from milgp.likelihoods import PoissonAggregateLikelihood
 from milgp.likelihoods.aggregate import bag_blocks
 from milgp.data.bags import make_bag_groups
-from milgp.variational.natural_update import try_natural_step
 from milgp.variational.aggregate_fit import (
     group_terms,
     aggregate_elbo,

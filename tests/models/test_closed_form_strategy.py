@@ -239,3 +239,27 @@ def test_learned_inducing_locations_are_hyperparameters() -> None:
     hyp = {id(p) for p in model.variational_strategy.hyperparameters()}
     assert id(model.variational_strategy.inducing_points) in hyp
     assert not hyp & {id(p) for p in model.variational_strategy._variational_distribution.parameters()}
+
+
+@pytest.mark.parametrize("natural", [True, False])
+def test_the_strategys_natural_step_writes_the_step_it_returns(natural: bool) -> None:
+    """``strategy.natural_step(stats, ρ)`` must equal the step of the q(v) it holds
+    (``WhitenedPosterior.natural_step``) and leave exactly that q(v) in the variational
+    distribution, for natural and Cholesky storage; otherwise the fast path and GPyTorch's
+    predictions would disagree after a step."""
+    from milgp.likelihoods import NaturalStatistics
+
+    model, g = fitted_like_model(natural)
+    R = torch.randn(7, 7, generator=g, dtype=torch.float64)
+    stats = NaturalStatistics(h=torch.randn(7, generator=g, dtype=torch.float64), G=R @ R.mT / 7)
+    before = model.variational_strategy.whitened_posterior()
+    returned = model.variational_strategy.natural_step(stats, rho=0.4, scale=2.0)
+    expected = before.natural_step(stats, rho=0.4, scale=2.0)
+    stored = model.variational_strategy.whitened_posterior()
+    for q in (returned, stored):
+        torch.testing.assert_close(q.m, expected.m, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(q.S, expected.S, rtol=1e-10, atol=1e-12)
+    # ρ = 0.4 mixes natural parameters: η₁ = 0.6 S⁻¹m + 0.4·2h, P = 0.6 S⁻¹ + 0.4 (I + 2G)
+    P = 0.6 * before.precision + 0.4 * (torch.eye(7, dtype=torch.float64) + 2.0 * stats.G)
+    torch.testing.assert_close(stored.precision, P, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(stored.precision @ stored.m, 0.6 * before.precision @ before.m + 0.8 * stats.h, rtol=1e-9, atol=1e-10)

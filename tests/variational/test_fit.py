@@ -6,7 +6,7 @@ import torch
 from milgp.data.bags import BagBatch, bag_index_from_sizes
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.models.sparse_gp import SparseGP
-from milgp.variational import closed_form_elbo, fit_closed_form, natural_statistics, natural_step
+from milgp.variational import closed_form_elbo, fit_closed_form, natural_statistics
 
 
 def make_problem(seed=0, B=16, M=10):
@@ -61,7 +61,7 @@ def test_converged_state_is_a_fixed_point(psi, rule):
         proj = model.variational_strategy.projection(batch.x)
         mean, var = model.variational_strategy.marginals(proj, q0)
         b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
-        q1 = natural_step(q0, natural_statistics(proj.A, b, lam, proj.prior_mean))
+        q1 = q0.natural_step(natural_statistics(proj.A, b, lam, proj.prior_mean))
         mean1, var1 = model.variational_strategy.marginals(proj, q1)
         pi1 = lik.update_locals(mean1, var1, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
     assert (q1.m - q0.m).abs().max() < 1e-6

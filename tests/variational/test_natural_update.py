@@ -18,7 +18,7 @@ from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.noisy_or import MAX_RULE_DAMPING, PI_CLAMP, update_instance_labels
 from milgp.models.closed_form_strategy import WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
-from milgp.variational import fit_closed_form, natural_statistics, natural_step
+from milgp.variational import fit_closed_form, natural_statistics
 from milgp.variational.natural_update import RobbinsMonro
 
 SIZES = [3, 1, 4, 2, 5, 3, 2, 4]
@@ -235,7 +235,7 @@ def _ngd_setup(constant_mean):
 @pytest.mark.parametrize("rho", [1.0, 0.3])
 def test_gpytorch_ngd_step_equals_closed_form_natural_step(constant_mean, rho):
     """One ``gpytorch.optim.NGD(lr=ρ)`` step on ``VariationalELBO`` with the augmented likelihood
-    must equal :func:`natural_step` with the same π and θ (a natural-gradient step of size ρ is the
+    must equal :meth:`WhitenedPosterior.natural_step` with the same π and θ (a natural-gradient step of size ρ is the
     closed-form step of size ρ). A failure means the augmented expected_log_prob has the wrong
     gradient (b, λ, the mean correction), GPyTorch builds q(f) differently (jitter, diag mode), or
     the natural parameterisation differs."""
@@ -247,7 +247,7 @@ def test_gpytorch_ngd_step_equals_closed_form_natural_step(constant_mean, rho):
         proj = model.variational_strategy.projection(batch.x)
         mean, var = model.variational_strategy.marginals(proj, q0)
         b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi)
-        expected = natural_step(q0, natural_statistics(proj.A, b, lam, proj.prior_mean), rho=rho)
+        expected = q0.natural_step(natural_statistics(proj.A, b, lam, proj.prior_mean), rho=rho)
     # GPyTorch
     model.train()
     lik.train()
@@ -273,14 +273,14 @@ def test_natural_step_rho_interpolates_natural_parameters():
         mean, var = model.variational_strategy.marginals(proj, q0)
         b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi)
         stats = natural_statistics(proj.A, b, lam)
-    full = natural_step(q0, stats, rho=1.0)
-    half = natural_step(q0, stats, rho=0.4)
+    full = q0.natural_step(stats, rho=1.0)
+    half = q0.natural_step(stats, rho=0.4)
     torch.testing.assert_close(half.precision, 0.6 * q0.precision + 0.4 * full.precision)
     torch.testing.assert_close(half.precision @ half.m, 0.6 * q0.precision @ q0.m + 0.4 * full.precision @ full.m)
     with pytest.raises(ValueError, match="rho"):
-        natural_step(q0, stats, rho=0.0)
+        q0.natural_step(stats, rho=0.0)
     with pytest.raises(ValueError, match="rho"):
-        natural_step(q0, stats, rho=1.5)
+        q0.natural_step(stats, rho=1.5)
 
 
 def test_statistics_are_additive_over_chunks():

@@ -9,7 +9,7 @@ from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.models.closed_form_strategy import WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
 from milgp.variational import closed_form_elbo, fit_closed_form
-from milgp.variational.natural_update import NaturalStatistics, try_natural_step
+from milgp.variational.natural_update import NaturalStatistics
 from milgp.variational.overrelaxation import GROWTH, AdaptiveOverrelaxation
 
 
@@ -24,16 +24,16 @@ def _statistics_of(target):
 
 
 def test_overrelaxed_step_extrapolates_the_natural_parameters():
-    """``ρ = 2.5`` in :func:`try_natural_step` must give the natural parameters ``η + 2.5(η̂ − η)``,
+    """``ρ = 2.5`` in :meth:`WhitenedPosterior.try_natural_step` must give the natural parameters ``η + 2.5(η̂ − η)``,
     ``P + 2.5(P̂ − P)`` computed here by hand (and ``ρ = 1`` the optimum itself); a different
     result means the step extrapolates the mean or the covariance instead of the natural
     parameters."""
     q = _posterior([0.3, -1.0], [[2.0, 0.3], [0.3, 1.5]])
     target = _posterior([0.8, -0.2], [[2.6, 0.5], [0.5, 2.0]])
     stats = _statistics_of(target)
-    at_one = try_natural_step(q, stats, 1.0, 1.0)
+    at_one = q.try_natural_step(stats, 1.0, 1.0)
     torch.testing.assert_close(at_one.m, target.m, rtol=1e-12, atol=1e-12)
-    out = try_natural_step(q, stats, 2.5, 1.0)
+    out = q.try_natural_step(stats, 2.5, 1.0)
     P = q.precision + 2.5 * (target.precision - q.precision)
     eta = q.precision @ q.m + 2.5 * (target.precision @ target.m - q.precision @ q.m)
     torch.testing.assert_close(out.precision, P, rtol=1e-14, atol=1e-14)
@@ -46,8 +46,8 @@ def test_overrelaxed_step_refuses_an_indefinite_precision():
     (``3I + 2(I − 3I) = −I``): the step must say so (``None``) rather than factorise it."""
     q = _posterior([0.0, 0.0], 3 * np.eye(2))
     stats = _statistics_of(_posterior([0.1, 0.1], np.eye(2)))
-    assert try_natural_step(q, stats, 2.0, 1.0) is None
-    assert try_natural_step(q, stats, 1.4, 1.0) is not None  # 3 + 1.4·(1 − 3) = 0.2 > 0
+    assert q.try_natural_step(stats, 2.0, 1.0) is None
+    assert q.try_natural_step(stats, 1.4, 1.0) is not None  # 3 + 1.4·(1 − 3) = 0.2 > 0
 
 
 def test_omega_grows_to_its_cap_and_resets_after_a_rejection():
