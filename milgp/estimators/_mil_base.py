@@ -49,7 +49,8 @@ from milgp.prediction import (
     make_bag_rule,
     score_bag_rules,
 )
-from milgp.variational.fit import FitResult, fit_closed_form
+from milgp.variational.fit import fit_closed_form
+from milgp.variational.fit_result import FitResult
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
 
 __all__ = ["MILClassifierBase"]

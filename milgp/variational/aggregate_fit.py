@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -46,10 +46,10 @@ from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, rand
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
+from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
 __all__ = [
-    "AggregateFitResult",
     "GroupCache",
     "aggregate_data_terms",
     "aggregate_elbo",
@@ -232,18 +232,6 @@ def checked_natural_step(
     return None, r
 
 
-@dataclass
-class AggregateFitResult:
-    """What :func:`fit_aggregate` returns: the ELBO per iteration/epoch, convergence flag,
-    iterations, wall time and the final natural step size."""
-
-    elbo: list[float] = field(default_factory=list)
-    converged: bool = False
-    iterations: int = 0
-    seconds: float = 0.0
-    rho: float = 1.0
-
-
 def _hyper_step(
     model: ApproximateGP,
     likelihood: AggregateLikelihood,
@@ -292,7 +280,7 @@ def fit_aggregate(
     seed: int = 0,
     progress: bool = False,
     callback: Callable[[int, float], None] | None = None,
-) -> AggregateFitResult:
+) -> FitResult:
     """Fit ``q(v)`` (natural steps) and the hyperparameters (Adam) of a VBAgg model.
 
     Args:
@@ -322,7 +310,7 @@ def fit_aggregate(
     optimizer = torch.optim.Adam(params, lr=lr) if learn_hyperparameters and params else None
     schedule = schedule or RobbinsMonro()
     sizes = bag_sizes(batch.bag_index, B)
-    result = AggregateFitResult()
+    result = FitResult()
     q = model.variational_strategy.whitened_posterior()
     rho = 1.0 if conjugate else min(rho0, rho_max)
     step_t, quiet = 0, 0
@@ -398,6 +386,7 @@ def fit_aggregate(
     result.iterations = len(result.elbo)
     result.seconds = time.perf_counter() - start
     result.rho = rho
+    result.objective = result.elbo[-1:]
     return result
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -28,43 +27,11 @@ from tqdm.auto import tqdm
 from milgp.data.bags import BagBatch, bag_sizes, random_bags_within
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
+from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
 
-__all__ = ["FitResult", "closed_form_elbo", "fit_closed_form"]
-
-
-@dataclass
-class FitResult:
-    """What :func:`fit_closed_form` returns.
-
-    Attributes:
-        elbo: the closed-form (augmented) ELBO after each iteration (full batch) or epoch
-            (minibatch): the objective the natural steps and local updates ascend.
-        objective: the objective the hyperparameter steps ascend, ``Σ hyperparameter_terms − KL``,
-            after each iteration when hyperparameters are learned (it is then the convergence
-            criterion), else only its final value (one entry; it is not needed per sweep) (:meth:`AugmentedBagLikelihood.hyperparameter_terms`).
-            For VGPMIL it is the un-augmented ELBO with ``E_q[log φ(f)]`` by quadrature (Castro-Macías et al. 2024
-            Eq. 29 plus the q(y) terms), a tighter lower bound of ``log p(T)`` than ``elbo``; for
-            the probit model it equals ``elbo`` at the fixed point of the locals.
-        converged: whether the relative change of ``objective`` (with hyperparameter learning) or
-            of ``elbo`` (without) fell below ``tol``.
-        iterations: iterations (full batch) or epochs run.
-        seconds: wall time.
-        locals: the persistent locals at the end (e.g. ``π`` ``(N,)`` for VGPMIL).
-        moments: ``(mean, var)`` ``(N,)`` of ``q(f)`` at the training inputs at the end.
-        rejected_steps: over-relaxed steps that lowered the ELBO and were replaced by the plain
-            step (``max_overrelaxation > 1``; each cost one extra pass for the moments).
-    """
-
-    elbo: list[float] = field(default_factory=list)
-    objective: list[float] = field(default_factory=list)
-    converged: bool = False
-    iterations: int = 0
-    seconds: float = 0.0
-    locals: Any = None
-    moments: tuple[Tensor, Tensor] | None = None
-    rejected_steps: int = 0
+__all__ = ["closed_form_elbo", "fit_closed_form"]
 
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3

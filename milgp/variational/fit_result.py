@@ -1,0 +1,49 @@
+"""What a fit returns: the ELBO trace, convergence, the locals and the final moments."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["FitResult"]
+
+
+@dataclass
+class FitResult:
+    """What :func:`~milgp.variational.fit.fit_closed_form` and
+    :func:`~milgp.variational.aggregate_fit.fit_aggregate` return.
+
+    Attributes:
+        elbo: the closed-form (augmented) ELBO after each iteration (full batch) or epoch
+            (minibatch): the objective the natural steps and local updates ascend.
+        objective: the objective the hyperparameter steps ascend, ``Σ hyperparameter_terms − KL``,
+            after each iteration when hyperparameters are learned (it is then the convergence
+            criterion), else only its final value (one entry; it is not needed per sweep) (:meth:`AugmentedBagLikelihood.hyperparameter_terms`).
+            For VGPMIL it is the un-augmented ELBO with ``E_q[log φ(f)]`` by quadrature (Castro-Macías et al. 2024
+            Eq. 29 plus the q(y) terms), a tighter lower bound of ``log p(T)`` than ``elbo``; for
+            the probit model it equals ``elbo`` at the fixed point of the locals.
+        converged: whether the relative change of ``objective`` (with hyperparameter learning) or
+            of ``elbo`` (without) fell below ``tol``.
+        iterations: iterations (full batch) or epochs run.
+        seconds: wall time.
+        locals: the persistent locals at the end (e.g. ``π`` ``(N,)`` for VGPMIL).
+        moments: ``(mean, var)`` ``(N,)`` of ``q(f)`` at the training inputs at the end.
+        rejected_steps: over-relaxed steps that lowered the ELBO and were replaced by the plain
+            step (``max_overrelaxation > 1``; each cost one extra pass for the moments).
+        rho: the natural step size in use at the end (1 for the closed-form steps; the adapted
+            step of non-conjugate aggregate likelihoods).
+
+    For aggregate likelihoods there are no locals (``locals`` and ``moments`` stay ``None``) and
+    the hyperparameters ascend the ELBO itself, so ``objective`` holds its final value.
+    """
+
+    elbo: list[float] = field(default_factory=list)
+    objective: list[float] = field(default_factory=list)
+    converged: bool = False
+    iterations: int = 0
+    seconds: float = 0.0
+    locals: Any = None
+    moments: tuple[Tensor, Tensor] | None = None
+    rejected_steps: int = 0
+    rho: float = 1.0
