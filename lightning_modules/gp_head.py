@@ -8,7 +8,8 @@ aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs aroun
   initial lengthscale set once from training features (:meth:`GPHead.initialize`: z-scores,
   k-means++ split between positive and negative bags, median heuristic);
 * the closed-form natural step of q(v) from additive :class:`NaturalStatistics`, with a hook to
-  all-reduce them (DDP) before the step (:meth:`GPHead.natural_update`);
+  all-reduce them (DDP) before the step (:meth:`GPHead.natural_update`: the library's
+  :func:`~milgp.variational.fit.natural_update_step`, as in :func:`~milgp.variational.fit.fit_closed_form`);
 * the hyperparameter objective with q(v) and the locals fixed (:meth:`GPHead.hyper_objective`);
 * predictions with uncertainty for instances and bags (:meth:`GPHead.predict`), through the head's
   **bag decision**: a bag rule (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its
@@ -72,7 +73,8 @@ from milgp.prediction import (
     make_bag_rule,
 )
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
-from milgp.variational.natural_update import NaturalStatistics, natural_statistics
+from milgp.variational.fit import ProjectionCache, natural_update_step
+from milgp.variational.natural_update import NaturalStatistics
 
 __all__ = ["AggregateStep", "GPHead", "RULE_NAMES"]
 
@@ -283,9 +285,6 @@ class GPHead(nn.Module):
         q = self.posterior() if q is None else q
         return self.strategy.marginals(self.strategy.projection(z), q)
 
-    def initial_locals(self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Any:
-        return self.likelihood.init_locals(bag_index, bag_labels.to(mean.dtype), num_bags, mean)
-
     @torch.no_grad()
     def natural_update(
         self,
@@ -299,7 +298,9 @@ class GPHead(nn.Module):
         reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
     ) -> tuple[WhitenedPosterior, Any]:
         """One closed-form natural step of q(v) on standardised features ``z`` (detached), then the
-        locals' closed-form update under the new q(f).
+        locals' closed-form update under the new q(f): the library's
+        :func:`~milgp.variational.fit.natural_update_step`, the same step as the minibatch steps of
+        :func:`~milgp.variational.fit.fit_closed_form`.
 
         ``locals_`` are the current locals of these instances (``None``: initialised from the
         current q(f)). ``reduce`` maps this process's statistics to the global ones (the DDP
@@ -308,21 +309,12 @@ class GPHead(nn.Module):
         Returns:
             ``(new q(v), new locals)``.
         """
-        z = z.detach()
-        labels = bag_labels.to(torch.float64)
-        q = self.posterior()
-        L = self.strategy.inducing_cholesky()
-        proj = self.strategy.projection(z, L)
-        mean, var = self.strategy.marginals(proj, q)
-        if locals_ is None:
-            locals_ = self.initial_locals(mean, var, bag_index, labels, num_bags)
-        b, lam = self.likelihood.quadratic_terms(mean, var, bag_index, labels, num_bags, locals_)
-        stats = natural_statistics(proj.A, b, lam, proj.prior_mean)
-        if reduce is not None:
-            stats = reduce(stats)
-        q = self.strategy.natural_step(stats, rho=rho, scale=scale)
-        mean, var = self.strategy.marginals(proj, q)
-        locals_ = self.likelihood.update_locals(mean, var, bag_index, labels, num_bags, locals_)
+        # one projection of the batch serves all three passes (moments, statistics, moments)
+        cache = ProjectionCache(self.strategy, z.detach(), chunk_size=max(1, len(z)), cache_bytes=math.inf)
+        q, _, _, locals_ = natural_update_step(
+            cache, self.likelihood, bag_index, bag_labels.to(torch.float64), num_bags, self.posterior(), locals_,
+            rho=rho, scale=scale, reduce=reduce,
+        )
         return q, locals_
 
     def hyper_objective(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> Tensor:

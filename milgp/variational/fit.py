@@ -31,15 +31,15 @@ from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
 
-__all__ = ["closed_form_elbo", "fit_closed_form"]
+__all__ = ["ProjectionCache", "closed_form_elbo", "fit_closed_form", "natural_update_step"]
 
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
-"""Default budget of :class:`_Projector`'s cache of ``A`` (``N·(M+2)`` floats; 2 GiB holds
+"""Default budget of :class:`ProjectionCache`'s cache of ``A`` (``N·(M+2)`` floats; 2 GiB holds
 ``N = 10⁶`` at ``M = 200`` in float64)."""
 
 
-class _Projector:
+class ProjectionCache:
     """The whitened projection ``A = L⁻¹K_zx`` of a fixed set of inputs, chunked and cached.
 
     ``A`` depends only on the inputs and the hyperparameters; it is computed once and reused by
@@ -105,6 +105,24 @@ class _Projector:
             else:  # callers run under torch.no_grad()
                 yield s, self.strategy.projection(self.x[s:e], self.L())
 
+    def moments(self, q: WhitenedPosterior) -> tuple[Tensor, Tensor]:
+        """``q(f)`` mean and variance ``(N,)`` of all inputs under ``q``, chunk by chunk."""
+        with torch.no_grad():
+            parts = [self.strategy.marginals(proj, q) for _, proj in self.chunks()]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    def statistics(self, b: Tensor, lam: Tensor) -> NaturalStatistics:
+        """Natural statistics of ``Σ_n b_n f_n − ½ λ_n f_n²`` over all inputs (``b``, ``λ`` ``(N,)``)."""
+        with torch.no_grad():
+            stats = None
+            for s, proj in self.chunks():
+                e = s + proj.A.shape[1]
+                part = natural_statistics(proj.A, b[s:e], lam[s:e], proj.prior_mean)
+                stats = part if stats is None else stats + part
+        return stats
+
     def rows(self, idx: Tensor) -> Projection | None:
         """The projection of instances ``idx`` from the cache (``None`` when nothing is cached)."""
         if self._AT is None and self.cacheable:
@@ -114,28 +132,40 @@ class _Projector:
         return Projection(self._AT[idx].mT, self._prior_var[idx], self._prior_mean[idx], self._residual[idx])
 
 
-def _moments(
-    strategy: ClosedFormStrategy, x: Tensor, q: WhitenedPosterior, chunk_size: int, projector: _Projector | None = None
-) -> tuple[Tensor, Tensor]:
-    projector = _Projector(strategy, x, chunk_size, 0) if projector is None else projector
-    with torch.no_grad():
-        parts = [strategy.marginals(proj, q) for _, proj in projector.chunks()]
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+def natural_update_step(
+    cache: ProjectionCache,
+    likelihood: AugmentedBagLikelihood,
+    bag_index: Tensor,
+    bag_labels: Tensor,
+    num_bags: int,
+    q: WhitenedPosterior,
+    locals_: Any,
+    *,
+    rho: float = 1.0,
+    scale: float = 1.0,
+    reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
+) -> tuple[WhitenedPosterior, Tensor, Tensor, Any]:
+    """One step of Algorithm 1 (Castro-Macías et al. 2024) on the bags whose instances ``cache``
+    projects: the likelihood's quadratic terms at the current ``q(f)``, their natural statistics
+    (mapped to the global ones by ``reduce``, e.g. a DDP all-reduce), the natural step of size
+    ``rho`` (``scale`` = training bags / bags here) written into the strategy, and the closed-form
+    update of the locals under the new ``q(f)``.
 
-
-def _statistics(
-    strategy: ClosedFormStrategy, x: Tensor, b: Tensor, lam: Tensor, chunk_size: int, projector: _Projector | None = None
-) -> NaturalStatistics:
-    projector = _Projector(strategy, x, chunk_size, 0) if projector is None else projector
-    with torch.no_grad():
-        stats = None
-        for s, proj in projector.chunks():
-            e = s + proj.A.shape[1]
-            part = natural_statistics(proj.A, b[s:e], lam[s:e], proj.prior_mean)
-            stats = part if stats is None else stats + part
-    return stats
+    ``locals_`` are these instances' current locals (``None``: initialised from ``q(f)``). The
+    minibatch steps of :func:`fit_closed_form` and the Lightning GP head's training step are this
+    function. Returns ``(new q(v), mean, var (N,), new locals)``.
+    """
+    mean, var = cache.moments(q)
+    if locals_ is None:
+        locals_ = likelihood.init_locals(bag_index, bag_labels, num_bags, mean)
+    b, lam = likelihood.quadratic_terms(mean, var, bag_index, bag_labels, num_bags, locals_)
+    stats = cache.statistics(b, lam)
+    if reduce is not None:
+        stats = reduce(stats)
+    q = q.natural_step(stats, rho=rho, scale=scale)
+    cache.strategy.set_whitened_posterior(q)
+    mean, var = cache.moments(q)
+    return q, mean, var, likelihood.update_locals(mean, var, bag_index, bag_labels, num_bags, locals_)
 
 
 def closed_form_elbo(
@@ -149,7 +179,7 @@ def closed_form_elbo(
     built on :class:`~milgp.models.ClosedFormStrategy`."""
     strategy = ClosedFormStrategy.of(model)
     q = strategy.whitened_posterior()
-    mean, var = _moments(strategy, batch.x, q, chunk_size)
+    mean, var = ProjectionCache(strategy, batch.x, chunk_size, 0).moments(q)
     with torch.no_grad():
         data = likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_).sum()
         return float(data - q.kl_divergence())
@@ -256,10 +286,10 @@ def fit_closed_form(
     q = strategy.whitened_posterior()
     # With minibatches and hyperparameter steps A changes after every minibatch: no full cache.
     budget = 0 if (bags_per_batch is not None and learn_hyperparameters) else cache_bytes
-    projector = _Projector(strategy, batch.x, chunk_size, budget)
+    projector = ProjectionCache(strategy, batch.x, chunk_size, budget)
     if projection is not None:
         projector.adopt(*projection)
-    mean, var = _moments(strategy, batch.x, q, chunk_size, projector)
+    mean, var = projector.moments(q)
     if initial_locals is None:
         locals_ = likelihood.init_locals(batch.bag_index, batch.bag_labels, B, mean)
     else:
@@ -272,7 +302,7 @@ def fit_closed_form(
         elbo = None
         if bags_per_batch is None:
             b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
-            stats = _statistics(strategy, batch.x, b, lam, chunk_size, projector)
+            stats = projector.statistics(b, lam)
             plain = q.natural_step(stats, rho=1.0)
             step, indefinite = plain, False
             if relax is not None and relax.omega > 1.0:  # past the optimum
@@ -280,7 +310,7 @@ def fit_closed_form(
                 if step is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
                     step, indefinite = plain, True
                     relax.reject()
-            new_mean, new_var = _moments(strategy, batch.x, step, chunk_size, projector)
+            new_mean, new_var = projector.moments(step)
             new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
             if step is not plain:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
                 with torch.no_grad():
@@ -290,7 +320,7 @@ def fit_closed_form(
                     relax.reject()
                     result.rejected_steps += 1
                     step, elbo = plain, None
-                    new_mean, new_var = _moments(strategy, batch.x, step, chunk_size, projector)
+                    new_mean, new_var = projector.moments(step)
                     new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
                 else:
                     relax.accept()
@@ -304,33 +334,30 @@ def fit_closed_form(
                 bags = order[s : s + bags_per_batch].to(batch.bag_index.device)
                 mb, idx = batch.select_bags_with_index(bags)
                 # one projection of the minibatch serves both passes of this step
-                mb_proj = _Projector(strategy, mb.x, chunk_size, cache_bytes)
+                mb_proj = ProjectionCache(strategy, mb.x, chunk_size, cache_bytes)
                 cached_rows = projector.rows(idx)
                 if cached_rows is not None:
                     mb_proj.adopt(projector.L(), cached_rows)
-                mb_mean, mb_var = _moments(strategy, mb.x, q, chunk_size, mb_proj)
-                mb_locals = _subset_locals(locals_, idx)
-                b, lam = likelihood.quadratic_terms(mb_mean, mb_var, mb.bag_index, mb.bag_labels, mb.num_bags, mb_locals)
-                q = q.natural_step(_statistics(strategy, mb.x, b, lam, chunk_size, mb_proj), rho=schedule(step_t), scale=B / mb.num_bags)
+                q, _, _, new_locals = natural_update_step(
+                    mb_proj, likelihood, mb.bag_index, mb.bag_labels, mb.num_bags, q, _subset_locals(locals_, idx),
+                    rho=schedule(step_t), scale=B / mb.num_bags,
+                )
                 step_t += 1
-                strategy.set_whitened_posterior(q)
-                mb_mean, mb_var = _moments(strategy, mb.x, q, chunk_size, mb_proj)
                 del mb_proj
-                new_locals = likelihood.update_locals(mb_mean, mb_var, mb.bag_index, mb.bag_labels, mb.num_bags, mb_locals)
                 if isinstance(locals_, Tensor) and locals_.ndim == 1:
                     locals_[idx] = new_locals
                 if optimizer is not None:
                     for _ in range(hyper_steps):
                         _hyper_step(strategy, likelihood, mb, new_locals, optimizer, 1.0, q)
                     projector.invalidate()
-            mean, var = _moments(strategy, batch.x, q, chunk_size, projector)
+            mean, var = projector.moments(q)
         if optimizer is not None and bags_per_batch is None:
             for _ in range(hyper_steps):
                 sub, idx, scale = _bag_subset(batch, hyper_max_instances, generator)
                 _hyper_step(strategy, likelihood, sub, _subset_locals(locals_, idx), optimizer, 1.0, q)
             strategy.set_whitened_posterior(q)  # clears GPyTorch's caches after the kernel changed
             projector.invalidate()  # A is recomputed once, here, and reused by the next sweep
-            mean, var = _moments(strategy, batch.x, q, chunk_size, projector)
+            mean, var = projector.moments(q)
         with torch.no_grad():
             kl = q.kl_divergence()
             if elbo is None:

@@ -62,13 +62,14 @@ def test_chunked_statistics_and_moments_equal_unchunked():
     g = torch.Generator().manual_seed(3)
     b = torch.randn(N, generator=g, dtype=torch.float64)
     lam = torch.rand(N, generator=g, dtype=torch.float64)
-    full = fit_mod._statistics(model.variational_strategy, batch.x, b, lam, chunk_size=N)
-    m_full, v_full = fit_mod._moments(model.variational_strategy, batch.x, q, chunk_size=N)
+    whole = fit_mod.ProjectionCache(model.variational_strategy, batch.x, N, 0)
+    full = whole.statistics(b, lam)
+    m_full, v_full = whole.moments(q)
     for chunk in (1, 7, 50):
         for budget in (0, 10**9):
-            proj = fit_mod._Projector(model.variational_strategy, batch.x, chunk, budget)
-            st = fit_mod._statistics(model.variational_strategy, batch.x, b, lam, chunk, proj)
-            m, v = fit_mod._moments(model.variational_strategy, batch.x, q, chunk, proj)
+            proj = fit_mod.ProjectionCache(model.variational_strategy, batch.x, chunk, budget)
+            st = proj.statistics(b, lam)
+            m, v = proj.moments(q)
             assert proj.cached == (budget > 0)
             torch.testing.assert_close(st.h, full.h, rtol=0, atol=1e-12)
             torch.testing.assert_close(st.G, full.G, rtol=0, atol=1e-12)
@@ -84,7 +85,7 @@ def test_statistics_match_direct_formula():
     lam = torch.linspace(0.01, 0.25, N, dtype=torch.float64)
     with torch.no_grad():
         A = model.variational_strategy.projection(batch.x).A
-    st = fit_mod._statistics(model.variational_strategy, batch.x, b, lam, 13, fit_mod._Projector(model.variational_strategy, batch.x, 13, 10**9))
+    st = fit_mod.ProjectionCache(model.variational_strategy, batch.x, 13, 10**9).statistics(b, lam)
     torch.testing.assert_close(st.h, A @ b, rtol=0, atol=1e-12)
     torch.testing.assert_close(st.G, A @ torch.diag(lam) @ A.mT, rtol=0, atol=1e-12)
 
