@@ -7,9 +7,10 @@ aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs aroun
 * feature standardisation buffers (``feature_mean``, ``feature_scale``), inducing points and the
   initial lengthscale set once from training features (:meth:`GPHead.initialize`: z-scores,
   k-means++ split between positive and negative bags, median heuristic);
-* the closed-form natural step of q(v) from additive :class:`NaturalStatistics`, with a hook to
-  all-reduce them (DDP) before the step (:meth:`GPHead.natural_update`: the library's
-  :func:`~milgp.variational.fit.natural_update_step`, as in :func:`~milgp.variational.fit.fit_closed_form`);
+* the GP's :class:`~milgp.models.ClosedFormStrategy` (:attr:`GPHead.strategy`), on which the
+  training step runs the library's closed-form step
+  (:func:`~milgp.variational.fit.natural_update_step`, as :func:`~milgp.variational.fit.fit_closed_form`
+  does) with a hook that all-reduces the statistics under DDP;
 * the hyperparameter objective with q(v) and the locals fixed (:meth:`GPHead.hyper_objective`);
 * predictions with uncertainty for instances and bags (:meth:`GPHead.predict`), through the head's
   **bag decision**: a bag rule (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its
@@ -73,7 +74,6 @@ from milgp.prediction import (
     make_bag_rule,
 )
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
-from milgp.variational.fit import ProjectionCache, natural_update_step
 from milgp.variational.natural_update import NaturalStatistics
 
 __all__ = ["AggregateStep", "GPHead", "RULE_NAMES"]
@@ -284,38 +284,6 @@ class GPHead(nn.Module):
         and the hyperparameters (q(v) fixed)."""
         q = self.posterior() if q is None else q
         return self.strategy.marginals(self.strategy.projection(z), q)
-
-    @torch.no_grad()
-    def natural_update(
-        self,
-        z: Tensor,
-        bag_index: Tensor,
-        bag_labels: Tensor,
-        num_bags: int,
-        locals_: Any,
-        rho: float = 1.0,
-        scale: float = 1.0,
-        reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
-    ) -> tuple[WhitenedPosterior, Any]:
-        """One closed-form natural step of q(v) on standardised features ``z`` (detached), then the
-        locals' closed-form update under the new q(f): the library's
-        :func:`~milgp.variational.fit.natural_update_step`, the same step as the minibatch steps of
-        :func:`~milgp.variational.fit.fit_closed_form`.
-
-        ``locals_`` are the current locals of these instances (``None``: initialised from the
-        current q(f)). ``reduce`` maps this process's statistics to the global ones (the DDP
-        all-reduce); ``scale`` = training bags / bags in the (global) batch.
-
-        Returns:
-            ``(new q(v), new locals)``.
-        """
-        # one projection of the batch serves all three passes (moments, statistics, moments)
-        cache = ProjectionCache(self.strategy, z.detach(), chunk_size=max(1, len(z)), cache_bytes=math.inf)
-        q, _, _, locals_ = natural_update_step(
-            cache, self.likelihood, bag_index, bag_labels.to(torch.float64), num_bags, self.posterior(), locals_,
-            rho=rho, scale=scale, reduce=reduce,
-        )
-        return q, locals_
 
     def hyper_objective(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> Tensor:
         """``Σ_n`` of the likelihood's hyperparameter terms (the ELBO's data part with q(v) and the

@@ -67,6 +67,7 @@ continues exactly.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from typing import Any, Callable, Iterator
 
@@ -86,6 +87,7 @@ from milgp.data.bags import BagBatch, bag_sizes, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.variational.fit import ProjectionCache, natural_update_step
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
 __all__ = ["GPMILModule", "aggregate_records_metrics"]
@@ -437,9 +439,13 @@ class GPMILModule(BagModuleBase):
             rho = 1.0 if full else self.schedule(int(self.natural_steps))
             scale = 1.0 if full else self.num_train_bags / global_bags
             labels = batch.bag_labels.to(torch.float64)
-            _, locals_ = self.gp.natural_update(
-                z, batch.bag_index, labels, batch.num_bags, self._get_locals(batch), rho=rho, scale=scale, reduce=self._reduce
-            )
+            # Algorithm 1's closed-form step, the library's own; one projection of the batch serves its passes
+            cache = ProjectionCache(self.gp.strategy, z.detach(), chunk_size=max(1, len(z)), cache_bytes=math.inf)
+            with torch.no_grad():
+                _, _, _, locals_ = natural_update_step(
+                    cache, self.gp.likelihood, batch.bag_index, labels, batch.num_bags, self.gp.posterior(),
+                    self._get_locals(batch), rho=rho, scale=scale, reduce=self._reduce,
+                )
             self.natural_steps += 1
             self._put_locals(batch, locals_)
             if self.decision_bags == "train":

@@ -6,6 +6,7 @@ import torch
 
 from lightning_modules import AttentionMILModule, GPMILModule, SmallCNN
 from milgp.data.bags import collate_bags
+from milgp.variational.fit import ProjectionCache, natural_update_step
 from lm_helpers import image_bags
 
 
@@ -70,7 +71,9 @@ def test_bags_of_one_slice_train_and_predict() -> None:
     assert all(r["slice_scores"] == [1.0] for r in rec)
     gp.num_train_bags = 4
     with torch.no_grad():
-        _, locals_ = gp.gp.natural_update(gp.gp.standardize(gp.features(batch.x)), batch.bag_index, batch.bag_labels, 4, None)
+        z = gp.gp.standardize(gp.features(batch.x))
+        cache = ProjectionCache(gp.gp.strategy, z, chunk_size=len(z), cache_bytes=0)
+        _, _, _, locals_ = natural_update_step(cache, gp.gp.likelihood, batch.bag_index, batch.bag_labels.double(), 4, gp.gp.posterior(), None)
     assert torch.isfinite(locals_).all()
     rec = gp.predict_records(batch)
     assert all(np.isfinite(r["bag_prob"]) and len(r["slice_probs"]) == 1 for r in rec)
