@@ -48,6 +48,7 @@ from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
+from milgp.variational.stopping import RelativeChangeStop
 
 __all__ = [
     "GroupCache",
@@ -313,7 +314,8 @@ def fit_aggregate(
     result = FitResult()
     q = model.variational_strategy.whitened_posterior()
     rho = 1.0 if conjugate else min(rho0, rho_max)
-    step_t, quiet = 0, 0
+    step_t = 0
+    stop = RelativeChangeStop(tol, min_iter)
 
     def hyper_round() -> None:
         if optimizer is None:
@@ -371,18 +373,13 @@ def fit_aggregate(
             raise FloatingPointError(
                 f"the VBAgg objective became {elbo} at iteration {it}; lower lr or check targets/populations"
             )
-        prev = result.elbo[-1] if result.elbo else None
         result.elbo.append(elbo)
         bar.set_postfix(elbo=f"{elbo:.6g}", rho=f"{rho:.3g}")
         if callback is not None:
             callback(it, elbo)
-        if prev is not None and abs(elbo - prev) <= tol * max(1.0, abs(prev)):
-            quiet += 1
-            if quiet >= 2 and it + 1 >= min_iter:
-                result.converged = True
-                break
-        else:
-            quiet = 0
+        if stop(elbo, it):
+            result.converged = True
+            break
     result.iterations = len(result.elbo)
     result.seconds = time.perf_counter() - start
     result.rho = rho

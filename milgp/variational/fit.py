@@ -30,6 +30,7 @@ from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, Wh
 from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
+from milgp.variational.stopping import RelativeChangeStop
 
 __all__ = ["ProjectionCache", "closed_form_elbo", "fit_closed_form", "natural_update_step"]
 
@@ -296,7 +297,7 @@ def fit_closed_form(
         locals_ = initial_locals.clone() if isinstance(initial_locals, Tensor) else initial_locals
     schedule = schedule or RobbinsMonro()
     step_t = 0
-    quiet = 0
+    stop = RelativeChangeStop(tol, min_iter)
     bar = tqdm(range(max_iter), disable=not progress, desc="fit", leave=False)
     for it in bar:
         elbo = None
@@ -369,23 +370,14 @@ def fit_closed_form(
                 f"the ELBO became {elbo} at iteration {it}; check the features for extreme values "
                 "or lower the hyperparameter learning rate"
             )
-        if optimizer is not None:  # watch what Adam ascends (already appended for this iteration)
-            prev = result.objective[-2] if len(result.objective) > 1 else None
-            current = result.objective[-1]
-        else:  # watch what the sweeps ascend
-            prev = result.elbo[-1] if result.elbo else None
-            current = elbo
         result.elbo.append(elbo)
         bar.set_postfix(elbo=f"{elbo:.4g}")
         if callback is not None:
             callback(it, elbo)
-        if prev is not None and abs(current - prev) <= tol * max(1.0, abs(prev)):
-            quiet += 1
-            if quiet >= 2 and it + 1 >= min_iter:
-                result.converged = True
-                break
-        else:
-            quiet = 0
+        # watch what Adam ascends (appended for this iteration above), else what the sweeps ascend
+        if stop(result.objective[-1] if optimizer is not None else elbo, it):
+            result.converged = True
+            break
     if optimizer is None:  # only the final value: the sweeps ascend ``elbo``, nothing watches it
         with torch.no_grad():
             result.objective.append(_objective(likelihood, batch, mean, var, locals_, q.kl_divergence()))
