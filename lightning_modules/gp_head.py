@@ -34,7 +34,6 @@ Everything here runs in float64; callers cast features with :meth:`GPHead.standa
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -54,11 +53,9 @@ from milgp.models.sparse_gp import SparseGP
 # The pieces of one fit_aggregate iteration, reused as they are (not re-derived here).
 from milgp.variational.aggregate_fit import (
     GroupCache,
-    aggregate_data_terms,
     aggregate_elbo,
-    aggregate_natural_statistics,
+    aggregate_natural_update_step,
     bag_log_predictive,
-    checked_natural_step,
     group_terms,
     is_conjugate,
     predict_bag_moments,
@@ -458,7 +455,8 @@ class GPHead(nn.Module):
         The statistics are :func:`aggregate_natural_statistics` (exact closed form for the Normal
         model, autograd on ``(m, S)`` otherwise), mapped to the global ones by ``reduce`` (DDP
         all-reduce; ``reduce_value`` sums a float the same way); ``scale`` = training bags / bags in
-        the (global) batch. The step is one iteration of :func:`fit_aggregate`:
+        the (global) batch. The step is :func:`aggregate_natural_update_step`, one iteration of
+        :func:`fit_aggregate`:
 
         * ``adaptive=False``: step ``rho`` (ρ = 1 with the full batch is the Normal model's exact
           optimum), halved until the new precision is positive definite and the batch's unbiased
@@ -472,26 +470,11 @@ class GPHead(nn.Module):
         groups = self.aggregate_groups(bag_index, num_bags)
         cache = GroupCache(self.gp, lik, batch, groups, self.cache_entries)
         q = self.posterior()
-        stats, data = aggregate_natural_statistics(self.gp, lik, batch, groups, q, cache=cache)
-        if reduce is not None:
-            stats = reduce(stats)
-        if reduce_value is not None:
-            data = reduce_value(data)
-        kl = float(q.kl_divergence())
-        estimate_old = scale * data - kl  # the ELBO itself on the full batch (scale 1)
-
-        def ascends(q_new: WhitenedPosterior) -> bool:
-            """The (global) batch's unbiased ELBO estimate did not fall."""
-            data_new = aggregate_data_terms(self.gp, lik, batch, groups, q_new, cache)
-            if reduce_value is not None:  # the data term is a sum over ranks, KL is not
-                data_new = reduce_value(data_new)
-            value = scale * data_new - float(q_new.kl_divergence())
-            return math.isfinite(value) and value >= estimate_old - 1e-9 * abs(estimate_old)
-
         # the Normal model's full-batch step is exact and needs no check
         exact = self.aggregate_conjugate and scale == 1.0 and not adaptive
-        with torch.no_grad():
-            q_new, r = checked_natural_step(q, stats, float(rho), scale, None if exact else ascends)
+        q_new, r, data, estimate_old = aggregate_natural_update_step(
+            self.gp, lik, batch, groups, q, rho, scale=scale, check=not exact, cache=cache, reduce=reduce, reduce_value=reduce_value
+        )
         new, used = (q, 0.0) if q_new is None else (q_new, r)
         if not adaptive:
             r = float(rho)

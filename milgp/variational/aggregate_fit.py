@@ -55,6 +55,7 @@ __all__ = [
     "aggregate_data_terms",
     "aggregate_elbo",
     "aggregate_natural_statistics",
+    "aggregate_natural_update_step",
     "bag_log_predictive",
     "checked_natural_step",
     "fit_aggregate",
@@ -250,13 +251,51 @@ def _hyper_step(
     optimizer.step()
 
 
-def _ascends(
-    model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup],
-    q_new: WhitenedPosterior, scale: float, elbo_before: float, cache: GroupCache | None = None,
-) -> bool:
-    """Whether ``scale · Σ_{a∈groups} bag_terms − KL`` under ``q_new`` is finite and not below ``elbo_before``."""
-    value = scale * aggregate_data_terms(model, likelihood, batch, groups, q_new, cache) - float(q_new.kl_divergence())
-    return math.isfinite(value) and value >= elbo_before - 1e-9 * abs(elbo_before)
+def aggregate_natural_update_step(
+    model: ApproximateGP,
+    likelihood: AggregateLikelihood,
+    batch: BagBatch,
+    groups: list[BagGroup],
+    q: WhitenedPosterior,
+    rho: float,
+    *,
+    scale: float = 1.0,
+    check: bool = True,
+    cache: GroupCache | None = None,
+    reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
+    reduce_value: Callable[[float], float] | None = None,
+) -> tuple[WhitenedPosterior | None, float, float, float]:
+    """One natural step of ``q(v)`` for an aggregate likelihood on the bags of ``groups``: an
+    iteration (or minibatch step) of :func:`fit_aggregate`, and the Lightning head's aggregate
+    training step.
+
+    The statistics are :func:`aggregate_natural_statistics`, mapped to the global ones by ``reduce``
+    (a DDP all-reduce; ``reduce_value`` sums the data term the same way); ``scale`` = training bags
+    / bags here. The step of size ``rho`` is halved until the new precision is positive definite
+    and, with ``check``, the batch's unbiased ELBO estimate ``scale · data − KL`` does not fall
+    (:func:`checked_natural_step`). Nothing is written into the model.
+
+    Returns:
+        ``(new q(v), or None when every step was rejected; the last step size tried; the data
+        term before the step; the ELBO estimate before the step)``.
+    """
+    stats, data = aggregate_natural_statistics(model, likelihood, batch, groups, q, cache=cache)
+    if reduce is not None:
+        stats = reduce(stats)
+    if reduce_value is not None:
+        data = reduce_value(data)
+    before = scale * data - float(q.kl_divergence())
+
+    def ascends(q_new: WhitenedPosterior) -> bool:
+        data_new = aggregate_data_terms(model, likelihood, batch, groups, q_new, cache)
+        if reduce_value is not None:  # the data term is a sum over ranks, KL is not
+            data_new = reduce_value(data_new)
+        value = scale * data_new - float(q_new.kl_divergence())
+        return math.isfinite(value) and value >= before - 1e-9 * abs(before)
+
+    with torch.no_grad():
+        q_new, r = checked_natural_step(q, stats, float(rho), scale, ascends if check else None)
+    return q_new, r, data, before
 
 
 def fit_aggregate(
@@ -334,32 +373,26 @@ def fit_aggregate(
     bar = tqdm(range(max_iter), disable=not progress, desc="vbagg", leave=False)
     elbo = None
     for it in bar:
-        if bags_per_batch is None:
-            stats, data = aggregate_natural_statistics(model, likelihood, batch, groups, q, cache=cache)
-            elbo_old = data - float(q.kl_divergence())
-            if conjugate:
-                q = q.try_natural_step(stats, 1.0, 1.0) or q
-            else:  # backtracking on the ELBO, then a larger first try next time
-                q_new, rho = checked_natural_step(
-                    q, stats, rho, 1.0, lambda q_: _ascends(model, likelihood, batch, groups, q_, 1.0, elbo_old, cache)
-                )
-                if q_new is not None:
-                    q, rho = q_new, min(rho_max, rho * 1.5)
+        if bags_per_batch is None:  # conjugate: the exact step; otherwise backtracking, then a larger first try next time
+            q_new, rho, _, _ = aggregate_natural_update_step(
+                model, likelihood, batch, groups, q, 1.0 if conjugate else rho, check=not conjugate, cache=cache
+            )
+            if q_new is not None:
+                q = q_new
+                if not conjugate:
+                    rho = min(rho_max, rho * 1.5)
         else:
             order = torch.randperm(B, generator=generator)
             for s in range(0, B, bags_per_batch):
                 mb = order[s : s + bags_per_batch].to(batch.bag_index.device)
                 mb_groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget, bags=mb)
-                stats, data_mb = aggregate_natural_statistics(model, likelihood, batch, mb_groups, q)
                 scale = B / len(mb)
                 exact = conjugate and bags_per_batch >= B
                 r = 1.0 if exact else min(1.0, rho_max * schedule(step_t))
                 step_t += 1
                 # the minibatch's unbiased ELBO estimate must not fall (as the full-batch path
                 # backtracks on the ELBO): a non-conjugate step (square link) can overshoot
-                elbo_mb = scale * data_mb - float(q.kl_divergence())
-                accept = None if exact else (lambda q_: _ascends(model, likelihood, batch, mb_groups, q_, scale, elbo_mb))
-                q_new, rho = checked_natural_step(q, stats, r, scale, accept)
+                q_new, rho, _, _ = aggregate_natural_update_step(model, likelihood, batch, mb_groups, q, r, scale=scale, check=not exact)
                 q = q_new or q
                 if optimizer is not None:
                     for _ in range(hyper_steps):
