@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import threading
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 
 from lightning_modules import AttentionMILModule, GPMILModule, ResNetExtractor, SmallCNN
 from milgp.data.bags import bag_index_from_sizes
+from milgp.variational.fit import ProjectionCache, natural_update_step
 
 
 def _rss_mb() -> float:
@@ -92,7 +94,11 @@ def _gp_step(model: GPMILModule, opt: torch.optim.Optimizer, amp: bool, device: 
         with torch.autocast(device_type=device, enabled=False):
             z = model.gp.standardize(h.float())
             B = len(labels)
-            _, locals_ = model.gp.natural_update(z, bag_index, labels.double(), B, None, rho=0.5, scale=10.0)
+            with torch.no_grad():  # the training step's closed-form step (GPMILModule.training_step)
+                cache = ProjectionCache(model.gp.strategy, z.detach(), chunk_size=len(z), cache_bytes=math.inf)
+                _, _, _, locals_ = natural_update_step(
+                    cache, model.gp.likelihood, bag_index, labels.double(), B, model.gp.posterior(), None, rho=0.5, scale=10.0
+                )
             loss = -model.gp.hyper_objective(z, bag_index, labels.double(), B, locals_) / len(z)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -117,7 +123,7 @@ def run(args: argparse.Namespace) -> dict:
                 with torch.no_grad():
                     x0 = torch.rand(64, 3, args.size, args.size, device=device)
                     model.gp.initialize(model.extractor(x0), torch.arange(64, device=device) % 2)
-                opt = torch.optim.Adam([{"params": model.gp.variational_strategy.hyperparameters(), "lr": 1e-2},
+                opt = torch.optim.Adam([{"params": model.gp.hyperparameters(), "lr": 1e-2},
                                         {"params": model.extractor.parameters(), "lr": 1e-4}])
                 step = _gp_step(model, opt, args.amp, device)
             model.train()
