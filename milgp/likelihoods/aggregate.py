@@ -266,11 +266,7 @@ def _blocks_from_distribution(function_dist: Any, bag_index: Tensor, num_bags: i
     cov = cov.to_dense() if hasattr(cov, "to_dense") else cov
     mean_pad, _ = to_padded(function_dist.mean, bag_index, num_bags)
     w_pad, _ = to_padded(weights, bag_index, num_bags, fill=0.0)
-    n_max = mask.shape[1]
-    eye = torch.eye(n_max, dtype=cov.dtype, device=cov.device)
-    pair = mask.unsqueeze(-1) & mask.unsqueeze(-2)
-    cov = torch.where(pair, cov, eye.expand_as(cov))
-    return PaddedBlocks(mean=mean_pad, cov=0.5 * (cov + cov.mT), weights=w_pad, mask=mask)
+    return PaddedBlocks(mean=mean_pad, cov=identity_padded(cov, mask), weights=w_pad, mask=mask)
 
 
 def _is_train_mode_diagonal(function_dist: Any) -> bool:

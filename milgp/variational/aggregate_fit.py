@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from gpytorch.models import ApproximateGP
@@ -43,7 +43,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, random_bags_within, segment_sum
-from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
+from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, PaddedBlocks, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.variational.fit_result import FitResult
@@ -420,6 +420,20 @@ def fit_aggregate(
     return result
 
 
+def _predictive_blocks(
+    model: ApproximateGP, x: Tensor, bag_index: Tensor, num_bags: int, weights: Tensor, chunk_instances: int, block_budget: int
+) -> Iterator[tuple[BagGroup, PaddedBlocks]]:
+    """The joint ``q(f_b)`` of every bag, group by group of similar-sized bags within the memory
+    bounds: ``(group, padded blocks)`` under the model's current ``q(v)``, without gradients."""
+    strategy = ClosedFormStrategy.of(model)
+    q = strategy.whitened_posterior()
+    with torch.no_grad():
+        L = strategy.inducing_cholesky()
+        for g in make_bag_groups(bag_index, num_bags, chunk_instances, block_budget):
+            xg = x[g.inst]
+            yield g, bag_blocks(model, xg, strategy.projection(xg, L), g.local, g.num_bags, q.m, q.S, weights[g.inst], kernel_grad=False)
+
+
 def predict_bag_moments(
     model: ApproximateGP,
     likelihood: AggregateLikelihood,
@@ -436,16 +450,10 @@ def predict_bag_moments(
     ``y_mean``/``y_var`` of the observed aggregate (:meth:`AggregateLikelihood.observation_moments`).
     """
     weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
-    q = model.variational_strategy.whitened_posterior()
-    groups = make_bag_groups(bag_index, num_bags, chunk_instances, block_budget)
     rate_mean = x.new_zeros(num_bags)
     rate_var = x.new_zeros(num_bags)
     with torch.no_grad():
-        L = model.variational_strategy.inducing_cholesky()
-        for g in groups:
-            xg = x[g.inst]
-            proj = model.variational_strategy.projection(xg, L)
-            blocks = bag_blocks(model, xg, proj, g.local, g.num_bags, q.m, q.S, weights[g.inst])
+        for g, blocks in _predictive_blocks(model, x, bag_index, num_bags, weights, chunk_instances, block_budget):
             mu, var = likelihood.bag_rate_moments(blocks)
             rate_mean[g.bags] = mu
             rate_var[g.bags] = var
@@ -483,15 +491,10 @@ def bag_log_predictive(
         moments = moments or predict_bag_moments(model, likelihood, x, bag_index, num_bags, weights, chunk_instances, block_budget)
         var_y = moments["y_var"].clamp_min(1e-300)
         return -0.5 * (math.log(2 * math.pi) + torch.log(var_y) + (y - moments["y_mean"]) ** 2 / var_y)
-    strategy = ClosedFormStrategy.of(model)
-    q = strategy.whitened_posterior()
     w_sq = segment_sum(weights * weights, bag_index, num_bags)
     out = x.new_empty(num_bags)
     with torch.no_grad():
-        L = strategy.inducing_cholesky()
-        for g in make_bag_groups(bag_index, num_bags, chunk_instances, block_budget):
-            xg = x[g.inst]
-            blocks = bag_blocks(model, xg, strategy.projection(xg, L), g.local, g.num_bags, q.m, q.S, weights[g.inst], kernel_grad=False)
+        for g, blocks in _predictive_blocks(model, x, bag_index, num_bags, weights, chunk_instances, block_budget):
             chol = robust_cholesky(blocks.cov, what="within-bag covariance of q(f_b)")
             B_g, n = blocks.mean.shape
             per = max(1, 4_000_000 // max(1, B_g * n * n))  # draws per pass: bounded memory

@@ -51,7 +51,7 @@ class ProjectionCache:
     hyperparameter setting either way. No gradients are recorded.
     """
 
-    def __init__(self, strategy: ClosedFormStrategy, x: Tensor, chunk_size: int, cache_bytes: int):
+    def __init__(self, strategy: ClosedFormStrategy, x: Tensor, chunk_size: int, cache_bytes: float):
         self.strategy, self.x, self.chunk_size = strategy, x, max(1, int(chunk_size))
         N, M = x.shape[0], strategy.num_inducing
         self.cacheable = N * (M + 2) * x.element_size() <= cache_bytes
