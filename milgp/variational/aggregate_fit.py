@@ -25,6 +25,10 @@ schedule (capped at ``rho_max``) and is halved until the precision is positive d
 ``q(v)`` fixed, on random subsets of whole bags (at most ``hyper_max_instances`` instances),
 gradients accumulated chunk by chunk.
 
+**The loop** (full batch or minibatches, hyperparameter rounds, stopping) is
+:func:`~milgp.variational.fit_loop.fit_loop`, shared with the MIL likelihoods' closed-form fit;
+:class:`AggregateSteps` are this family's steps.
+
 **Chunks.** Bags are sorted by size and packed into groups of at most ``chunk_instances``
 instances and, when the likelihood needs within-bag covariances, ``block_budget`` padded block
 entries (``B_g · n_max²``); a bag larger than the budget forms its own group. The Poisson-exp and
@@ -33,24 +37,23 @@ Exponential models need only marginals: ``O(chunk · M)`` memory whatever the ba
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, random_bags_within, segment_sum
+from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, PaddedBlocks, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
+from milgp.variational.fit_loop import fit_loop
 from milgp.variational.fit_result import FitResult
-from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
-from milgp.variational.stopping import RelativeChangeStop
+from milgp.variational.natural_update import NaturalStatistics
 
 __all__ = [
+    "AggregateSteps",
     "GroupCache",
     "aggregate_data_terms",
     "aggregate_elbo",
@@ -234,23 +237,6 @@ def checked_natural_step(
     return None, r
 
 
-def _hyper_step(
-    model: ApproximateGP,
-    likelihood: AggregateLikelihood,
-    batch: BagBatch,
-    groups: list[BagGroup],
-    q: WhitenedPosterior,
-    optimizer: torch.optim.Optimizer,
-    normaliser: float,
-) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    for g in groups:
-        L = model.variational_strategy.inducing_cholesky()
-        terms = group_terms(model, likelihood, batch, g, q.m, q.S, L, True).sum()
-        (-terms / normaliser).backward()
-    optimizer.step()
-
-
 def aggregate_natural_update_step(
     model: ApproximateGP,
     likelihood: AggregateLikelihood,
@@ -298,6 +284,91 @@ def aggregate_natural_update_step(
     return q_new, r, data, before
 
 
+class AggregateSteps:
+    """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
+    :class:`AggregateLikelihood`: natural steps of ``q(v)`` (:func:`aggregate_natural_update_step`:
+    exact with ρ = 1 for the conjugate Normal model, otherwise backtracked on the ELBO with ρ grown
+    ×1.5 after each accepted full-batch step, up to ``rho_max``) and Adam on the ELBO per instance.
+    Minibatch steps take ``min(1, rho_max · schedule(t))``; the Normal model with all bags in one
+    minibatch takes the exact step."""
+
+    def __init__(
+        self,
+        strategy: ClosedFormStrategy,
+        likelihood: AggregateLikelihood,
+        batch: BagBatch,
+        *,
+        rho0: float,
+        rho_max: float,
+        chunk_instances: int,
+        block_budget: int,
+        cache_entries: int,
+    ):
+        self.strategy, self.model, self.likelihood, self.batch = strategy, strategy.model, likelihood, batch
+        self.rho_max, self.chunk_instances = rho_max, chunk_instances
+        self.budget = block_budget if likelihood.needs_covariance else None
+        self.groups = make_bag_groups(batch.bag_index, batch.num_bags, chunk_instances, self.budget)
+        self.conjugate = is_conjugate(likelihood)
+        self.cache = GroupCache(self.model, likelihood, batch, self.groups, cache_entries)
+        self.sizes = bag_sizes(batch.bag_index, batch.num_bags)
+        self.q = strategy.whitened_posterior()
+        self.rho = 1.0 if self.conjugate else min(rho0, rho_max)
+        self._minibatch: tuple[Tensor, list[BagGroup]] | None = None  # the last minibatch: bags, groups
+        self.elbo: float | None = None
+
+    def _groups_of(self, bags: Tensor) -> list[BagGroup]:
+        return make_bag_groups(self.batch.bag_index, self.batch.num_bags, self.chunk_instances, self.budget, bags=bags)
+
+    def sweep(self) -> None:
+        # conjugate: the exact step; otherwise backtracking, then a larger first try next time
+        q_new, self.rho, _, _ = aggregate_natural_update_step(
+            self.model, self.likelihood, self.batch, self.groups, self.q, 1.0 if self.conjugate else self.rho,
+            check=not self.conjugate, cache=self.cache,
+        )
+        if q_new is not None:
+            self.q = q_new
+            if not self.conjugate:
+                self.rho = min(self.rho_max, self.rho * 1.5)
+
+    def minibatch_step(self, bags: Tensor, rho: float, scale: float) -> None:
+        groups = self._groups_of(bags)
+        exact = self.conjugate and len(bags) >= self.batch.num_bags
+        # the minibatch's unbiased ELBO estimate must not fall (as the full-batch step backtracks on
+        # the ELBO): a non-conjugate step (square link) can overshoot
+        q_new, self.rho, _, _ = aggregate_natural_update_step(
+            self.model, self.likelihood, self.batch, groups, self.q, 1.0 if exact else min(1.0, self.rho_max * rho),
+            scale=scale, check=not exact,
+        )
+        self.q = q_new or self.q
+        self._minibatch = (bags, groups)
+
+    def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:
+        if bags is None:
+            groups, n = self.groups, self.batch.num_instances
+        else:
+            groups = self._minibatch[1] if self._minibatch is not None and self._minibatch[0] is bags else self._groups_of(bags)
+            n = int(self.sizes[bags].sum())
+        # objective per instance of the subset: the ELBO / N estimated from whole bags
+        optimizer.zero_grad(set_to_none=True)
+        for g in groups:
+            L = self.strategy.inducing_cholesky()
+            terms = group_terms(self.model, self.likelihood, self.batch, g, self.q.m, self.q.S, L, True).sum()
+            (-terms / float(n)).backward()
+        optimizer.step()
+
+    def hyperparameters_changed(self) -> None:
+        self.cache.invalidate()
+
+    def evaluate(self, with_objective: bool) -> tuple[float, float | None]:
+        self.elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self.cache)
+        return self.elbo, (self.elbo if with_objective else None)  # the hyperparameters ascend the ELBO itself
+
+    def finish(self, result: FitResult) -> None:
+        result.rho = self.rho
+        if not result.objective:
+            result.objective.append(result.elbo[-1])
+
+
 def fit_aggregate(
     model: ApproximateGP,
     likelihood: AggregateLikelihood,
@@ -330,94 +401,26 @@ def fit_aggregate(
         tol: stop when the relative ELBO change stays below ``tol`` for two iterations.
         rho0, rho_max: initial and largest natural step (non-conjugate likelihoods).
         bags_per_batch: minibatches of whole bags with Robbins–Monro steps ``schedule``
-            (default :class:`RobbinsMonro` ``τ = 1, κ = 0.6``) scaled by ``rho_max``; a step that
+            (default :class:`~milgp.variational.natural_update.RobbinsMonro` ``τ = 1, κ = 0.6``) scaled by ``rho_max``; a step that
             lowers the minibatch's unbiased ELBO estimate ``(B / B_mb) Σ_{a∈mb} bag_terms − KL`` is
             halved until it does not (conjugate models with the whole data in one batch: exact step).
         chunk_instances, block_budget: memory bounds of one chunk of bags (module docstring).
         cache_entries: keep the q-independent projections/kernel blocks of all chunks between
             hyperparameter steps when they fit in this many floats (else recompute per pass).
     """
-    ClosedFormStrategy.of(model)  # a one-line TypeError for a model on another strategy
-    start = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    B = batch.num_bags
-    likelihood.check_data(batch.bag_labels, _weights(batch), batch.bag_index, B)
-    budget = block_budget if likelihood.needs_covariance else None
-    groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget)
-    conjugate = is_conjugate(likelihood)
-    cache = GroupCache(model, likelihood, batch, groups, cache_entries)
-    params = list(model.variational_strategy.hyperparameters()) + list(likelihood.parameters())
+    strategy = ClosedFormStrategy.of(model)  # a one-line TypeError for a model on another strategy
+    likelihood.check_data(batch.bag_labels, _weights(batch), batch.bag_index, batch.num_bags)
+    steps = AggregateSteps(
+        strategy, likelihood, batch, rho0=rho0, rho_max=rho_max, chunk_instances=chunk_instances,
+        block_budget=block_budget, cache_entries=cache_entries,
+    )
+    params = list(strategy.hyperparameters()) + list(likelihood.parameters())
     optimizer = torch.optim.Adam(params, lr=lr) if learn_hyperparameters and params else None
-    schedule = schedule or RobbinsMonro()
-    sizes = bag_sizes(batch.bag_index, B)
-    result = FitResult()
-    q = model.variational_strategy.whitened_posterior()
-    rho = 1.0 if conjugate else min(rho0, rho_max)
-    step_t = 0
-    stop = RelativeChangeStop(tol, min_iter)
-
-    def hyper_round() -> None:
-        if optimizer is None:
-            return
-        for _ in range(hyper_steps):
-            if int(sizes.sum()) <= hyper_max_instances:
-                sub_groups, n_sub = groups, int(sizes.sum())
-            else:
-                keep = random_bags_within(sizes, hyper_max_instances, generator)
-                sub_groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget, bags=keep)
-                n_sub = int(sizes[keep].sum())
-            # objective per instance of the subset: the ELBO / N estimated from whole bags
-            _hyper_step(model, likelihood, batch, sub_groups, q, optimizer, float(n_sub))
-        cache.invalidate()
-
-    bar = tqdm(range(max_iter), disable=not progress, desc="vbagg", leave=False)
-    elbo = None
-    for it in bar:
-        if bags_per_batch is None:  # conjugate: the exact step; otherwise backtracking, then a larger first try next time
-            q_new, rho, _, _ = aggregate_natural_update_step(
-                model, likelihood, batch, groups, q, 1.0 if conjugate else rho, check=not conjugate, cache=cache
-            )
-            if q_new is not None:
-                q = q_new
-                if not conjugate:
-                    rho = min(rho_max, rho * 1.5)
-        else:
-            order = torch.randperm(B, generator=generator)
-            for s in range(0, B, bags_per_batch):
-                mb = order[s : s + bags_per_batch].to(batch.bag_index.device)
-                mb_groups = make_bag_groups(batch.bag_index, B, chunk_instances, budget, bags=mb)
-                scale = B / len(mb)
-                exact = conjugate and bags_per_batch >= B
-                r = 1.0 if exact else min(1.0, rho_max * schedule(step_t))
-                step_t += 1
-                # the minibatch's unbiased ELBO estimate must not fall (as the full-batch path
-                # backtracks on the ELBO): a non-conjugate step (square link) can overshoot
-                q_new, rho, _, _ = aggregate_natural_update_step(model, likelihood, batch, mb_groups, q, r, scale=scale, check=not exact)
-                q = q_new or q
-                if optimizer is not None:
-                    for _ in range(hyper_steps):
-                        _hyper_step(model, likelihood, batch, mb_groups, q, optimizer, float(sizes[mb].sum()))
-                    cache.invalidate()
-        if bags_per_batch is None:
-            hyper_round()
-        model.variational_strategy.set_whitened_posterior(q)  # writes q(v) and clears GPyTorch's caches
-        elbo = aggregate_elbo(model, likelihood, batch, groups, q, cache)
-        if not math.isfinite(elbo):
-            raise FloatingPointError(
-                f"the VBAgg objective became {elbo} at iteration {it}; lower lr or check targets/populations"
-            )
-        result.elbo.append(elbo)
-        bar.set_postfix(elbo=f"{elbo:.6g}", rho=f"{rho:.3g}")
-        if callback is not None:
-            callback(it, elbo)
-        if stop(elbo, it):
-            result.converged = True
-            break
-    result.iterations = len(result.elbo)
-    result.seconds = time.perf_counter() - start
-    result.rho = rho
-    result.objective = result.elbo[-1:]
-    return result
+    return fit_loop(
+        steps, max_iter=max_iter, tol=tol, min_iter=min_iter, optimizer=optimizer, hyper_steps=hyper_steps,
+        hyper_max_instances=hyper_max_instances, bags_per_batch=bags_per_batch, schedule=schedule, seed=seed,
+        progress=progress, callback=callback, desc="vbagg",
+    )
 
 
 def _predictive_blocks(

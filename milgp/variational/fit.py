@@ -1,4 +1,6 @@
-"""Algorithm 1 of Castro-Macías et al. (2024), generalised to any :class:`AugmentedBagLikelihood`.
+"""Closed-form fits of augmented bag likelihoods: Algorithm 1 of Castro-Macías et al. (2024),
+"Introducing instance label correlation in multiple instance learning", for any
+:class:`AugmentedBagLikelihood`.
 
 One iteration (full batch):
 
@@ -11,28 +13,29 @@ One iteration (full batch):
 With ``bags_per_batch`` set, each step uses a minibatch of whole bags: statistics are scaled by
 ``s = B / B_batch`` and mixed with a Robbins–Monro step size (stochastic natural gradient).
 Hyperparameter steps always use a random subset of at most ``hyper_max_instances`` instances
-(whole bags) so memory stays bounded for large N; the ELBO is rescaled accordingly.
+(whole bags) so memory stays bounded for large N.
+
+The iterations are :func:`~milgp.variational.fit_loop.fit_loop`'s, shared with the aggregate-output
+fit; this module holds the steps of this family (:class:`ClosedFormSteps`) and their projection
+cache (:class:`ProjectionCache`).
 """
 from __future__ import annotations
 
-import math
-import time
 from typing import Any, Callable
 
 import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, bag_sizes, random_bags_within
+from milgp.data.bags import BagBatch
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
+from milgp.variational.fit_loop import fit_loop
 from milgp.variational.fit_result import FitResult
-from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro, natural_statistics
+from milgp.variational.natural_update import NaturalStatistics, natural_statistics
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
-from milgp.variational.stopping import RelativeChangeStop
 
-__all__ = ["ProjectionCache", "closed_form_elbo", "fit_closed_form", "natural_update_step"]
+__all__ = ["ClosedFormSteps", "ProjectionCache", "closed_form_elbo", "fit_closed_form", "natural_update_step"]
 
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
@@ -186,35 +189,143 @@ def closed_form_elbo(
         return float(data - q.kl_divergence())
 
 
-def _hyper_step(
-    strategy: ClosedFormStrategy,
-    likelihood: AugmentedBagLikelihood,
-    batch: BagBatch,
-    locals_: Any,
-    optimizer: torch.optim.Optimizer,
-    scale: float,
-    q: WhitenedPosterior,
-) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    mean, var = strategy.marginals(strategy.projection(batch.x), q)
-    data = likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_).sum()
-    loss = -scale * data / max(1, batch.num_instances)
-    loss.backward()
-    optimizer.step()
+class ClosedFormSteps:
+    """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
+    :class:`AugmentedBagLikelihood`: closed-form natural steps of ``q(v)`` (CAVI, ρ = 1, on the
+    full batch, optionally over-relaxed; :func:`natural_update_step` on minibatches), closed-form
+    updates of the locals, and Adam on :meth:`AugmentedBagLikelihood.hyperparameter_terms` per
+    instance.
+
+    The moments of ``q(f)`` at all training inputs are kept while they are current, so a full-batch
+    sweep computes them once."""
+
+    def __init__(
+        self,
+        strategy: ClosedFormStrategy,
+        likelihood: AugmentedBagLikelihood,
+        batch: BagBatch,
+        *,
+        chunk_size: int,
+        cache_bytes: float,
+        cache_all: bool = True,
+        projection: tuple[Tensor, Projection] | None = None,
+        initial_locals: Any = None,
+        relax: AdaptiveOverrelaxation | None = None,
+    ):
+        self.strategy, self.likelihood, self.batch, self.relax = strategy, likelihood, batch, relax
+        self.chunk_size, self.cache_bytes = chunk_size, cache_bytes
+        self.projector = ProjectionCache(strategy, batch.x, chunk_size, cache_bytes if cache_all else 0)
+        if projection is not None:
+            self.projector.adopt(*projection)
+        projector = self.projector
+        self.q = strategy.whitened_posterior()
+        self.mean, self.var = projector.moments(self.q)
+        if initial_locals is None:
+            self.locals = likelihood.init_locals(batch.bag_index, batch.bag_labels, batch.num_bags, self.mean)
+        else:
+            self.locals = initial_locals.clone() if isinstance(initial_locals, Tensor) else initial_locals
+        self.moments_current = True
+        self.elbo: float | None = None  # the ELBO of the current state, when a step computed it
+        self.rejected_steps = 0
+        self._minibatch: tuple[Tensor, BagBatch, Any] | None = None  # the last minibatch: bags, batch, locals
+
+    def _data_terms(self, mean: Tensor, var: Tensor, locals_: Any) -> Tensor:
+        b = self.batch
+        return self.likelihood.elbo_terms(mean, var, b.bag_index, b.bag_labels, b.num_bags, locals_)
+
+    def _moments_and_locals(self, q: WhitenedPosterior) -> tuple[Tensor, Tensor, Any]:
+        b = self.batch
+        mean, var = self.projector.moments(q)
+        return mean, var, self.likelihood.update_locals(mean, var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
+
+    def sweep(self) -> None:
+        b, q, relax = self.batch, self.q, self.relax
+        lin, lam = self.likelihood.quadratic_terms(self.mean, self.var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
+        stats = self.projector.statistics(lin, lam)
+        plain = q.natural_step(stats, rho=1.0)
+        step, indefinite, elbo = plain, False, None
+        if relax is not None and relax.omega > 1.0:  # past the optimum
+            step = q.try_natural_step(stats, relax.omega, 1.0)
+            if step is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
+                step, indefinite = plain, True
+                relax.reject()
+        mean, var, locals_ = self._moments_and_locals(step)
+        if step is not plain:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
+            with torch.no_grad():
+                elbo = float(self._data_terms(mean, var, locals_).sum() - step.kl_divergence())
+            if self.elbo is not None and not elbo >= self.elbo:
+                relax.reject()
+                self.rejected_steps += 1
+                step, elbo = plain, None
+                mean, var, locals_ = self._moments_and_locals(step)
+            else:
+                relax.accept()
+        elif relax is not None and not indefinite:
+            relax.accept()
+        self.q, self.mean, self.var, self.locals, self.elbo = step, mean, var, locals_, elbo
+        self.moments_current = True
+
+    def minibatch_step(self, bags: Tensor, rho: float, scale: float) -> None:
+        mb, idx = self.batch.select_bags_with_index(bags)
+        # one projection of the minibatch serves both passes of this step
+        mb_proj = ProjectionCache(self.strategy, mb.x, self.chunk_size, self.cache_bytes)
+        cached_rows = self.projector.rows(idx)
+        if cached_rows is not None:
+            mb_proj.adopt(self.projector.L(), cached_rows)
+        self.q, _, _, new_locals = natural_update_step(
+            mb_proj, self.likelihood, mb.bag_index, mb.bag_labels, mb.num_bags, self.q, _subset_locals(self.locals, idx),
+            rho=rho, scale=scale,
+        )
+        if isinstance(self.locals, Tensor) and self.locals.ndim == 1:
+            self.locals[idx] = new_locals
+        self._minibatch = (bags, mb, new_locals)
+        self.moments_current, self.elbo = False, None
+
+    def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:
+        if bags is None:
+            sub, locals_ = self.batch, self.locals
+        elif self._minibatch is not None and self._minibatch[0] is bags:
+            _, sub, locals_ = self._minibatch
+        else:
+            sub, idx = self.batch.select_bags_with_index(bags)
+            locals_ = _subset_locals(self.locals, idx)
+        optimizer.zero_grad(set_to_none=True)
+        mean, var = self.strategy.marginals(self.strategy.projection(sub.x), self.q)
+        data = self.likelihood.hyperparameter_terms(mean, var, sub.bag_index, sub.bag_labels, sub.num_bags, locals_).sum()
+        (-data / max(1, sub.num_instances)).backward()
+        optimizer.step()
+
+    def hyperparameters_changed(self) -> None:
+        self.projector.invalidate()  # A is recomputed once, at the next pass, and reused after it
+        self.moments_current, self.elbo = False, None
+
+    def evaluate(self, with_objective: bool) -> tuple[float, float | None]:
+        if not self.moments_current:
+            self.mean, self.var = self.projector.moments(self.q)
+            self.moments_current = True
+        with torch.no_grad():
+            kl = self.q.kl_divergence()
+            if self.elbo is None:
+                self.elbo = float(self._data_terms(self.mean, self.var, self.locals).sum() - kl)
+            return self.elbo, (self._objective(kl) if with_objective else None)
+
+    def _objective(self, kl: Tensor) -> float:
+        """``Σ hyperparameter_terms − KL`` at the current moments (:attr:`FitResult.objective`)."""
+        b = self.batch
+        terms = self.likelihood.hyperparameter_terms(self.mean, self.var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
+        return float(terms.sum() - kl)
+
+    def finish(self, result: FitResult) -> None:
+        if not result.objective:  # only the final value: the sweeps ascend ``elbo``, nothing watches it
+            with torch.no_grad():
+                result.objective.append(self._objective(self.q.kl_divergence()))
+        result.rejected_steps = self.rejected_steps
+        result.locals = self.locals
+        result.moments = (self.mean, self.var)
 
 
 def _subset_locals(locals_: Any, idx: Tensor) -> Any:
     return locals_[idx] if isinstance(locals_, Tensor) and locals_.ndim == 1 else locals_
-
-
-def _bag_subset(batch: BagBatch, max_instances: int, generator: torch.Generator) -> tuple[BagBatch, Tensor, float]:
-    """Random whole bags holding at most ``max_instances`` instances; returns the sub-batch, the
-    original instance indices, and the scale ``N / N_sub``."""
-    if batch.num_instances <= max_instances:
-        return batch, torch.arange(batch.num_instances, device=batch.x.device), 1.0
-    keep = random_bags_within(bag_sizes(batch.bag_index, batch.num_bags), max_instances, generator)
-    sub, idx = batch.select_bags_with_index(keep)
-    return sub, idx, batch.num_instances / max(1, sub.num_instances)
 
 
 def fit_closed_form(
@@ -279,117 +390,15 @@ def fit_closed_form(
         )
     strategy = ClosedFormStrategy.of(model)
     relax = AdaptiveOverrelaxation(max_overrelaxation) if max_overrelaxation != 1.0 else None
-    start = time.perf_counter()
-    generator = torch.Generator().manual_seed(seed)
-    result = FitResult()
-    B, N = batch.num_bags, batch.num_instances
     optimizer = torch.optim.Adam(strategy.hyperparameters(), lr=lr) if learn_hyperparameters else None
-    q = strategy.whitened_posterior()
-    # With minibatches and hyperparameter steps A changes after every minibatch: no full cache.
-    budget = 0 if (bags_per_batch is not None and learn_hyperparameters) else cache_bytes
-    projector = ProjectionCache(strategy, batch.x, chunk_size, budget)
-    if projection is not None:
-        projector.adopt(*projection)
-    mean, var = projector.moments(q)
-    if initial_locals is None:
-        locals_ = likelihood.init_locals(batch.bag_index, batch.bag_labels, B, mean)
-    else:
-        locals_ = initial_locals.clone() if isinstance(initial_locals, Tensor) else initial_locals
-    schedule = schedule or RobbinsMonro()
-    step_t = 0
-    stop = RelativeChangeStop(tol, min_iter)
-    bar = tqdm(range(max_iter), disable=not progress, desc="fit", leave=False)
-    for it in bar:
-        elbo = None
-        if bags_per_batch is None:
-            b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_)
-            stats = projector.statistics(b, lam)
-            plain = q.natural_step(stats, rho=1.0)
-            step, indefinite = plain, False
-            if relax is not None and relax.omega > 1.0:  # past the optimum
-                step = q.try_natural_step(stats, relax.omega, 1.0)
-                if step is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
-                    step, indefinite = plain, True
-                    relax.reject()
-            new_mean, new_var = projector.moments(step)
-            new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
-            if step is not plain:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
-                with torch.no_grad():
-                    data = likelihood.elbo_terms(new_mean, new_var, batch.bag_index, batch.bag_labels, B, new_locals).sum()
-                    elbo = float(data - step.kl_divergence())
-                if result.elbo and not elbo >= result.elbo[-1]:
-                    relax.reject()
-                    result.rejected_steps += 1
-                    step, elbo = plain, None
-                    new_mean, new_var = projector.moments(step)
-                    new_locals = likelihood.update_locals(new_mean, new_var, batch.bag_index, batch.bag_labels, B, locals_)
-                else:
-                    relax.accept()
-            elif relax is not None and not indefinite:
-                relax.accept()
-            q, mean, var, locals_ = step, new_mean, new_var, new_locals
-            strategy.set_whitened_posterior(q)
-        else:
-            order = torch.randperm(B, generator=generator)
-            for s in range(0, B, bags_per_batch):
-                bags = order[s : s + bags_per_batch].to(batch.bag_index.device)
-                mb, idx = batch.select_bags_with_index(bags)
-                # one projection of the minibatch serves both passes of this step
-                mb_proj = ProjectionCache(strategy, mb.x, chunk_size, cache_bytes)
-                cached_rows = projector.rows(idx)
-                if cached_rows is not None:
-                    mb_proj.adopt(projector.L(), cached_rows)
-                q, _, _, new_locals = natural_update_step(
-                    mb_proj, likelihood, mb.bag_index, mb.bag_labels, mb.num_bags, q, _subset_locals(locals_, idx),
-                    rho=schedule(step_t), scale=B / mb.num_bags,
-                )
-                step_t += 1
-                del mb_proj
-                if isinstance(locals_, Tensor) and locals_.ndim == 1:
-                    locals_[idx] = new_locals
-                if optimizer is not None:
-                    for _ in range(hyper_steps):
-                        _hyper_step(strategy, likelihood, mb, new_locals, optimizer, 1.0, q)
-                    projector.invalidate()
-            mean, var = projector.moments(q)
-        if optimizer is not None and bags_per_batch is None:
-            for _ in range(hyper_steps):
-                sub, idx, scale = _bag_subset(batch, hyper_max_instances, generator)
-                _hyper_step(strategy, likelihood, sub, _subset_locals(locals_, idx), optimizer, 1.0, q)
-            strategy.set_whitened_posterior(q)  # clears GPyTorch's caches after the kernel changed
-            projector.invalidate()  # A is recomputed once, here, and reused by the next sweep
-            mean, var = projector.moments(q)
-        with torch.no_grad():
-            kl = q.kl_divergence()
-            if elbo is None:
-                elbo = float(likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, B, locals_).sum() - kl)
-            if optimizer is not None:
-                result.objective.append(_objective(likelihood, batch, mean, var, locals_, kl))
-        if not math.isfinite(elbo):
-            raise FloatingPointError(
-                f"the ELBO became {elbo} at iteration {it}; check the features for extreme values "
-                "or lower the hyperparameter learning rate"
-            )
-        result.elbo.append(elbo)
-        bar.set_postfix(elbo=f"{elbo:.4g}")
-        if callback is not None:
-            callback(it, elbo)
-        # watch what Adam ascends (appended for this iteration above), else what the sweeps ascend
-        if stop(result.objective[-1] if optimizer is not None else elbo, it):
-            result.converged = True
-            break
-    if optimizer is None:  # only the final value: the sweeps ascend ``elbo``, nothing watches it
-        with torch.no_grad():
-            result.objective.append(_objective(likelihood, batch, mean, var, locals_, q.kl_divergence()))
-    result.iterations = len(result.elbo)
-    result.seconds = time.perf_counter() - start
-    result.locals = locals_
-    result.moments = (mean, var)
-    return result
-
-
-def _objective(likelihood: AugmentedBagLikelihood, batch: BagBatch, mean: Tensor, var: Tensor, locals_: Any, kl: Tensor) -> float:
-    """``Σ hyperparameter_terms − KL`` at the current moments (:attr:`FitResult.objective`)."""
-    terms = likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_)
-    return float(terms.sum() - kl)
-
+    steps = ClosedFormSteps(
+        strategy, likelihood, batch, chunk_size=chunk_size, cache_bytes=cache_bytes,
+        # with minibatches and hyperparameter steps A changes after every minibatch: no full cache
+        cache_all=bags_per_batch is None or not learn_hyperparameters,
+        projection=projection, initial_locals=initial_locals, relax=relax,
+    )
+    return fit_loop(
+        steps, max_iter=max_iter, tol=tol, min_iter=min_iter, optimizer=optimizer, hyper_steps=hyper_steps,
+        hyper_max_instances=hyper_max_instances, bags_per_batch=bags_per_batch, schedule=schedule, seed=seed,
+        progress=progress, callback=callback, desc="fit",
+    )

@@ -11,8 +11,8 @@ __all__ = ["FitResult"]
 
 @dataclass
 class FitResult:
-    """What :func:`~milgp.variational.fit.fit_closed_form` and
-    :func:`~milgp.variational.aggregate_fit.fit_aggregate` return.
+    """What :func:`~milgp.variational.fit_loop.fit_loop` returns, for
+    :func:`~milgp.variational.fit.fit_closed_form` and :func:`~milgp.variational.aggregate_fit.fit_aggregate`.
 
     Attributes:
         elbo: the closed-form (augmented) ELBO after each iteration (full batch) or epoch
@@ -35,7 +35,8 @@ class FitResult:
             step of non-conjugate aggregate likelihoods).
 
     For aggregate likelihoods there are no locals (``locals`` and ``moments`` stay ``None``) and
-    the hyperparameters ascend the ELBO itself, so ``objective`` holds its final value.
+    the hyperparameters ascend the ELBO itself, so ``objective`` repeats ``elbo`` (after each
+    iteration when hyperparameters are learned, else its final value).
     """
 
     elbo: list[float] = field(default_factory=list)

@@ -1,4 +1,4 @@
-"""The stopping rule of the fit loops: a small relative change, twice in a row."""
+"""The stopping rule of the fit loop: a small relative change, twice in a row."""
 from __future__ import annotations
 
 __all__ = ["RelativeChangeStop"]
