@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import threading
@@ -34,7 +33,6 @@ import torch.nn.functional as F
 
 from lightning_modules import AttentionMILModule, GPMILModule, ResNetExtractor, SmallCNN
 from milgp.data.bags import bag_index_from_sizes
-from milgp.variational.fit import ProjectionCache, natural_update_step
 
 
 def _rss_mb() -> float:
@@ -94,12 +92,10 @@ def _gp_step(model: GPMILModule, opt: torch.optim.Optimizer, amp: bool, device: 
         with torch.autocast(device_type=device, enabled=False):
             z = model.gp.standardize(h.float())
             B = len(labels)
-            with torch.no_grad():  # the training step's closed-form step (GPMILModule.training_step)
-                cache = ProjectionCache(model.gp.strategy, z.detach(), chunk_size=len(z), cache_bytes=math.inf)
-                _, _, _, locals_ = natural_update_step(
-                    cache, model.gp.likelihood, bag_index, labels.double(), B, model.gp.posterior(), None, rho=0.5, scale=10.0
-                )
-            loss = -model.gp.hyper_objective(z, bag_index, labels.double(), B, locals_) / len(z)
+            # the training step's closed-form step and hyperparameter objective (GPMILModule.training_step)
+            steps = model.gp.fit_steps(z, bag_index, labels, B)
+            steps.minibatch_step(None, 0.5, 10.0)
+            loss = -steps.hyper_objective(z) / len(z)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

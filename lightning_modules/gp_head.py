@@ -7,11 +7,13 @@ aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs aroun
 * feature standardisation buffers (``feature_mean``, ``feature_scale``), inducing points and the
   initial lengthscale set once from training features (:meth:`GPHead.initialize`: z-scores,
   k-means++ split between positive and negative bags, median heuristic);
-* the GP's :class:`~milgp.models.ClosedFormStrategy` (:attr:`GPHead.strategy`), on which the
-  training step runs the library's closed-form step
-  (:func:`~milgp.variational.fit.natural_update_step`, as :func:`~milgp.variational.fit.fit_closed_form`
-  does) with a hook that all-reduces the statistics under DDP;
-* the hyperparameter objective with q(v) and the locals fixed (:meth:`GPHead.hyper_objective`);
+* the GP's :class:`~milgp.models.ClosedFormStrategy` (:attr:`GPHead.strategy`) and the library's
+  fit steps of its likelihood on a training batch (:meth:`GPHead.fit_steps`:
+  :class:`~milgp.variational.fit.ClosedFormSteps` or
+  :class:`~milgp.variational.aggregate_fit.AggregateSteps`, as
+  :func:`~milgp.variational.fit_loop.fit_loop` drives them), with hooks that all-reduce the
+  statistics under DDP; the training step takes its natural step and its hyperparameter objective
+  from them;
 * predictions with uncertainty for instances and bags (:meth:`GPHead.predict`), through the head's
   **bag decision**: a bag rule (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its
   score (:class:`milgp.prediction.BagCalibrator`), chosen and fitted on held-out bags by
@@ -20,28 +22,20 @@ aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs aroun
   head's state dict (``decision_rule`` and the ``calibrator`` buffers), so a checkpoint alone
   predicts exactly as the trained head did.
 
-Aggregate likelihoods have no locals and no closed-form quadratic terms (except the conjugate
-Normal); their natural step reuses :mod:`milgp.variational.aggregate_fit` — the statistics
-``(h, G)`` of :func:`aggregate_natural_statistics` (closed form for Normal, autograd on ``(m, S)``
-otherwise) are additive over bags, so the same ``reduce`` hook all-reduces them under DDP — and the
-step itself is ``aggregate_fit``'s: exact with ρ = 1 for Normal on the full batch, ELBO
-backtracking with adaptive ρ for the non-conjugate models on the full batch, and for minibatches a
-given ρ halved until the precision is positive definite and the batch's ELBO estimate does not
-fall (:meth:`GPHead.aggregate_natural_update`).
-Hyperparameters: :meth:`GPHead.aggregate_objective`; predictions: :meth:`GPHead.predict_aggregate`.
+Aggregate likelihoods (no locals) predict through :meth:`GPHead.predict_aggregate`.
 
 Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from milgp.data.bags import BagBatch, make_bag_groups
+from milgp.data.bags import BagBatch
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
@@ -50,16 +44,8 @@ from milgp.metrics import log_loss
 from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
 
-# The pieces of one fit_aggregate iteration, reused as they are (not re-derived here).
-from milgp.variational.aggregate_fit import (
-    GroupCache,
-    aggregate_elbo,
-    aggregate_natural_update_step,
-    bag_log_predictive,
-    group_terms,
-    is_conjugate,
-    predict_bag_moments,
-)
+from milgp.variational.aggregate_fit import AggregateSteps, bag_log_predictive, predict_bag_moments
+from milgp.variational.fit import ClosedFormSteps
 from milgp.prediction import (
     AUTO_BAG_RULES,
     BAG_RULES,
@@ -73,27 +59,10 @@ from milgp.prediction import (
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
 from milgp.variational.natural_update import NaturalStatistics
 
-__all__ = ["AggregateStep", "GPHead", "RULE_NAMES"]
+__all__ = ["GPHead", "RULE_NAMES"]
 
 RULE_NAMES: tuple[str, ...] = tuple(BAG_RULES)
 """The bag rules a head can hold; the ``decision_rule`` buffer stores an index into this tuple."""
-
-
-@dataclass
-class AggregateStep:
-    """What :meth:`GPHead.aggregate_natural_update` did.
-
-    Attributes:
-        rho: the step size taken (0 when the backtracking rejected every step).
-        next_rho: the step size to start from next time (adaptive full-batch steps).
-        data: the (global) data term ``Σ_a bag_terms`` at q(v) before the step.
-        elbo: ``scale · data − KL(q(v) ‖ N(0, I))`` before the step (the ELBO estimate).
-    """
-
-    rho: float
-    next_rho: float
-    data: float
-    elbo: float
 
 
 class GPHead(nn.Module):
@@ -182,11 +151,6 @@ class GPHead(nn.Module):
     def is_aggregate(self) -> bool:
         """Whether the likelihood is an aggregate-output (VBAgg) one: real-valued bag targets."""
         return isinstance(self.likelihood, AggregateLikelihood)
-
-    @property
-    def aggregate_conjugate(self) -> bool:
-        """Aggregate likelihood with exact closed-form natural statistics (Normal): ρ = 1 is exact."""
-        return self.is_aggregate and is_conjugate(self.likelihood)
 
     # -- set-up ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -281,21 +245,6 @@ class GPHead(nn.Module):
         and the hyperparameters (q(v) fixed)."""
         q = self.posterior() if q is None else q
         return self.strategy.marginals(self.strategy.projection(z), q)
-
-    def hyper_objective(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> Tensor:
-        """``Σ_n`` of the likelihood's hyperparameter terms (the ELBO's data part with q(v) and the
-        locals fixed; ``KL(q(v) ‖ N(0, I))`` does not depend on the hyperparameters when whitened).
-        Differentiable in ``z`` (the CNN) and the kernel hyperparameters."""
-        mean, var = self.moments(z)
-        return self.likelihood.hyperparameter_terms(mean, var, bag_index, bag_labels.to(torch.float64), num_bags, locals_).sum()
-
-    @torch.no_grad()
-    def elbo(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> float:
-        """The closed-form ELBO on these bags (data terms at ``locals_`` minus KL)."""
-        q = self.posterior()
-        mean, var = self.moments(z, q)
-        data = self.likelihood.elbo_terms(mean, var, bag_index, bag_labels.to(torch.float64), num_bags, locals_).sum()
-        return float(data - q.kl_divergence())
 
     def clear_caches(self) -> None:
         """Clear GPyTorch's variational caches (after kernel hyperparameters changed)."""
@@ -429,79 +378,40 @@ class GPHead(nn.Module):
     def _ones_if_none(weights: Tensor | None, z: Tensor) -> Tensor:
         return torch.ones_like(z[:, 0]) if weights is None else weights.to(z)
 
-    def aggregate_groups(self, bag_index: Tensor, num_bags: int, blocks: bool | None = None) -> list:
-        """Chunks of whole bags (:func:`make_bag_groups`) within the head's memory bounds."""
-        lik = self._check_aggregate()
-        need = lik.needs_covariance if blocks is None else blocks
-        return make_bag_groups(bag_index, num_bags, self.chunk_instances, self.block_budget if need else None)
-
-    def aggregate_natural_update(
+    def fit_steps(
         self,
         z: Tensor,
         bag_index: Tensor,
-        bag_targets: Tensor,
-        weights: Tensor | None,
+        bag_labels: Tensor,
         num_bags: int,
+        *,
+        weights: Tensor | None = None,
+        locals_: Any = None,
         rho: float = 1.0,
-        scale: float = 1.0,
-        adaptive: bool = False,
         rho_max: float = 1.0,
         reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
         reduce_value: Callable[[float], float] | None = None,
-    ) -> AggregateStep:
-        """One natural step of q(v) for an aggregate likelihood on standardised features ``z``
-        (detached), bag targets ``(B,)`` and weights/populations ``(N,)`` (``None``: ones).
-
-        The statistics are :func:`aggregate_natural_statistics` (exact closed form for the Normal
-        model, autograd on ``(m, S)`` otherwise), mapped to the global ones by ``reduce`` (DDP
-        all-reduce; ``reduce_value`` sums a float the same way); ``scale`` = training bags / bags in
-        the (global) batch. The step is :func:`aggregate_natural_update_step`, one iteration of
-        :func:`fit_aggregate`:
-
-        * ``adaptive=False``: step ``rho`` (ρ = 1 with the full batch is the Normal model's exact
-          optimum), halved until the new precision is positive definite and the batch's unbiased
-          ELBO estimate ``scale · data − KL`` does not fall;
-        * ``adaptive=True`` (full batch, non-conjugate): backtracking from ``rho`` — accepted when
-          the ELBO does not decrease, then ρ ← min(``rho_max``, 1.5ρ) for the next step.
-        """
-        lik = self._check_aggregate()
+    ) -> ClosedFormSteps | AggregateSteps:
+        """The library's fit steps of the head's likelihood on a batch of standardised features ``z``
+        ``(N, D)`` (detached for the natural step) with bag labels or targets ``(B,)``:
+        :class:`~milgp.variational.fit.ClosedFormSteps` (MIL; ``locals_``: the batch's current
+        locals, ``None`` to initialise them) or :class:`~milgp.variational.aggregate_fit.AggregateSteps`
+        (aggregate outputs; ``weights``: populations ``(N,)``, ``None`` = ones; ``rho``: the adaptive
+        full-batch step size to start from). ``reduce`` and ``reduce_value`` sum statistics and
+        data terms over DDP ranks. The batch's projection is computed once and serves every pass."""
         z = z.detach().to(torch.float64)
-        batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
-        groups = self.aggregate_groups(bag_index, num_bags)
-        cache = GroupCache(self.gp, lik, batch, groups, self.cache_entries)
-        q = self.posterior()
-        # the Normal model's full-batch step is exact and needs no check
-        exact = self.aggregate_conjugate and scale == 1.0 and not adaptive
-        q_new, r, data, estimate_old = aggregate_natural_update_step(
-            self.gp, lik, batch, groups, q, rho, scale=scale, check=not exact, cache=cache, reduce=reduce, reduce_value=reduce_value
+        labels = bag_labels.to(z)
+        if self.is_aggregate:
+            return AggregateSteps(
+                self.strategy, self.likelihood, BagBatch(z, bag_index, labels, instance_weights=self._ones_if_none(weights, z)),
+                rho=rho, rho_max=rho_max,
+                chunk_instances=self.chunk_instances, block_budget=self.block_budget, cache_entries=self.cache_entries,
+                reduce=reduce, reduce_value=reduce_value,
+            )
+        return ClosedFormSteps(
+            self.strategy, self.likelihood, BagBatch(z, bag_index, labels), chunk_size=max(1, len(z)), cache_bytes=math.inf,
+            initial_locals=locals_, reduce=reduce,
         )
-        new, used = (q, 0.0) if q_new is None else (q_new, r)
-        if not adaptive:
-            r = float(rho)
-        elif q_new is not None:
-            r = min(rho_max, r * 1.5)
-        self.strategy.set_whitened_posterior(new)  # also clears GPyTorch's caches
-        return AggregateStep(rho=used, next_rho=r, data=data, elbo=estimate_old)
-
-    def aggregate_objective(self, z: Tensor, bag_index: Tensor, bag_targets: Tensor, weights: Tensor | None, num_bags: int) -> Tensor:
-        """``Σ_a`` of the aggregate likelihood's bag terms with q(v) fixed (the ELBO's data part;
-        the whitened KL does not depend on the hyperparameters). Differentiable in ``z`` (the CNN),
-        the kernel/mean hyperparameters and the likelihood's parameters (e.g. the Normal noise)."""
-        lik = self._check_aggregate()
-        z = z.to(torch.float64)
-        batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
-        q = self.posterior()
-        L = self.strategy.inducing_cholesky()
-        groups = self.aggregate_groups(bag_index, num_bags)
-        return torch.stack([group_terms(self.gp, lik, batch, g, q.m, q.S, L, True).sum() for g in groups]).sum()
-
-    @torch.no_grad()
-    def aggregate_elbo(self, z: Tensor, bag_index: Tensor, bag_targets: Tensor, weights: Tensor | None, num_bags: int) -> float:
-        """The VBAgg objective on these bags (:func:`aggregate_elbo`)."""
-        lik = self._check_aggregate()
-        z = z.detach().to(torch.float64)
-        batch = BagBatch(z, bag_index, bag_targets.to(z), instance_weights=self._ones_if_none(weights, z))
-        return aggregate_elbo(self.gp, lik, batch, self.aggregate_groups(bag_index, num_bags))
 
     @torch.no_grad()
     def predict_aggregate(

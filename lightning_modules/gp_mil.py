@@ -47,8 +47,8 @@ Gaussian processes*, NeurIPS 2018: :class:`~milgp.likelihoods.PoissonAggregateLi
 the bag labels are real-valued aggregates ``y_a`` (counts, totals), instances may carry
 weights/populations ``w_i`` (``batch.instance_weights``, or a feature column named by
 ``population_column``; default ones), and instance labels, where known, are the individual targets
-(rates). Step 2 is then one iteration of :func:`milgp.variational.aggregate_fit.fit_aggregate`
-(:meth:`GPHead.aggregate_natural_update`): the exact optimum (ρ = 1) for Normal on the full batch;
+(rates). Step 2 is then one step of :func:`milgp.variational.aggregate_fit.fit_aggregate`
+(:class:`~milgp.variational.aggregate_fit.AggregateSteps`): the exact optimum (ρ = 1) for Normal on the full batch;
 ELBO backtracking with an adaptive ρ (from ``rho0``, ×1.5 after an accepted step, at most
 ``rho_max``) for Poisson/Exponential on the full batch; ``ρ_t = min(1, rho_max · RM(t))`` with the
 statistics scaled by ``training bags / global batch bags`` for minibatches. Its statistics are sums
@@ -67,7 +67,6 @@ continues exactly.
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from typing import Any, Callable, Iterator
 
@@ -87,7 +86,6 @@ from milgp.data.bags import BagBatch, bag_sizes, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
-from milgp.variational.fit import ProjectionCache, natural_update_step
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
 __all__ = ["GPMILModule", "aggregate_records_metrics"]
@@ -422,46 +420,51 @@ class GPMILModule(BagModuleBase):
         return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device))[0])
 
     def training_step(self, batch: BagBatch, batch_idx: int) -> Tensor:
-        if self.gp.is_aggregate:
-            return self._aggregate_training_step(batch)
+        """Algorithm 1 on this batch, with the library's fit steps (:meth:`GPHead.fit_steps`): the
+        natural step of q(v) (and of the locals) — a full-batch sweep when the (global) batch holds
+        every training bag, else a stochastic step of size ``ρ_t`` with the statistics scaled by
+        training bags / batch bags, summed over DDP ranks — then ``hyper_steps`` Adam steps on the
+        steps' hyperparameter objective (through the CNN end to end)."""
         opt = self.optimizers()
         learn = self.current_epoch >= self.warmup_epochs and self.hyper_steps > 0
         train_cnn = learn and self.mode == "end_to_end"
         if self.extractor is not None and self.mode == "two_stage":
             self.extractor.eval()
-        h = self.features(batch.x, grad=train_cnn)
+        x, w = self.split_inputs(batch)
+        h = self.features(x, grad=train_cnn)
         with self._float64():
             z = self._standardize(h)
             counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
             global_bags, global_instances = float(counts[0]), float(counts[1])
             assert self.num_train_bags is not None
             full = global_bags >= self.num_train_bags
-            rho = 1.0 if full else self.schedule(int(self.natural_steps))
-            scale = 1.0 if full else self.num_train_bags / global_bags
-            labels = batch.bag_labels.to(torch.float64)
-            # Algorithm 1's closed-form step, the library's own; one projection of the batch serves its passes
-            cache = ProjectionCache(self.gp.strategy, z.detach(), chunk_size=max(1, len(z)), cache_bytes=math.inf)
-            with torch.no_grad():
-                _, _, _, locals_ = natural_update_step(
-                    cache, self.gp.likelihood, batch.bag_index, labels, batch.num_bags, self.gp.posterior(),
-                    self._get_locals(batch), rho=rho, scale=scale, reduce=self._reduce,
-                )
+            steps = self.gp.fit_steps(
+                z, batch.bag_index, batch.bag_labels, batch.num_bags, weights=w, locals_=self._get_locals(batch),
+                rho=float(self.aggregate_rho) if self.gp.is_aggregate else 1.0, rho_max=self.rho_max,
+                reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
+            )
+            if full:
+                steps.sweep()
+                if self.gp.is_aggregate:  # the adaptive step size of the next full-batch step
+                    self.aggregate_rho.fill_(steps.rho)
+            else:
+                steps.minibatch_step(None, self.schedule(int(self.natural_steps)), self.num_train_bags / global_bags)
             self.natural_steps += 1
-            self._put_locals(batch, locals_)
-            if self.decision_bags == "train":
+            self._put_locals(batch, steps.locals)
+            decide_here = self.decision_bags == "train" and steps.locals is not None
+            if decide_here:
                 self._decision_store.add(batch, h)
             if learn:
-                loss_value = self._hyper_steps(
-                    opt, batch.x, z, train_cnn, global_instances,
-                    lambda z_: self.gp.hyper_objective(z_, batch.bag_index, labels, batch.num_bags, locals_),
-                )
+                loss_value = self._hyper_steps(opt, x, z, train_cnn, global_instances, steps.hyper_objective)
             else:
                 loss_value = self._count_step(opt)
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
-            if self.decision_bags == "train" and self._last_training_batch(batch_idx):
+            if decide_here and self._last_training_batch(batch_idx):
                 self._fit_decision_on_training_bags()
-        self.log("train/rho", rho, batch_size=batch.num_bags)
+        self.log("train/rho", steps.step_size, batch_size=batch.num_bags)
+        if steps.elbo_estimate is not None:
+            self.log("train/elbo", steps.elbo_estimate, batch_size=batch.num_bags)
         if learn:
             self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
         return loss_value
@@ -519,51 +522,6 @@ class GPMILModule(BagModuleBase):
             opt.step()
             loss_value = loss.detach() / R
         self.gp.clear_caches()
-        return loss_value
-
-    def _aggregate_training_step(self, batch: BagBatch) -> Tensor:
-        """The training step with an aggregate likelihood (module docstring)."""
-        opt = self.optimizers()
-        learn = self.current_epoch >= self.warmup_epochs and self.hyper_steps > 0
-        train_cnn = learn and self.mode == "end_to_end"
-        if self.extractor is not None and self.mode == "two_stage":
-            self.extractor.eval()
-        x, w = self.split_inputs(batch)
-        h = self.features(x, grad=train_cnn)
-        with self._float64():
-            z = self._standardize(h)
-            w = None if w is None else w.to(torch.float64)
-            y = batch.bag_labels.to(device=z.device, dtype=torch.float64)
-            counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
-            global_bags, global_instances = float(counts[0]), float(counts[1])
-            assert self.num_train_bags is not None
-            full = global_bags >= self.num_train_bags
-            conjugate = self.gp.aggregate_conjugate
-            if full:
-                rho, scale, adaptive = (1.0 if conjugate else float(self.aggregate_rho)), 1.0, not conjugate
-            else:
-                rho = min(1.0, self.rho_max * self.schedule(int(self.natural_steps)))
-                scale, adaptive = self.num_train_bags / global_bags, False
-            step = self.gp.aggregate_natural_update(
-                z, batch.bag_index, y, w, batch.num_bags, rho=rho, scale=scale, adaptive=adaptive, rho_max=self.rho_max,
-                reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
-            )
-            if adaptive:
-                self.aggregate_rho.fill_(step.next_rho)
-            self.natural_steps += 1
-            if learn:
-                loss_value = self._hyper_steps(
-                    opt, x, z, train_cnn, global_instances,
-                    lambda z_: self.gp.aggregate_objective(z_, batch.bag_index, y, w, batch.num_bags),
-                )
-            else:
-                loss_value = self._count_step(opt)
-            if self.mode == "end_to_end":
-                self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
-        self.log("train/rho", step.rho, batch_size=batch.num_bags)
-        self.log("train/elbo", step.elbo, batch_size=batch.num_bags)
-        if learn:
-            self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
         return loss_value
 
     def on_train_epoch_end(self) -> None:

@@ -286,11 +286,20 @@ def aggregate_natural_update_step(
 
 class AggregateSteps:
     """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
-    :class:`AggregateLikelihood`: natural steps of ``q(v)`` (:func:`aggregate_natural_update_step`:
-    exact with ρ = 1 for the conjugate Normal model, otherwise backtracked on the ELBO with ρ grown
-    ×1.5 after each accepted full-batch step, up to ``rho_max``) and Adam on the ELBO per instance.
-    Minibatch steps take ``min(1, rho_max · schedule(t))``; the Normal model with all bags in one
-    minibatch takes the exact step."""
+    :class:`AggregateLikelihood` on ``batch``: natural steps of ``q(v)``
+    (:func:`aggregate_natural_update_step`; exact with ρ = 1 for the conjugate Normal model on all
+    training bags, otherwise halved until the ELBO does not fall) and Adam on the ELBO per instance.
+
+    Full-batch sweeps of non-conjugate models adapt ρ: from ``rho``, ×1.5 after an accepted step, up
+    to ``rho_max``. Minibatch steps take ``min(1, rho_max · ρ_t)``. The Lightning GP head takes its
+    training step with these steps on its batch (``bags=None`` in :meth:`minibatch_step`), the
+    statistics and data terms summed over DDP ranks by ``reduce`` and ``reduce_value``.
+
+    Attributes:
+        rho: the step size of the next full-batch step (adaptive; 1 for the conjugate model).
+        step_size: the ρ of the last step (0 when every step was rejected).
+        elbo_estimate: the batch's ELBO estimate ``scale · data − KL`` before the last step.
+    """
 
     def __init__(
         self,
@@ -298,49 +307,63 @@ class AggregateSteps:
         likelihood: AggregateLikelihood,
         batch: BagBatch,
         *,
-        rho0: float,
-        rho_max: float,
-        chunk_instances: int,
-        block_budget: int,
-        cache_entries: int,
+        rho: float = 0.5,
+        rho_max: float = 1.0,
+        chunk_instances: int = 32768,
+        block_budget: int = 2_000_000,
+        cache_entries: int = 50_000_000,
+        reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
+        reduce_value: Callable[[float], float] | None = None,
     ):
         self.strategy, self.model, self.likelihood, self.batch = strategy, strategy.model, likelihood, batch
-        self.rho_max, self.chunk_instances = rho_max, chunk_instances
+        self.rho_max, self.chunk_instances, self.reduce, self.reduce_value = rho_max, chunk_instances, reduce, reduce_value
         self.budget = block_budget if likelihood.needs_covariance else None
         self.groups = make_bag_groups(batch.bag_index, batch.num_bags, chunk_instances, self.budget)
         self.conjugate = is_conjugate(likelihood)
         self.cache = GroupCache(self.model, likelihood, batch, self.groups, cache_entries)
         self.sizes = bag_sizes(batch.bag_index, batch.num_bags)
         self.q = strategy.whitened_posterior()
-        self.rho = 1.0 if self.conjugate else min(rho0, rho_max)
+        self.rho = 1.0 if self.conjugate else min(rho, rho_max)
+        self.step_size, self.elbo_estimate = 0.0, math.nan
+        self.locals = None  # aggregate likelihoods have no locals
         self._minibatch: tuple[Tensor, list[BagGroup]] | None = None  # the last minibatch: bags, groups
-        self.elbo: float | None = None
 
     def _groups_of(self, bags: Tensor) -> list[BagGroup]:
         return make_bag_groups(self.batch.bag_index, self.batch.num_bags, self.chunk_instances, self.budget, bags=bags)
 
-    def sweep(self) -> None:
-        # conjugate: the exact step; otherwise backtracking, then a larger first try next time
-        q_new, self.rho, _, _ = aggregate_natural_update_step(
-            self.model, self.likelihood, self.batch, self.groups, self.q, 1.0 if self.conjugate else self.rho,
-            check=not self.conjugate, cache=self.cache,
+    def _step(self, groups: list[BagGroup], rho: float, scale: float, check: bool, cache: GroupCache | None) -> bool:
+        q_new, self.rho, _, self.elbo_estimate = aggregate_natural_update_step(
+            self.model, self.likelihood, self.batch, groups, self.q, rho, scale=scale, check=check, cache=cache,
+            reduce=self.reduce, reduce_value=self.reduce_value,
         )
+        self.step_size = 0.0 if q_new is None else self.rho
         if q_new is not None:
             self.q = q_new
-            if not self.conjugate:
-                self.rho = min(self.rho_max, self.rho * 1.5)
+            self.strategy.set_whitened_posterior(q_new)
+        return q_new is not None
 
-    def minibatch_step(self, bags: Tensor, rho: float, scale: float) -> None:
-        groups = self._groups_of(bags)
-        exact = self.conjugate and len(bags) >= self.batch.num_bags
-        # the minibatch's unbiased ELBO estimate must not fall (as the full-batch step backtracks on
-        # the ELBO): a non-conjugate step (square link) can overshoot
-        q_new, self.rho, _, _ = aggregate_natural_update_step(
-            self.model, self.likelihood, self.batch, groups, self.q, 1.0 if exact else min(1.0, self.rho_max * rho),
-            scale=scale, check=not exact,
-        )
-        self.q = q_new or self.q
-        self._minibatch = (bags, groups)
+    def sweep(self) -> None:
+        """A full-batch step: exact for the conjugate model, otherwise backtracking from ρ, then a
+        larger first try next time."""
+        if self._step(self.groups, 1.0 if self.conjugate else self.rho, 1.0, not self.conjugate, self.cache) and not self.conjugate:
+            self.rho = min(self.rho_max, self.rho * 1.5)
+
+    def minibatch_step(self, bags: Tensor | None, rho: float, scale: float) -> None:
+        """A step of size ``min(1, rho_max · rho)`` on the bags ``bags`` (``None``: the whole batch)
+        with statistics × ``scale``; the minibatch's unbiased ELBO estimate must not fall (a
+        non-conjugate step can overshoot), except for the conjugate model on all bags (exact)."""
+        groups = self.groups if bags is None else self._groups_of(bags)
+        exact = self.conjugate and scale == 1.0
+        self._step(groups, 1.0 if exact else min(1.0, self.rho_max * rho), scale, not exact, self.cache if bags is None else None)
+        self._minibatch = None if bags is None else (bags, groups)
+
+    def hyper_objective(self, x: Tensor | None = None) -> Tensor:
+        """``Σ_a`` bag terms of the batch with ``q(v)`` fixed, at inputs ``x`` (default ``batch.x``;
+        e.g. features recomputed by a CNN): differentiable in ``x``, the kernel and mean
+        hyperparameters and the likelihood's parameters (the whitened KL does not depend on them)."""
+        batch = self.batch if x is None else BagBatch(x, self.batch.bag_index, self.batch.bag_labels, instance_weights=self.batch.instance_weights)
+        L = self.strategy.inducing_cholesky()
+        return torch.stack([group_terms(self.model, self.likelihood, batch, g, self.q.m, self.q.S, L, True).sum() for g in self.groups]).sum()
 
     def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:
         if bags is None:
@@ -348,7 +371,8 @@ class AggregateSteps:
         else:
             groups = self._minibatch[1] if self._minibatch is not None and self._minibatch[0] is bags else self._groups_of(bags)
             n = int(self.sizes[bags].sum())
-        # objective per instance of the subset: the ELBO / N estimated from whole bags
+        # objective per instance of the subset: the ELBO / N estimated from whole bags; one backward
+        # per group keeps one group's graph in memory at a time
         optimizer.zero_grad(set_to_none=True)
         for g in groups:
             L = self.strategy.inducing_cholesky()
@@ -360,8 +384,8 @@ class AggregateSteps:
         self.cache.invalidate()
 
     def evaluate(self, with_objective: bool) -> tuple[float, float | None]:
-        self.elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self.cache)
-        return self.elbo, (self.elbo if with_objective else None)  # the hyperparameters ascend the ELBO itself
+        elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self.cache)
+        return elbo, (elbo if with_objective else None)  # the hyperparameters ascend the ELBO itself
 
     def finish(self, result: FitResult) -> None:
         result.rho = self.rho
@@ -411,7 +435,7 @@ def fit_aggregate(
     strategy = ClosedFormStrategy.of(model)  # a one-line TypeError for a model on another strategy
     likelihood.check_data(batch.bag_labels, _weights(batch), batch.bag_index, batch.num_bags)
     steps = AggregateSteps(
-        strategy, likelihood, batch, rho0=rho0, rho_max=rho_max, chunk_instances=chunk_instances,
+        strategy, likelihood, batch, rho=rho0, rho_max=rho_max, chunk_instances=chunk_instances,
         block_budget=block_budget, cache_entries=cache_entries,
     )
     params = list(strategy.hyperparameters()) + list(likelihood.parameters())

@@ -35,7 +35,7 @@ from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics, natural_statistics
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
 
-__all__ = ["ClosedFormSteps", "ProjectionCache", "closed_form_elbo", "fit_closed_form", "natural_update_step"]
+__all__ = ["ClosedFormSteps", "ProjectionCache", "closed_form_elbo", "fit_closed_form"]
 
 
 DEFAULT_CACHE_BYTES = 2 * 1024**3
@@ -136,42 +136,6 @@ class ProjectionCache:
         return Projection(self._AT[idx].mT, self._prior_var[idx], self._prior_mean[idx], self._residual[idx])
 
 
-def natural_update_step(
-    cache: ProjectionCache,
-    likelihood: AugmentedBagLikelihood,
-    bag_index: Tensor,
-    bag_labels: Tensor,
-    num_bags: int,
-    q: WhitenedPosterior,
-    locals_: Any,
-    *,
-    rho: float = 1.0,
-    scale: float = 1.0,
-    reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
-) -> tuple[WhitenedPosterior, Tensor, Tensor, Any]:
-    """One step of Algorithm 1 (Castro-Macías et al. 2024) on the bags whose instances ``cache``
-    projects: the likelihood's quadratic terms at the current ``q(f)``, their natural statistics
-    (mapped to the global ones by ``reduce``, e.g. a DDP all-reduce), the natural step of size
-    ``rho`` (``scale`` = training bags / bags here) written into the strategy, and the closed-form
-    update of the locals under the new ``q(f)``.
-
-    ``locals_`` are these instances' current locals (``None``: initialised from ``q(f)``). The
-    minibatch steps of :func:`fit_closed_form` and the Lightning GP head's training step are this
-    function. Returns ``(new q(v), mean, var (N,), new locals)``.
-    """
-    mean, var = cache.moments(q)
-    if locals_ is None:
-        locals_ = likelihood.init_locals(bag_index, bag_labels, num_bags, mean)
-    b, lam = likelihood.quadratic_terms(mean, var, bag_index, bag_labels, num_bags, locals_)
-    stats = cache.statistics(b, lam)
-    if reduce is not None:
-        stats = reduce(stats)
-    q = q.natural_step(stats, rho=rho, scale=scale)
-    cache.strategy.set_whitened_posterior(q)
-    mean, var = cache.moments(q)
-    return q, mean, var, likelihood.update_locals(mean, var, bag_index, bag_labels, num_bags, locals_)
-
-
 def closed_form_elbo(
     model: ApproximateGP,
     likelihood: AugmentedBagLikelihood,
@@ -191,13 +155,26 @@ def closed_form_elbo(
 
 class ClosedFormSteps:
     """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
-    :class:`AugmentedBagLikelihood`: closed-form natural steps of ``q(v)`` (CAVI, ρ = 1, on the
-    full batch, optionally over-relaxed; :func:`natural_update_step` on minibatches), closed-form
-    updates of the locals, and Adam on :meth:`AugmentedBagLikelihood.hyperparameter_terms` per
-    instance.
+    :class:`AugmentedBagLikelihood` on ``batch``: closed-form natural steps of ``q(v)`` (Algorithm 1
+    of Castro-Macías et al. 2024: the likelihood's quadratic terms at the current ``q(f)``, their
+    natural statistics, the step, the locals' closed-form update under the new ``q(f)``) and Adam on
+    :meth:`AugmentedBagLikelihood.hyperparameter_terms` per instance.
 
-    The moments of ``q(f)`` at all training inputs are kept while they are current, so a full-batch
-    sweep computes them once."""
+    The Lightning GP head takes its training step with these steps on its batch: :meth:`sweep` with
+    ``ρ`` and ``scale`` = training bags / bags in the (global) batch, the statistics summed over DDP
+    ranks by ``reduce``, and :meth:`hyper_objective` on its features.
+
+    Args:
+        chunk_size, cache_bytes: :class:`ProjectionCache`'s chunks and memory budget;
+            ``cache_all=False`` keeps nothing of the whole batch (the minibatches' projections
+            are still cached within ``cache_bytes``).
+        projection: ``(L, Projection)`` of ``batch.x`` already computed.
+        initial_locals: the locals to start from (``None``: :meth:`AugmentedBagLikelihood.init_locals`
+            at the current ``q(f)``).
+        relax: the adaptive over-relaxation of full-batch sweeps (``None``: plain CAVI).
+        reduce: maps this batch's natural statistics to the global ones (a DDP all-reduce).
+        q: the current ``q(v)`` (``None``: read from the strategy).
+    """
 
     def __init__(
         self,
@@ -205,27 +182,29 @@ class ClosedFormSteps:
         likelihood: AugmentedBagLikelihood,
         batch: BagBatch,
         *,
-        chunk_size: int,
-        cache_bytes: float,
+        chunk_size: int = 65536,
+        cache_bytes: float = DEFAULT_CACHE_BYTES,
         cache_all: bool = True,
         projection: tuple[Tensor, Projection] | None = None,
         initial_locals: Any = None,
         relax: AdaptiveOverrelaxation | None = None,
+        reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
+        q: WhitenedPosterior | None = None,
     ):
-        self.strategy, self.likelihood, self.batch, self.relax = strategy, likelihood, batch, relax
+        self.strategy, self.likelihood, self.batch, self.relax, self.reduce = strategy, likelihood, batch, relax, reduce
         self.chunk_size, self.cache_bytes = chunk_size, cache_bytes
         self.projector = ProjectionCache(strategy, batch.x, chunk_size, cache_bytes if cache_all else 0)
         if projection is not None:
             self.projector.adopt(*projection)
-        projector = self.projector
-        self.q = strategy.whitened_posterior()
-        self.mean, self.var = projector.moments(self.q)
+        self.q = strategy.whitened_posterior() if q is None else q
+        self.mean, self.var = self.projector.moments(self.q)
         if initial_locals is None:
             self.locals = likelihood.init_locals(batch.bag_index, batch.bag_labels, batch.num_bags, self.mean)
         else:
             self.locals = initial_locals.clone() if isinstance(initial_locals, Tensor) else initial_locals
         self.moments_current = True
         self.elbo: float | None = None  # the ELBO of the current state, when a step computed it
+        self.step_size, self.elbo_estimate = 0.0, None  # the closed-form step computes no ELBO estimate
         self.rejected_steps = 0
         self._minibatch: tuple[Tensor, BagBatch, Any] | None = None  # the last minibatch: bags, batch, locals
 
@@ -238,11 +217,15 @@ class ClosedFormSteps:
         mean, var = self.projector.moments(q)
         return mean, var, self.likelihood.update_locals(mean, var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
 
-    def sweep(self) -> None:
+    def sweep(self, rho: float = 1.0, scale: float = 1.0) -> None:
+        """The natural step of size ``rho`` on the whole batch (statistics × ``scale``), written into
+        the strategy, then the locals; over-relaxed with ``relax`` (at ``rho = scale = 1``)."""
         b, q, relax = self.batch, self.q, self.relax
         lin, lam = self.likelihood.quadratic_terms(self.mean, self.var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
         stats = self.projector.statistics(lin, lam)
-        plain = q.natural_step(stats, rho=1.0)
+        if self.reduce is not None:
+            stats = self.reduce(stats)
+        plain = q.natural_step(stats, rho=rho, scale=scale)
         step, indefinite, elbo = plain, False, None
         if relax is not None and relax.omega > 1.0:  # past the optimum
             step = q.try_natural_step(stats, relax.omega, 1.0)
@@ -263,23 +246,39 @@ class ClosedFormSteps:
         elif relax is not None and not indefinite:
             relax.accept()
         self.q, self.mean, self.var, self.locals, self.elbo = step, mean, var, locals_, elbo
-        self.moments_current = True
+        self.moments_current, self.step_size = True, rho
+        self.strategy.set_whitened_posterior(step)
 
-    def minibatch_step(self, bags: Tensor, rho: float, scale: float) -> None:
+    def minibatch_step(self, bags: Tensor | None, rho: float, scale: float) -> None:
+        """:meth:`sweep` of the bags ``bags`` alone, from their current locals (written back);
+        ``None``: of the whole batch."""
+        if bags is None:
+            self.sweep(rho, scale)
+            return
         mb, idx = self.batch.select_bags_with_index(bags)
-        # one projection of the minibatch serves both passes of this step
-        mb_proj = ProjectionCache(self.strategy, mb.x, self.chunk_size, self.cache_bytes)
         cached_rows = self.projector.rows(idx)
-        if cached_rows is not None:
-            mb_proj.adopt(self.projector.L(), cached_rows)
-        self.q, _, _, new_locals = natural_update_step(
-            mb_proj, self.likelihood, mb.bag_index, mb.bag_labels, mb.num_bags, self.q, _subset_locals(self.locals, idx),
-            rho=rho, scale=scale,
+        # one projection of the minibatch serves both passes of its step
+        steps = ClosedFormSteps(
+            self.strategy, self.likelihood, mb, chunk_size=self.chunk_size, cache_bytes=self.cache_bytes,
+            projection=None if cached_rows is None else (self.projector.L(), cached_rows),
+            initial_locals=_subset_locals(self.locals, idx), reduce=self.reduce, q=self.q,
         )
+        steps.sweep(rho, scale)
+        self.q, self.step_size = steps.q, rho
         if isinstance(self.locals, Tensor) and self.locals.ndim == 1:
-            self.locals[idx] = new_locals
-        self._minibatch = (bags, mb, new_locals)
+            self.locals[idx] = steps.locals
+        self._minibatch = (bags, mb, steps.locals)
         self.moments_current, self.elbo = False, None
+
+    def _hyper_terms(self, batch: BagBatch, locals_: Any, x: Tensor) -> Tensor:
+        mean, var = self.strategy.marginals(self.strategy.projection(x), self.q)
+        return self.likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_).sum()
+
+    def hyper_objective(self, x: Tensor | None = None) -> Tensor:
+        """``Σ`` hyperparameter terms of the batch with ``q(v)`` and the locals fixed, at inputs ``x``
+        (default ``batch.x``; e.g. features recomputed by a CNN): differentiable in ``x`` and the
+        hyperparameters (the whitened KL does not depend on them)."""
+        return self._hyper_terms(self.batch, self.locals, self.batch.x if x is None else x)
 
     def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:
         if bags is None:
@@ -290,9 +289,7 @@ class ClosedFormSteps:
             sub, idx = self.batch.select_bags_with_index(bags)
             locals_ = _subset_locals(self.locals, idx)
         optimizer.zero_grad(set_to_none=True)
-        mean, var = self.strategy.marginals(self.strategy.projection(sub.x), self.q)
-        data = self.likelihood.hyperparameter_terms(mean, var, sub.bag_index, sub.bag_labels, sub.num_bags, locals_).sum()
-        (-data / max(1, sub.num_instances)).backward()
+        (-self._hyper_terms(sub, locals_, sub.x) / max(1, sub.num_instances)).backward()
         optimizer.step()
 
     def hyperparameters_changed(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -35,17 +35,27 @@ __all__ = ["FitSteps", "fit_loop"]
 
 class FitSteps(Protocol):
     """The steps of one likelihood family on one training batch, holding the current ``q(v)``
-    (``q``) and whatever the family caches between passes."""
+    (``q``), the locals (``None`` when the family has none) and whatever the family caches between
+    passes. ``step_size`` is the ρ of the last natural step; ``elbo_estimate`` the batch's ELBO
+    estimate before it, when the step computes one (else ``None``)."""
 
     strategy: ClosedFormStrategy
     batch: BagBatch
     q: WhitenedPosterior
+    locals: Any
+    step_size: float
+    elbo_estimate: float | None
 
     def sweep(self) -> None:
-        """A full-batch natural step of ``q(v)`` (and of the locals)."""
+        """A full-batch natural step of ``q(v)`` (and of the locals), written into the strategy."""
 
-    def minibatch_step(self, bags: Tensor, rho: float, scale: float) -> None:
-        """A natural step of size ``rho`` on the bags ``bags``; ``scale`` = training bags / ``len(bags)``."""
+    def minibatch_step(self, bags: Tensor | None, rho: float, scale: float) -> None:
+        """A stochastic natural step with step size ``rho`` on the bags ``bags`` (``None``: the whole
+        batch), written into the strategy; ``scale`` = training bags / bags in the step."""
+
+    def hyper_objective(self, x: Tensor | None = None) -> Tensor:
+        """The data part of the ELBO with ``q(v)`` (and the locals) fixed at inputs ``x`` (default
+        the batch's), differentiable in ``x`` and the hyperparameters."""
 
     def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:
         """One optimizer step on the hyperparameters, ``q(v)`` fixed, on the bags ``bags`` (``None``: all)."""

@@ -6,7 +6,6 @@ import torch
 
 from lightning_modules import AttentionMILModule, GPMILModule, SmallCNN
 from milgp.data.bags import collate_bags
-from milgp.variational.fit import ProjectionCache, natural_update_step
 from lm_helpers import image_bags
 
 
@@ -72,9 +71,9 @@ def test_bags_of_one_slice_train_and_predict() -> None:
     gp.num_train_bags = 4
     with torch.no_grad():
         z = gp.gp.standardize(gp.features(batch.x))
-        cache = ProjectionCache(gp.gp.strategy, z, chunk_size=len(z), cache_bytes=0)
-        _, _, _, locals_ = natural_update_step(cache, gp.gp.likelihood, batch.bag_index, batch.bag_labels.double(), 4, gp.gp.posterior(), None)
-    assert torch.isfinite(locals_).all()
+        steps = gp.gp.fit_steps(z, batch.bag_index, batch.bag_labels, 4)
+        steps.sweep()
+    assert torch.isfinite(steps.locals).all()
     rec = gp.predict_records(batch)
     assert all(np.isfinite(r["bag_prob"]) and len(r["slice_probs"]) == 1 for r in rec)
     # a bag of one: the bag probability is its slice's probability (every bag rule of one instance, uncalibrated)
