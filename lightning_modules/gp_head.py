@@ -14,15 +14,15 @@ aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs aroun
   :func:`~milgp.variational.fit_loop.fit_loop` drives them), with hooks that all-reduce the
   statistics under DDP; the training step takes its natural step and its hyperparameter objective
   from them;
-* predictions with uncertainty for instances and bags (:meth:`GPHead.predict`), through the head's
-  **bag decision**: a bag rule (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its
-  score (:class:`milgp.prediction.BagCalibrator`), chosen and fitted on held-out bags by
+* predictions with uncertainty for instances and bags (:meth:`GPHead.predict`, one method for both
+  kinds of likelihood: bag probabilities, or predicted aggregates with their predictive NLL); MIL
+  bag probabilities go through the head's **bag decision**: a bag rule
+  (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its score
+  (:class:`milgp.prediction.BagCalibrator`), chosen and fitted on held-out bags by
   :meth:`GPHead.fit_decision` (with ``bag_rule="auto"`` the rule is chosen among the
   length-invariant :data:`milgp.prediction.AUTO_BAG_RULES` by held-out NLL) and stored in the
   head's state dict (``decision_rule`` and the ``calibrator`` buffers), so a checkpoint alone
   predicts exactly as the trained head did.
-
-Aggregate likelihoods (no locals) predict through :meth:`GPHead.predict_aggregate`.
 
 Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
 """
@@ -351,29 +351,7 @@ class GPHead(nn.Module):
         return {"bag_rule": self.rule_name, "configured_bag_rule": self.bag_rule, "calibrated": self.calibrated,
                 "calibration_slope": float(self.calibrator.slope), "calibration_intercept": float(self.calibrator.intercept)}
 
-    @torch.no_grad()
-    def predict(self, z: Tensor, bag_index: Tensor, num_bags: int) -> dict[str, Tensor]:
-        """Instance and bag predictions with standard deviations.
-
-        Returns:
-            ``{"mean", "var", "instance_prob", "instance_std"}`` ``(N,)`` (the likelihood's
-            :attr:`instance_link` moments) and ``{"bag_prob", "bag_std"}`` ``(B,)``: the calibrated
-            probability of the head's bag decision (:meth:`decide`).
-        """
-        if self.is_aggregate:
-            raise TypeError("the GP head has an aggregate likelihood: use predict_aggregate (real-valued bag aggregates)")
-        posterior = self.bag_posterior(z, bag_index, num_bags)
-        out = {"mean": posterior.mean, "var": posterior.var}
-        out["instance_prob"], out["instance_std"] = self.likelihood.instance_link.moments(posterior.mean, posterior.var)
-        out["bag_prob"], out["bag_std"] = self.decide(posterior)
-        return out
-
-    # -- aggregate likelihoods (VBAgg) ---------------------------------------------------------------
-    def _check_aggregate(self) -> AggregateLikelihood:
-        if not self.is_aggregate:
-            raise TypeError(f"{type(self.likelihood).__name__} is not an aggregate likelihood")
-        return self.likelihood  # type: ignore[return-value]
-
+    # -- training steps and predictions ---------------------------------------------------------
     @staticmethod
     def _ones_if_none(weights: Tensor | None, z: Tensor) -> Tensor:
         return torch.ones_like(z[:, 0]) if weights is None else weights.to(z)
@@ -414,32 +392,40 @@ class GPHead(nn.Module):
         )
 
     @torch.no_grad()
-    def predict_aggregate(
+    def predict(
         self, z: Tensor, bag_index: Tensor, num_bags: int, weights: Tensor | None = None, bag_targets: Tensor | None = None
-    ) -> dict[str, Tensor]:
-        """Instance and bag predictions of an aggregate model.
+    ) -> dict[str, Tensor | dict[str, Tensor]]:
+        """Instance and bag predictions with uncertainty, for either kind of likelihood.
 
         Returns:
-            ``{"mean", "var"}`` of ``q(f)`` and ``{"rate_mean", "rate_std"}`` of the individual rate
-            ``Ψ(f)`` ``(N,)``; bag moments ``{"bag_rate_mean", "bag_rate_var"}`` of
-            ``η_a = Σ w_i Ψ(f_i)`` and ``{"y_mean", "y_var"}`` of the observed aggregate ``(B,)``
-            (full within-bag covariance, :func:`predict_bag_moments`); with ``bag_targets`` also
-            ``"bag_nll"`` ``(B,)``, the predictive ``−log p(y_a | data)`` (:func:`bag_log_predictive`:
-            exact for the Normal model, Monte Carlo over the joint ``q(f_b)`` with ``nll_samples``
-            draws for the others).
+            ``"mean"``, ``"var"`` of ``q(f)`` and ``"instance"``, ``"instance_std"`` ``(N,)``; ``"bag"``,
+            ``"bag_std"`` ``(B,)``; ``"bag_fields"``, further per-bag predictions ``(B,)`` by name.
+            MIL: ``instance`` is ``p(y_n = 1)`` (the likelihood's :attr:`instance_link` moments),
+            ``bag`` the calibrated probability of the head's bag decision (:meth:`decide`), no
+            further fields. Aggregate outputs (``weights``: populations ``(N,)``, ``None`` = ones):
+            ``instance`` is the individual rate ``E[Ψ(f)]``, ``bag`` the predicted aggregate
+            ``E[y_a]`` with its predictive std; ``bag_fields`` hold ``y_mean``, ``y_var`` and
+            ``bag_rate_mean``, ``bag_rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` (full within-bag covariance,
+            :func:`predict_bag_moments`) and, with ``bag_targets``, ``bag_nll``, the predictive
+            ``−log p(y_a | data)`` (:func:`bag_log_predictive`: exact for the Normal model, Monte
+            Carlo over the joint ``q(f_b)`` with ``nll_samples`` draws for the others).
         """
-        lik = self._check_aggregate()
         z = z.to(torch.float64)
-        w = self._ones_if_none(weights, z)
+        if not self.is_aggregate:
+            posterior = self.bag_posterior(z, bag_index, num_bags)
+            out: dict[str, Any] = {"mean": posterior.mean, "var": posterior.var, "bag_fields": {}}
+            out["instance"], out["instance_std"] = self.likelihood.instance_link.moments(posterior.mean, posterior.var)
+            out["bag"], out["bag_std"] = self.decide(posterior)
+            return out
+        lik, w = self.likelihood, self._ones_if_none(weights, z)
         mean, var = self.moments(z)
-        out = {"mean": mean, "var": var, "rate_mean": lik.rate_mean(mean, var),
-               "rate_std": lik.link.variance(mean, var).clamp_min(0).sqrt()}
         bag = predict_bag_moments(self.gp, lik, z, bag_index, num_bags, w, self.chunk_instances, self.block_budget)
-        out.update(bag_rate_mean=bag["rate_mean"], bag_rate_var=bag["rate_var"], y_mean=bag["y_mean"], y_var=bag["y_var"])
+        fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"]}
         if bag_targets is not None:
-            out["bag_nll"] = -bag_log_predictive(
-                self.gp, lik, z, bag_index, num_bags, bag_targets, w, samples=self.nll_samples,
+            fields["bag_nll"] = -bag_log_predictive(
+                self.gp, lik, z, bag_index, num_bags, bag_targets.to(z), w, samples=self.nll_samples,
                 generator=torch.Generator(device=z.device).manual_seed(self.seed), chunk_instances=self.chunk_instances,
                 block_budget=self.block_budget, moments=bag,
             )
-        return out
+        return {"mean": mean, "var": var, "instance": lik.rate_mean(mean, var), "instance_std": lik.link.variance(mean, var).clamp_min(0).sqrt(),
+                "bag": bag["y_mean"], "bag_std": bag["y_var"].clamp_min(0).sqrt(), "bag_fields": fields}

@@ -534,41 +534,24 @@ class GPMILModule(BagModuleBase):
     # -- prediction ------------------------------------------------------------------------------
     @torch.no_grad()
     def predict_records(self, batch: BagBatch) -> list[dict]:
-        if self.gp.is_aggregate:
-            return self._aggregate_records(batch)
-        return self._mil_records(batch)[0]
+        return self._records(batch)[0]
 
     @torch.no_grad()
-    def _mil_records(self, batch: BagBatch) -> tuple[list[dict], Tensor]:
-        """The batch's records and its instance features ``h`` ``(N, D)``."""
-        h = self.features(batch.x)
-        with self._float64():
-            pred = self.gp.predict(self._standardize(h), batch.bag_index, batch.num_bags)
-        extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
-        if self.extractor is not None:
-            extra["features"] = h.float()
-        records = self.make_records(batch, pred["bag_prob"], pred["bag_std"], pred["instance_prob"], pred["instance_std"], extra=extra)
-        return records, h
-
-    @torch.no_grad()
-    def _aggregate_records(self, batch: BagBatch) -> list[dict]:
+    def _records(self, batch: BagBatch) -> tuple[list[dict], Tensor]:
+        """The batch's records (:meth:`GPHead.predict`: bag probabilities, or predicted aggregates
+        with their further per-bag fields) and its instance features ``h`` ``(N, D)``."""
         x, w = self.split_inputs(batch)
         h = self.features(x)
         with self._float64():
-            z = self._standardize(h)
-            w = None if w is None else w.to(torch.float64)
-            pred = self.gp.predict_aggregate(z, batch.bag_index, batch.num_bags, w, batch.bag_labels.to(z))
+            pred = self.gp.predict(self._standardize(h), batch.bag_index, batch.num_bags, weights=w, bag_targets=batch.bag_labels)
         extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
         if self.extractor is not None:
             extra["features"] = h.float()
-        records = self.make_records(
-            batch, pred["y_mean"], pred["y_var"].clamp_min(0).sqrt(), pred["rate_mean"], pred["rate_std"], extra=extra
-        )
-        for b, r in enumerate(records):
-            r["y_mean"], r["y_var"] = float(pred["y_mean"][b]), float(pred["y_var"][b])
-            r["bag_rate_mean"], r["bag_rate_var"] = float(pred["bag_rate_mean"][b]), float(pred["bag_rate_var"][b])
-            r["bag_nll"] = float(pred["bag_nll"][b])
-        return records
+        records = self.make_records(batch, pred["bag"], pred["bag_std"], pred["instance"], pred["instance_std"], extra=extra)
+        for name, values in pred["bag_fields"].items():
+            for b, r in enumerate(records):
+                r[name] = float(values[b])
+        return records, h
 
     def _aggregate_metrics(self, records: list[dict]) -> dict[str, float]:
         return aggregate_records_metrics(records, poisson=isinstance(self.gp.likelihood, PoissonAggregateLikelihood))
@@ -581,7 +564,7 @@ class GPMILModule(BagModuleBase):
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
         if not self._fits_decision_on_validation():
             return super().validation_step(batch, batch_idx)
-        records, h = self._mil_records(batch)
+        records, h = self._records(batch)
         self._val_records.extend(records)
         self._decision_store.add(batch, h)
 

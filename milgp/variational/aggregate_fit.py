@@ -58,9 +58,7 @@ __all__ = [
     "aggregate_data_terms",
     "aggregate_elbo",
     "aggregate_natural_statistics",
-    "aggregate_natural_update_step",
     "bag_log_predictive",
-    "checked_natural_step",
     "fit_aggregate",
     "group_terms",
     "is_conjugate",
@@ -218,76 +216,10 @@ def is_conjugate(likelihood: AggregateLikelihood) -> bool:
     return type(likelihood).closed_form_statistics is not AggregateLikelihood.closed_form_statistics
 
 
-def checked_natural_step(
-    q: WhitenedPosterior,
-    stats: NaturalStatistics,
-    rho: float,
-    scale: float,
-    accept: Callable[[WhitenedPosterior], bool] | None = None,
-) -> tuple[WhitenedPosterior | None, float]:
-    """:meth:`WhitenedPosterior.try_natural_step` with ``ρ`` halved (while ``ρ ≥ 1e-6``) until the new precision is
-    positive definite and ``accept(q_new)`` holds (``None``: always). Returns ``(q_new, ρ)``, or
-    ``(None, ρ)`` with the last ``ρ`` (< 1e-6) when every step was rejected."""
-    r = rho
-    while r >= 1e-6:
-        q_new = q.try_natural_step(stats, r, scale)
-        if q_new is not None and (accept is None or accept(q_new)):
-            return q_new, r
-        r *= 0.5
-    return None, r
-
-
-def aggregate_natural_update_step(
-    model: ApproximateGP,
-    likelihood: AggregateLikelihood,
-    batch: BagBatch,
-    groups: list[BagGroup],
-    q: WhitenedPosterior,
-    rho: float,
-    *,
-    scale: float = 1.0,
-    check: bool = True,
-    cache: GroupCache | None = None,
-    reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
-    reduce_value: Callable[[float], float] | None = None,
-) -> tuple[WhitenedPosterior | None, float, float, float]:
-    """One natural step of ``q(v)`` for an aggregate likelihood on the bags of ``groups``: an
-    iteration (or minibatch step) of :func:`fit_aggregate`, and the Lightning head's aggregate
-    training step.
-
-    The statistics are :func:`aggregate_natural_statistics`, mapped to the global ones by ``reduce``
-    (a DDP all-reduce; ``reduce_value`` sums the data term the same way); ``scale`` = training bags
-    / bags here. The step of size ``rho`` is halved until the new precision is positive definite
-    and, with ``check``, the batch's unbiased ELBO estimate ``scale · data − KL`` does not fall
-    (:func:`checked_natural_step`). Nothing is written into the model.
-
-    Returns:
-        ``(new q(v), or None when every step was rejected; the last step size tried; the data
-        term before the step; the ELBO estimate before the step)``.
-    """
-    stats, data = aggregate_natural_statistics(model, likelihood, batch, groups, q, cache=cache)
-    if reduce is not None:
-        stats = reduce(stats)
-    if reduce_value is not None:
-        data = reduce_value(data)
-    before = scale * data - float(q.kl_divergence())
-
-    def ascends(q_new: WhitenedPosterior) -> bool:
-        data_new = aggregate_data_terms(model, likelihood, batch, groups, q_new, cache)
-        if reduce_value is not None:  # the data term is a sum over ranks, KL is not
-            data_new = reduce_value(data_new)
-        value = scale * data_new - float(q_new.kl_divergence())
-        return math.isfinite(value) and value >= before - 1e-9 * abs(before)
-
-    with torch.no_grad():
-        q_new, r = checked_natural_step(q, stats, float(rho), scale, ascends if check else None)
-    return q_new, r, data, before
-
-
 class AggregateSteps:
     """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
     :class:`AggregateLikelihood` on ``batch``: natural steps of ``q(v)``
-    (:func:`aggregate_natural_update_step`; exact with ρ = 1 for the conjugate Normal model on all
+    (exact with ρ = 1 for the conjugate Normal model on all
     training bags, otherwise halved until the ELBO does not fall) and Adam on the ELBO per instance.
 
     Full-batch sweeps of non-conjugate models adapt ρ: from ``rho``, ×1.5 after an accepted step, up
@@ -332,10 +264,34 @@ class AggregateSteps:
         return make_bag_groups(self.batch.bag_index, self.batch.num_bags, self.chunk_instances, self.budget, bags=bags)
 
     def _step(self, groups: list[BagGroup], rho: float, scale: float, check: bool, cache: GroupCache | None) -> bool:
-        q_new, self.rho, _, self.elbo_estimate = aggregate_natural_update_step(
-            self.model, self.likelihood, self.batch, groups, self.q, rho, scale=scale, check=check, cache=cache,
-            reduce=self.reduce, reduce_value=self.reduce_value,
-        )
+        """One natural step on the bags of ``groups``: the statistics of
+        :func:`aggregate_natural_statistics` (summed over ranks by ``reduce``; ``reduce_value`` sums
+        the data term), then :meth:`WhitenedPosterior.try_natural_step` with ``ρ`` halved (while
+        ``ρ ≥ 1e-6``) until the new precision is positive definite and, with ``check``, the batch's
+        ELBO estimate ``scale · data − KL`` does not fall. Writes the new ``q(v)``; returns whether
+        a step was taken."""
+        stats, data = aggregate_natural_statistics(self.model, self.likelihood, self.batch, groups, self.q, cache=cache)
+        if self.reduce is not None:
+            stats = self.reduce(stats)
+        if self.reduce_value is not None:
+            data = self.reduce_value(data)
+        self.elbo_estimate = before = scale * data - float(self.q.kl_divergence())
+
+        def ascends(q_new: WhitenedPosterior) -> bool:
+            data_new = aggregate_data_terms(self.model, self.likelihood, self.batch, groups, q_new, cache)
+            if self.reduce_value is not None:  # the data term is a sum over ranks, KL is not
+                data_new = self.reduce_value(data_new)
+            value = scale * data_new - float(q_new.kl_divergence())
+            return math.isfinite(value) and value >= before - 1e-9 * abs(before)
+
+        self.rho, q_new = float(rho), None
+        with torch.no_grad():
+            while self.rho >= 1e-6:
+                q_new = self.q.try_natural_step(stats, self.rho, scale)
+                if q_new is not None and (not check or ascends(q_new)):
+                    break
+                q_new = None
+                self.rho *= 0.5
         self.step_size = 0.0 if q_new is None else self.rho
         if q_new is not None:
             self.q = q_new

@@ -142,8 +142,8 @@ def test_normal_exact_step_matches_vbagg_regressor() -> None:
     torch.testing.assert_close(q.m, q_ref.m, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(q.S, q_ref.S, rtol=1e-9, atol=1e-9)
     X = np.concatenate(data["x"])
-    pred = model.gp.predict_aggregate(model.gp.standardize(torch.as_tensor(X)), torch.zeros(len(X), dtype=torch.long), 1)
-    np.testing.assert_allclose(pred["rate_mean"].numpy(), reg.predict(X), rtol=1e-8, atol=1e-9)
+    pred = model.gp.predict(model.gp.standardize(torch.as_tensor(X)), torch.zeros(len(X), dtype=torch.long), 1)
+    np.testing.assert_allclose(pred["instance"].numpy(), reg.predict(X), rtol=1e-8, atol=1e-9)
     # a second exact step at the same hyperparameters stays at the optimum
     _trainer(1).fit(model, dict_loader(data, idx))
     torch.testing.assert_close(model.gp.posterior().m, q_ref.m, rtol=1e-8, atol=1e-8)
