@@ -209,6 +209,11 @@ class BagModuleBase(pl.LightningModule, ABC):
             if not k.endswith("count") and math.isfinite(float(v)):
                 self.log(f"{prefix}/{k}", float(v), prog_bar=k in prog_bar, sync_dist=False)
 
+    def stage_metrics(self, records: list[dict], stage: str) -> dict[str, float]:
+        """The metrics of a stage's gathered records (``stage``: ``"val"`` or ``"test"``):
+        :func:`records_metrics` (binary bag labels); a module with other bag targets overrides it."""
+        return records_metrics(records)
+
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
         self._val_records.extend(self.predict_records(batch))
 
@@ -216,7 +221,7 @@ class BagModuleBase(pl.LightningModule, ABC):
         self.val_records = records = self.gather_records(self._val_records)
         self._val_records = []
         check_records(records, "validation")
-        self.val_metrics = records_metrics(records)
+        self.val_metrics = self.stage_metrics(records, "val")
         self.log_metrics("val", self.val_metrics, prog_bar=("bag_nll", "bag_auc"))
 
     def test_step(self, batch: BagBatch, batch_idx: int) -> None:
@@ -226,7 +231,7 @@ class BagModuleBase(pl.LightningModule, ABC):
         self.test_records = self.gather_records(self._test_records)
         self._test_records = []
         check_records(self.test_records, "test")
-        self.test_metrics = records_metrics(self.test_records)
+        self.test_metrics = self.stage_metrics(self.test_records, "test")
         self.log_metrics("test", self.test_metrics)
 
     def predict_step(self, batch: BagBatch, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:

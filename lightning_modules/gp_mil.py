@@ -75,7 +75,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_modules.bag_module_base import BagModuleBase, check_records, records_metrics
+from lightning_modules.bag_module_base import BagModuleBase, records_metrics
 from lightning_modules.bag_store import BagStore
 from lightning_modules.checkpoints import extractor_from_checkpoint
 from lightning_modules.distributed import all_gather_objects, all_reduce_sum, world_size
@@ -553,9 +553,6 @@ class GPMILModule(BagModuleBase):
                 r[name] = float(values[b])
         return records, h
 
-    def _aggregate_metrics(self, records: list[dict]) -> dict[str, float]:
-        return aggregate_records_metrics(records, poisson=isinstance(self.gp.likelihood, PoissonAggregateLikelihood))
-
     def _fits_decision_on_validation(self) -> bool:
         trainer = self.trainer
         return (self.decision_bags == "val" and not self.gp.is_aggregate and trainer.state.fn == "fit"
@@ -568,19 +565,17 @@ class GPMILModule(BagModuleBase):
         self._val_records.extend(records)
         self._decision_store.add(batch, h)
 
-    def on_validation_epoch_end(self) -> None:
-        self.val_records = records = self.gather_records(self._val_records)
-        self._val_records = []
-        check_records(records, "validation")
+    def stage_metrics(self, records: list[dict], stage: str) -> dict[str, float]:
+        """Regression metrics of predicted aggregates (:func:`aggregate_records_metrics`), or the
+        MIL ones; with ``decision_bags="val"`` the validation records first get the decision refitted
+        on them and ``bag_nll`` is the cross-fitted one (:meth:`_fit_decision_on_validation`)."""
         if self.gp.is_aggregate:
-            self.val_metrics = self._aggregate_metrics(records)
-            self.log_metrics("val", self.val_metrics, prog_bar=("bag_nll",))
-            return
-        heldout_nll = self._fit_decision_on_validation(records) if self._fits_decision_on_validation() else None
-        self.val_metrics = records_metrics(records)
+            return aggregate_records_metrics(records, poisson=isinstance(self.gp.likelihood, PoissonAggregateLikelihood))
+        heldout_nll = self._fit_decision_on_validation(records) if stage == "val" and self._fits_decision_on_validation() else None
+        metrics = records_metrics(records)
         if heldout_nll is not None:
-            self.val_metrics["bag_nll"] = heldout_nll
-        self.log_metrics("val", self.val_metrics, prog_bar=("bag_nll", "bag_auc"))
+            metrics["bag_nll"] = heldout_nll
+        return metrics
 
     @torch.no_grad()
     def _fit_decision_on_validation(self, records: list[dict]) -> float | None:
@@ -601,15 +596,6 @@ class GPMILModule(BagModuleBase):
         if heldout is None:
             rank_zero_warn("fewer than two validation bags of a class: val/bag_nll is computed on the bags the decision was fitted on")
         return heldout
-
-    def on_test_epoch_end(self) -> None:
-        if not self.gp.is_aggregate:
-            return super().on_test_epoch_end()
-        self.test_records = self.gather_records(self._test_records)
-        self._test_records = []
-        check_records(self.test_records, "test")
-        self.test_metrics = self._aggregate_metrics(self.test_records)
-        self.log_metrics("test", self.test_metrics)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
