@@ -377,11 +377,12 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 f"{type(self).__name__}.expected_log_prob needs bag_index=(N,) as a keyword argument, "
                 "e.g. mll(output, y[bag_index], bag_index=bag_index)"
             )
-        num_bags = int(bag_index.max()) + 1
+        y = kwargs.get("bag_targets")
+        # with the bag targets given, their length is the number of bags (no device sync on bag_index.max())
+        num_bags = int(y.shape[0]) if y is not None else int(bag_index.max()) + 1
         mean, var = function_dist.mean, function_dist.variance
         weights = kwargs.get("weights")
         weights = torch.ones_like(mean) if weights is None else weights.to(mean)
-        y = kwargs.get("bag_targets")
         if y is None:
             y = target.new_zeros(num_bags).scatter(0, bag_index, target)
         y = y.to(mean)

@@ -120,6 +120,8 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             target: ``(N,)`` the label of each instance's bag (``bag_labels[bag_index]``).
             function_dist: ``q(f)`` over the ``N`` instances (GPyTorch ``MultivariateNormal``).
             bag_index: keyword, ``(N,)`` long.
+            bag_labels: keyword, optional ``(B,)`` (default: the largest ``target`` of each bag; when
+                given, no device synchronisation is needed to count the bags).
             locals: keyword, optional persistent locals (e.g. VGPMIL's ``π``); when omitted they are
                 optimised for the current q(f) (:meth:`optimal_locals`).
 
@@ -134,8 +136,9 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 "e.g. mll(output, target, bag_index=bag_index)"
             )
         mean, var = function_dist.mean, function_dist.variance
-        num_bags = int(bag_index.max()) + 1
         bag_labels = kwargs.get("bag_labels")
+        # with the bag labels given, their length is the number of bags (no device sync on bag_index.max())
+        num_bags = int(bag_labels.shape[0]) if bag_labels is not None else int(bag_index.max()) + 1
         if bag_labels is None:
             bag_labels = segment_max(target.to(mean.dtype), bag_index, num_bags)
         with torch.no_grad():
