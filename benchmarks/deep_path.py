@@ -99,7 +99,7 @@ def _gp_step(model: GPMILModule, opt: torch.optim.Optimizer, amp: bool, device: 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        model.gp.clear_caches()
+        model.gp.strategy.clear_caches()
     return step
 
 

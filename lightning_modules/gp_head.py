@@ -246,10 +246,6 @@ class GPHead(nn.Module):
         q = self.posterior() if q is None else q
         return self.strategy.marginals(self.strategy.projection(z), q)
 
-    def clear_caches(self) -> None:
-        """Clear GPyTorch's variational caches (after kernel hyperparameters changed)."""
-        self.strategy._clear_cache()
-
     # -- bag decisions ---------------------------------------------------------------------------
     def bag_posterior(self, z: Tensor, bag_index: Tensor, num_bags: int) -> BagPosterior:
         """The predictive ``q(f*)`` of bags of standardised features ``z`` ``(N, D)``: marginals, and

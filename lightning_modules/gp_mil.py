@@ -521,7 +521,7 @@ class GPMILModule(BagModuleBase):
             self.manual_backward(loss)
             opt.step()
             loss_value = loss.detach() / R
-        self.gp.clear_caches()
+        self.gp.strategy.clear_caches()
         return loss_value
 
     def on_train_epoch_end(self) -> None:

@@ -250,6 +250,11 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
             else:
                 dist.variational_mean.copy_(q.m)
                 dist.chol_variational_covar.copy_(robust_cholesky(q.S, what="q(v) covariance"))
+        self.clear_caches()
+
+    def clear_caches(self) -> None:
+        """Drop GPyTorch's cached predictive quantities of this strategy (after ``q(v)`` or the
+        kernel hyperparameters changed)."""
         self._clear_cache()
 
     def natural_step(self, stats: NaturalStatistics, rho: float = 1.0, scale: float = 1.0) -> WhitenedPosterior:
