@@ -87,7 +87,7 @@ def gpytorch_baseline(batch, hyper, method, lr, budget_s, max_steps, target, eva
     model.train()
     with torch.no_grad():
         mean0, _ = model.variational_strategy.predict_marginals(x)
-    pi = lik.init_locals(bi, labels, B, mean0)
+    pi = lik.init_locals(batch.bags, labels, mean0)
     trace = [(0, 0.0, 0.0, closed_form_elbo(model, lik, batch, pi))]
     clock = Clock()
     reached = None
@@ -100,7 +100,7 @@ def gpytorch_baseline(batch, hyper, method, lr, budget_s, max_steps, target, eva
             loss.backward()
             opt.step()
             with torch.no_grad():
-                pi = lik.update_locals(out.mean.detach(), None, bi, labels, B, pi)
+                pi = lik.update_locals(out.mean.detach(), None, batch.bags, labels, pi)
         step += 1
         if step % eval_every == 0 or step == max_steps:
             e = closed_form_elbo(model, lik, batch, pi)

@@ -6,6 +6,10 @@ A minibatch of bags is stored like a graph batch:
 * ``bag_index``: ``LongTensor (N,)`` with values ``0..B-1`` saying which bag each instance is in;
 * ``bag_labels``: ``(B,)``.
 
+:class:`Bags` is that structure as one object — the index, the number of bags and, computed once
+when first asked for, the bag sizes and the within-bag layout — built once per batch
+(:attr:`BagBatch.bags`) and passed to the likelihoods.
+
 Per-bag reductions use ``index_add_`` / ``scatter_reduce`` (:func:`segment_sum`,
 :func:`segment_max`), never a Python loop over bags. A dense ``(B, N_max, ...)`` tensor with a
 mask exists only where an operator needs one (:func:`to_padded`, e.g. attention softmax).
@@ -13,6 +17,7 @@ mask exists only where an operator needs one (:func:`to_padded`, e.g. attention 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any, Iterator, Sequence
 
 import numpy as np
@@ -21,6 +26,8 @@ from torch import Tensor
 
 __all__ = [
     "BagBatch",
+    "BagLayout",
+    "Bags",
     "BagBatchSampler",
     "BagGroup",
     "bag_index_from_sizes",
@@ -62,6 +69,70 @@ def random_bags_within(sizes: Tensor, max_instances: int, generator: torch.Gener
     order = torch.randperm(len(sizes), generator=generator).to(sizes.device)
     keep = order[torch.cumsum(sizes[order], 0) <= max_instances]
     return order[:1] if keep.numel() == 0 else keep
+
+
+@dataclass
+class BagLayout:
+    """Instances ordered position-major for a coordinate-ascent sweep over positions in bags.
+
+    Bags are ranked by decreasing size (``bag_order``), so the bags that have a ``k``-th instance
+    are always the first ``counts[k]`` of that ranking; ``flat`` lists instance indices position by
+    position, within a position in bag-rank order. A sweep then works on contiguous slices (no
+    per-position gather/scatter). An instance's position is its order of appearance in its bag.
+    """
+
+    flat: Tensor
+    bag_order: Tensor
+    counts: list[int]
+
+
+def bag_layout(bag_index: Tensor, num_bags: int) -> BagLayout:
+    """The :class:`BagLayout` of ``bag_index`` ``(N,)``."""
+    sizes = bag_sizes(bag_index, num_bags)
+    order = torch.argsort(bag_index, stable=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    pos = torch.empty_like(bag_index)
+    pos[order] = torch.arange(len(order), device=bag_index.device) - starts[bag_index[order]]
+    bag_order = torch.argsort(-sizes, stable=True)
+    rank = torch.empty_like(bag_order)
+    rank[bag_order] = torch.arange(num_bags, device=bag_index.device)
+    flat = torch.argsort(pos * max(1, num_bags) + rank[bag_index])
+    counts = torch.bincount(pos).tolist() if len(pos) else []
+    return BagLayout(flat=flat, bag_order=bag_order, counts=counts)
+
+
+@dataclass(frozen=True, eq=False)
+class Bags:
+    """Which bag each instance of a flat batch belongs to: ``index`` ``(N,)`` long with values
+    ``0..B-1`` and ``num_bags`` ``B``.
+
+    Immutable. What is derived from it — :attr:`sizes` ``(B,)`` and the position-major
+    :attr:`layout` of the exact ``q(y)`` sweep — is computed the first time it is asked for and
+    kept on the object, so a fit that passes the same ``Bags`` to every sweep computes it once (and
+    never needs ``index.max()``, a device synchronisation, to count the bags).
+    """
+
+    index: Tensor
+    num_bags: int
+
+    @classmethod
+    def from_index(cls, index: Tensor, num_bags: int | None = None) -> "Bags":
+        """``Bags`` of ``index``; ``num_bags`` defaults to ``index.max() + 1``."""
+        return cls(index, int(index.max()) + 1 if num_bags is None else int(num_bags))
+
+    @property
+    def num_instances(self) -> int:
+        return int(self.index.shape[0])
+
+    @cached_property
+    def sizes(self) -> Tensor:
+        """Instances per bag ``(B,)``."""
+        return bag_sizes(self.index, self.num_bags)
+
+    @cached_property
+    def layout(self) -> BagLayout:
+        """The :class:`BagLayout` of the bags."""
+        return bag_layout(self.index, self.num_bags)
 
 
 def segment_sum(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
@@ -183,6 +254,11 @@ class BagBatch:
     @property
     def num_instances(self) -> int:
         return int(self.x.shape[0])
+
+    @cached_property
+    def bags(self) -> Bags:
+        """The batch's :class:`Bags` (built once per batch)."""
+        return Bags(self.bag_index, self.num_bags)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "BagBatch":
         """Move tensors to ``device``; ``dtype`` applies to floating ``x`` and weights only."""

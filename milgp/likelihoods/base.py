@@ -13,7 +13,8 @@ Subclasses implement four small methods; this base class turns them into
   detached constants that make its value equal to the closed-form ELBO at the current locals;
 * the closed-form natural update and Algorithm 1 in :func:`milgp.variational.fit.fit_closed_form`.
 
-Shapes: ``mean``, ``var``, ``bag_index`` are ``(N,)``; ``bag_labels`` is ``(B,)``.
+Shapes: ``mean``, ``var`` are ``(N,)``; ``bag_labels`` is ``(B,)``; ``bags`` is the batch's
+:class:`~milgp.data.bags.Bags` (``bags.index`` ``(N,)``, ``bags.num_bags`` ``B``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import gpytorch
 import torch
 from torch import Tensor
 
-from milgp.data.bags import bag_sizes, segment_max
+from milgp.data.bags import Bags, segment_max
 
 __all__ = ["AugmentedBagLikelihood", "check_bag_size_cap"]
 
@@ -50,67 +51,54 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
 
     bag_size_cap: float | None = None
 
-    def instance_weights(self, bag_index: Tensor, num_bags: int, dtype: torch.dtype) -> Tensor | None:
+    def instance_weights(self, bags: Bags, dtype: torch.dtype) -> Tensor | None:
         """``w_n = min(1, n̄ / n_b)`` ``(N,)`` for the bag-size cap ``n̄``, or ``None`` without one."""
         if self.bag_size_cap is None:
             return None
-        sizes = bag_sizes(bag_index, num_bags).to(dtype)
-        return (self.bag_size_cap / sizes).clamp(max=1.0)[bag_index]
+        return (self.bag_size_cap / bags.sizes.to(dtype)).clamp(max=1.0)[bags.index]
 
-    def _tempered(self, values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+    def _tempered(self, values: Tensor, bags: Bags) -> Tensor:
         """``values`` ``(N,)`` multiplied by :meth:`instance_weights` (unchanged without a cap)."""
-        w = self.instance_weights(bag_index, num_bags, values.dtype)
+        w = self.instance_weights(bags, values.dtype)
         return values if w is None else w * values
 
-    def quadratic_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
-    ) -> tuple[Tensor, Tensor]:
+    def quadratic_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> tuple[Tensor, Tensor]:
         """``(b, λ)`` ``(N,), (N,)``: coefficients of the augmented expected log-likelihood
         (:meth:`_quadratic_terms` tempered by :meth:`instance_weights`)."""
-        b, lam = self._quadratic_terms(mean, var, bag_index, bag_labels, num_bags, locals_)
-        w = self.instance_weights(bag_index, num_bags, mean.dtype)
+        b, lam = self._quadratic_terms(mean, var, bags, bag_labels, locals_)
+        w = self.instance_weights(bags, mean.dtype)
         return (b, lam) if w is None else (w * b, w * lam)
 
     @abstractmethod
-    def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Any:
+    def init_locals(self, bags: Bags, bag_labels: Tensor, mean: Tensor) -> Any:
         """Initial state of the local factors that persist across iterations (``None`` if none)."""
 
     @abstractmethod
-    def update_locals(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
-    ) -> Any:
+    def update_locals(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Any:
         """Closed-form coordinate-ascent update of the persistent local factors given q(f)."""
 
     @abstractmethod
-    def _quadratic_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
-    ) -> tuple[Tensor, Tensor]:
+    def _quadratic_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> tuple[Tensor, Tensor]:
         """``(b, λ)`` of the untempered model."""
 
     @abstractmethod
-    def elbo_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
-    ) -> Tensor:
+    def elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Tensor:
         """Per-instance contributions ``(N,)`` to the closed-form ELBO's data part (everything but
         ``−KL``; bag-level terms split evenly over the bag's instances; the ``f``-dependent instance
         terms tempered by :meth:`instance_weights`). Differentiable in ``mean`` and ``var`` with the
         locals held fixed (hyperparameter steps)."""
 
-    def hyperparameter_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
-    ) -> Tensor:
+    def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Tensor:
         """Per-instance objective ``(N,)`` maximised over kernel hyperparameters with q(v) and the
         locals fixed (Algorithm 1, step 8). Defaults to :meth:`elbo_terms`."""
-        return self.elbo_terms(mean, var, bag_index, bag_labels, num_bags, locals_)
+        return self.elbo_terms(mean, var, bags, bag_labels, locals_)
 
     # -- GPyTorch ------------------------------------------------------------------------------
-    def optimal_locals(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, sweeps: int = 5
-    ) -> Any:
+    def optimal_locals(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, sweeps: int = 5) -> Any:
         """Locals optimised for a fixed q(f) by ``sweeps`` coordinate-ascent passes."""
-        locals_ = self.init_locals(bag_index, bag_labels, num_bags, mean)
+        locals_ = self.init_locals(bags, bag_labels, mean)
         for _ in range(sweeps):
-            locals_ = self.update_locals(mean, var, bag_index, bag_labels, num_bags, locals_)
+            locals_ = self.update_locals(mean, var, bags, bag_labels, locals_)
         return locals_
 
     def expected_log_prob(self, target: Tensor, function_dist: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -138,16 +126,16 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         mean, var = function_dist.mean, function_dist.variance
         bag_labels = kwargs.get("bag_labels")
         # with the bag labels given, their length is the number of bags (no device sync on bag_index.max())
-        num_bags = int(bag_labels.shape[0]) if bag_labels is not None else int(bag_index.max()) + 1
+        bags = Bags.from_index(bag_index, None if bag_labels is None else int(bag_labels.shape[0]))
         if bag_labels is None:
-            bag_labels = segment_max(target.to(mean.dtype), bag_index, num_bags)
+            bag_labels = segment_max(target.to(mean.dtype), bags.index, bags.num_bags)
         with torch.no_grad():
             m_d, v_d = mean.detach(), var.detach()
             locals_ = kwargs.get("locals")
             if locals_ is None:
-                locals_ = self.optimal_locals(m_d, v_d, bag_index, bag_labels, num_bags)
-            b, lam = self.quadratic_terms(m_d, v_d, bag_index, bag_labels, num_bags, locals_)
-            value = self.elbo_terms(m_d, v_d, bag_index, bag_labels, num_bags, locals_)
+                locals_ = self.optimal_locals(m_d, v_d, bags, bag_labels)
+            b, lam = self.quadratic_terms(m_d, v_d, bags, bag_labels, locals_)
+            value = self.elbo_terms(m_d, v_d, bags, bag_labels, locals_)
             const = value - (b * m_d - 0.5 * lam * (m_d * m_d + v_d))
         return b * mean - 0.5 * lam * (mean * mean + var) + const
 
@@ -163,7 +151,6 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         )
 
     @staticmethod
-    def _bag_share(bag_values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+    def _bag_share(bag_values: Tensor, bags: Bags) -> Tensor:
         """Spread per-bag values ``(B,)`` evenly over their instances ``(N,)``."""
-        sizes = bag_sizes(bag_index, num_bags).to(bag_values.dtype)
-        return (bag_values / sizes)[bag_index]
+        return (bag_values / bags.sizes.to(bag_values.dtype))[bags.index]

@@ -37,16 +37,10 @@ import torch
 from torch import Tensor
 from torch.distributions import Bernoulli
 
+from milgp.data.bags import Bags
 from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
 from milgp.likelihoods.instance_link import LogisticLink
-from milgp.likelihoods.noisy_or import (
-    MAX_RULE_DAMPING,
-    PI_CLAMP,
-    BagLayout,
-    bag_layout,
-    log_prob_bag_all_negative,
-    update_instance_labels,
-)
+from milgp.likelihoods.noisy_or import MAX_RULE_DAMPING, PI_CLAMP, log_prob_bag_all_negative, update_instance_labels
 from milgp.likelihoods.psi import GammaPsi, GSMDensity, HyperbolicSecantPsi
 from milgp.likelihoods.quadrature import gauss_hermite_expectation
 
@@ -109,52 +103,37 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         self.max_rule = max_rule
         self.damping = float(damping)
         self.bag_size_cap = check_bag_size_cap(bag_size_cap)
-        self._positions_cache: tuple[tuple, Tensor, BagLayout] | None = None
 
     @property
     def log_h(self) -> float:
         return math.log(self.H)
 
     # -- augmented-likelihood interface ----------------------------------------------------------
-    def _positions(self, bag_index: Tensor, num_bags: int) -> BagLayout:
-        # The cache holds a reference to bag_index, so no other live tensor can reuse its memory:
-        # a matching (data_ptr, numel, stride, version) means the same contents.
-        key = (bag_index.data_ptr(), bag_index.numel(), bag_index.stride(), bag_index._version, num_bags)
-        if self._positions_cache is None or self._positions_cache[0] != key:
-            self._positions_cache = (key, bag_index, bag_layout(bag_index, num_bags))
-        return self._positions_cache[2]
-
-    def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Tensor:
+    def init_locals(self, bags: Bags, bag_labels: Tensor, mean: Tensor) -> Tensor:
         """``π`` at the fixed point of one pass from ``π = ½·T_b`` given the current means."""
-        pi0 = (0.5 * bag_labels.to(mean.dtype))[bag_index].clamp(PI_CLAMP, 1 - PI_CLAMP)
-        return self.update_locals(mean, None, bag_index, bag_labels, num_bags, pi0)
+        pi0 = (0.5 * bag_labels.to(mean.dtype))[bags.index].clamp(PI_CLAMP, 1 - PI_CLAMP)
+        return self.update_locals(mean, None, bags, bag_labels, pi0)
 
-    def update_locals(
-        self, mean: Tensor, var: Tensor | None, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
-    ) -> Tensor:
+    def update_locals(self, mean: Tensor, var: Tensor | None, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
+        # the exact sweep runs on the bags' position-major layout, computed once per Bags
+        layout = bags.layout if self.max_rule == "exact" else None
         return update_instance_labels(
-            mean, locals_, bag_index, bag_labels, num_bags, self.log_h, self.max_rule, self._positions(bag_index, num_bags), self.damping
+            mean, locals_, bags.index, bag_labels, bags.num_bags, self.log_h, self.max_rule, layout, self.damping
         )
 
-    def _quadratic_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def _quadratic_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> tuple[Tensor, Tensor]:
         c = torch.sqrt(mean * mean + var)
         return locals_ - 0.5, self.psi.theta(c)
 
-    def elbo_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
-    ) -> Tensor:
+    def elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
         c = torch.sqrt(mean * mean + var)
-        instance = self._tempered((pi - 0.5) * mean + self.psi.log_psi(c) + _LOG_PI, bag_index, num_bags)
+        instance = self._tempered((pi - 0.5) * mean + self.psi.log_psi(c) + _LOG_PI, bags)
         entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
-        bag = self.bag_log_likelihood(pi, bag_index, bag_labels, num_bags)
-        return instance + entropy + self._bag_share(bag, bag_index, num_bags)
+        bag = self.bag_log_likelihood(pi, bags, bag_labels)
+        return instance + entropy + self._bag_share(bag, bags)
 
-    def hyperparameter_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
-    ) -> Tensor:
+    def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         """The exact logistic (ψ = φ) expected log-likelihood at the current π, whatever ψ is.
 
         ``(π_n − ½) μ_n + E_q[log φ(f_n)] + log π`` with the expectation by 20-node Gauss–Hermite
@@ -169,13 +148,13 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
         expected_log_phi = gauss_hermite_expectation(_LOGISTIC_PSI.log_psi, mean, var, 20)
         entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
-        bag = self.bag_log_likelihood(pi, bag_index, bag_labels, num_bags)
-        instance = self._tempered((pi - 0.5) * mean + expected_log_phi + _LOG_PI, bag_index, num_bags)
-        return instance + entropy + self._bag_share(bag, bag_index, num_bags)
+        bag = self.bag_log_likelihood(pi, bags, bag_labels)
+        instance = self._tempered((pi - 0.5) * mean + expected_log_phi + _LOG_PI, bags)
+        return instance + entropy + self._bag_share(bag, bags)
 
-    def bag_log_likelihood(self, pi: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Tensor:
+    def bag_log_likelihood(self, pi: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
         """``E_q[log p(T_b | y_b)] = log H · E[G_b] − log(H + 1)`` per bag ``(B,)``."""
-        p_any = -torch.expm1(log_prob_bag_all_negative(pi, bag_index, num_bags))
+        p_any = -torch.expm1(log_prob_bag_all_negative(pi, bags.index, bags.num_bags))
         t = bag_labels.to(pi.dtype)
         expected_g = t * p_any + (1 - t) * (1 - p_any)
         return self.log_h * expected_g - math.log1p(self.H)

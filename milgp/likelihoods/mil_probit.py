@@ -55,7 +55,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Bernoulli
 
-from milgp.data.bags import segment_max, segment_sum
+from milgp.data.bags import Bags, segment_max, segment_sum
 from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import (
@@ -132,44 +132,36 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
         self.bag_size_cap = check_bag_size_cap(bag_size_cap)
 
     # -- augmented-likelihood interface --------------------------------------------------------
-    def init_locals(self, bag_index: Tensor, bag_labels: Tensor, num_bags: int, mean: Tensor) -> Tensor:
+    def init_locals(self, bags: Bags, bag_labels: Tensor, mean: Tensor) -> Tensor:
         """``ν = μ`` (the optimum for the current q(f))."""
         return mean.detach().clone()
 
-    def update_locals(
-        self, mean: Tensor, var: Tensor | None, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
-    ) -> Tensor:
-        """Seed 003 Eq. 19: ``ν ← μ`` (exact coordinate ascent; one step is the optimum)."""
+    def update_locals(self, mean: Tensor, var: Tensor | None, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
+        """Wang & Pinar (2021), Eq. 19: ``ν ← μ`` (exact coordinate ascent; one step is the optimum)."""
         return mean.detach().clone()
 
-    def _quadratic_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def _quadratic_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> tuple[Tensor, Tensor]:
         """``b = E_q[m]``, ``λ = 1``."""
-        em = expected_augmentation(locals_, bag_index, bag_labels, num_bags)
+        em = expected_augmentation(locals_, bags.index, bag_labels, bags.num_bags)
         return em, torch.ones_like(em)
 
-    def elbo_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Tensor
-    ) -> Tensor:
+    def elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         """Per-instance terms of (★): exact ELBO data part at locals ``ν``; differentiable in
         ``mean``, ``var``."""
         nu = locals_
-        em = expected_augmentation(nu, bag_index, bag_labels, num_bags)
-        log_z, _ = bag_log_normaliser(nu, bag_index, bag_labels, num_bags)
-        inst = self._tempered((mean - nu) * em + 0.5 * (nu * nu - mean * mean) - 0.5 * var, bag_index, num_bags)
-        return inst + self._bag_share(log_z, bag_index, num_bags)
+        em = expected_augmentation(nu, bags.index, bag_labels, bags.num_bags)
+        log_z, _ = bag_log_normaliser(nu, bags.index, bag_labels, bags.num_bags)
+        inst = self._tempered((mean - nu) * em + 0.5 * (nu * nu - mean * mean) - 0.5 * var, bags)
+        return inst + self._bag_share(log_z, bags)
 
-    def hyperparameter_terms(
-        self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any
-    ) -> Tensor:
+    def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Tensor:
         """The collapsed bound ``Σ_b log Z_b(μ) − ½ Σ σ²`` (ELBO maximised over q(m)), per instance."""
-        return self.collapsed_elbo_terms(mean, var, bag_index, bag_labels, num_bags)
+        return self.collapsed_elbo_terms(mean, var, bags, bag_labels)
 
-    def collapsed_elbo_terms(self, mean: Tensor, var: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Tensor:
+    def collapsed_elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
         """``(★)`` at ``ν = μ``: ``log Z_b(μ)`` shared over the bag minus ``½σ²_n``, ``(N,)``."""
-        log_z, _ = bag_log_normaliser(mean, bag_index, bag_labels, num_bags)
-        return self._bag_share(log_z, bag_index, num_bags) - self._tempered(0.5 * var, bag_index, num_bags)
+        log_z, _ = bag_log_normaliser(mean, bags.index, bag_labels, bags.num_bags)
+        return self._bag_share(log_z, bags) - self._tempered(0.5 * var, bags)
 
     # -- GPyTorch Likelihood API ----------------------------------------------------------------
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Bernoulli:

@@ -21,14 +21,13 @@ the previous values, as the reference implementation does, with a damped step (:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from milgp.data.bags import bag_sizes, segment_sum
+from milgp.data.bags import BagLayout, bag_layout, bag_sizes, segment_sum
 
-__all__ = ["MAX_RULE_DAMPING", "PI_CLAMP", "BagLayout", "bag_layout", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
+__all__ = ["MAX_RULE_DAMPING", "PI_CLAMP", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
 
 PI_CLAMP = 1e-7
 """``π`` is kept in ``[PI_CLAMP, 1 − PI_CLAMP]`` so that ``log1p(−π)`` stays finite."""
@@ -52,37 +51,6 @@ def positions_in_bag(bag_index: Tensor, num_bags: int) -> list[Tensor]:
     by_pos = torch.argsort(pos, stable=True)
     counts = torch.bincount(pos).tolist()
     return list(torch.split(by_pos, counts))
-
-
-@dataclass
-class BagLayout:
-    """Instances ordered position-major for the coordinate-ascent sweep over positions in bags.
-
-    Bags are ranked by decreasing size (``bag_order``), so the bags that have a ``k``-th instance
-    are always the first ``counts[k]`` of that ranking; ``flat`` lists instance indices position by
-    position, within a position in bag-rank order. A sweep then works on contiguous slices (no
-    per-position gather/scatter). Positions are those of :func:`positions_in_bag` (order of
-    appearance within the bag).
-    """
-
-    flat: Tensor
-    bag_order: Tensor
-    counts: list[int]
-
-
-def bag_layout(bag_index: Tensor, num_bags: int) -> BagLayout:
-    """The :class:`BagLayout` of ``bag_index`` ``(N,)``."""
-    sizes = bag_sizes(bag_index, num_bags)
-    order = torch.argsort(bag_index, stable=True)
-    starts = torch.cumsum(sizes, 0) - sizes
-    pos = torch.empty_like(bag_index)
-    pos[order] = torch.arange(len(order), device=bag_index.device) - starts[bag_index[order]]
-    bag_order = torch.argsort(-sizes, stable=True)
-    rank = torch.empty_like(bag_order)
-    rank[bag_order] = torch.arange(num_bags, device=bag_index.device)
-    flat = torch.argsort(pos * max(1, num_bags) + rank[bag_index])
-    counts = torch.bincount(pos).tolist() if len(pos) else []
-    return BagLayout(flat=flat, bag_order=bag_order, counts=counts)
 
 
 def log_prob_bag_all_negative(pi: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
@@ -110,7 +78,8 @@ def update_instance_labels(
         log_h: ``log H``.
         rule: ``"exact"`` (noisy-OR leave-one-out), ``"max"`` (largest other π) or ``"single"``
             (``E[max y_{b∖n}] = 0``: every instance answers for its bag's label on its own).
-        positions: cached :func:`bag_layout` (or :func:`positions_in_bag`); computed when ``None``.
+        positions: the bags' :class:`~milgp.data.bags.BagLayout` (:attr:`Bags.layout <milgp.data.bags.Bags.layout>`), or
+            :func:`positions_in_bag` (a per-position reference loop); computed when ``None``.
         damping: step ``δ ∈ (0, 1]`` of the parallel updates (``"max"``, ``"single"``;
             :data:`MAX_RULE_DAMPING`).
     """

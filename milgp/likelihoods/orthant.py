@@ -1,8 +1,8 @@
 """Gaussian orthant probabilities ``P(X < 0 componentwise)``, ``X ~ N(μ, Σ)``, for many bags at once.
 
 The MIL probit bag prediction (Wang & Pinar 2021, §3.4) is ``1 − P(all m*_n < 0)`` with
-``m*_b ~ N(μ*_b, Σ*_b + I)``: an orthant probability with the *full* within-bag covariance. Seed 003
-points to Genz & Bretz (2009); this module implements Genz's separation-of-variables (SOV)
+``m*_b ~ N(μ*_b, Σ*_b + I)``: an orthant probability with the *full* within-bag covariance. Wang & Pinar
+point to Genz & Bretz (2009); this module implements Genz's separation-of-variables (SOV)
 transformation (Genz 1992; Genz & Bretz 2009, §4.1.3) with randomised quasi-Monte Carlo:
 
 With ``Σ = L Lᵀ`` and ``X = μ + L y``, the constraint ``X_i < 0`` reads

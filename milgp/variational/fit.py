@@ -149,7 +149,7 @@ def closed_form_elbo(
     q = strategy.whitened_posterior()
     mean, var = ProjectionCache(strategy, batch.x, chunk_size, 0).moments(q)
     with torch.no_grad():
-        data = likelihood.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_).sum()
+        data = likelihood.elbo_terms(mean, var, batch.bags, batch.bag_labels, locals_).sum()
         return float(data - q.kl_divergence())
 
 
@@ -199,7 +199,7 @@ class ClosedFormSteps:
         self.q = strategy.whitened_posterior() if q is None else q
         self.mean, self.var = self.projector.moments(self.q)
         if initial_locals is None:
-            self.locals = likelihood.init_locals(batch.bag_index, batch.bag_labels, batch.num_bags, self.mean)
+            self.locals = likelihood.init_locals(batch.bags, batch.bag_labels, self.mean)
         else:
             self.locals = initial_locals.clone() if isinstance(initial_locals, Tensor) else initial_locals
         self.moments_current = True
@@ -210,18 +210,18 @@ class ClosedFormSteps:
 
     def _data_terms(self, mean: Tensor, var: Tensor, locals_: Any) -> Tensor:
         b = self.batch
-        return self.likelihood.elbo_terms(mean, var, b.bag_index, b.bag_labels, b.num_bags, locals_)
+        return self.likelihood.elbo_terms(mean, var, b.bags, b.bag_labels, locals_)
 
     def _moments_and_locals(self, q: WhitenedPosterior) -> tuple[Tensor, Tensor, Any]:
         b = self.batch
         mean, var = self.projector.moments(q)
-        return mean, var, self.likelihood.update_locals(mean, var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
+        return mean, var, self.likelihood.update_locals(mean, var, b.bags, b.bag_labels, self.locals)
 
     def sweep(self, rho: float = 1.0, scale: float = 1.0) -> None:
         """The natural step of size ``rho`` on the whole batch (statistics × ``scale``), written into
         the strategy, then the locals; over-relaxed with ``relax`` (at ``rho = scale = 1``)."""
         b, q, relax = self.batch, self.q, self.relax
-        lin, lam = self.likelihood.quadratic_terms(self.mean, self.var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
+        lin, lam = self.likelihood.quadratic_terms(self.mean, self.var, b.bags, b.bag_labels, self.locals)
         stats = self.projector.statistics(lin, lam)
         if self.reduce is not None:
             stats = self.reduce(stats)
@@ -272,7 +272,7 @@ class ClosedFormSteps:
 
     def _hyper_terms(self, batch: BagBatch, locals_: Any, x: Tensor) -> Tensor:
         mean, var = self.strategy.marginals(self.strategy.projection(x), self.q)
-        return self.likelihood.hyperparameter_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_).sum()
+        return self.likelihood.hyperparameter_terms(mean, var, batch.bags, batch.bag_labels, locals_).sum()
 
     def hyper_objective(self, x: Tensor | None = None) -> Tensor:
         """``Σ`` hyperparameter terms of the batch with ``q(v)`` and the locals fixed, at inputs ``x``
@@ -309,7 +309,7 @@ class ClosedFormSteps:
     def _objective(self, kl: Tensor) -> float:
         """``Σ hyperparameter_terms − KL`` at the current moments (:attr:`FitResult.objective`)."""
         b = self.batch
-        terms = self.likelihood.hyperparameter_terms(self.mean, self.var, b.bag_index, b.bag_labels, b.num_bags, self.locals)
+        terms = self.likelihood.hyperparameter_terms(self.mean, self.var, b.bags, b.bag_labels, self.locals)
         return float(terms.sum() - kl)
 
     def finish(self, result: FitResult) -> None:

@@ -70,7 +70,7 @@ def leave_bag_out_posterior(
     x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
     proj = (model.variational_strategy.projection(x) if projection is None else projection[1]).with_residual()
     mean, var = model.variational_strategy.marginals(proj, model.variational_strategy.whitened_posterior()) if moments is None else moments
-    beta, lam = likelihood.quadratic_terms(mean, var, bag_index, batch.bag_labels, B, locals_)
+    beta, lam = likelihood.quadratic_terms(mean, var, batch.bags, batch.bag_labels, locals_)
     beta = beta - lam * proj.prior_mean
     AT = proj.A.mT  # (N, M)
     M = AT.shape[1]

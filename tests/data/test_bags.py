@@ -1,4 +1,6 @@
 """Bag utilities: flat instances + bag_index (one ``(N, D)`` tensor and a bag id per instance)."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -6,6 +8,7 @@ import torch
 from milgp.data.bags import (
     BagBatch,
     BagBatchSampler,
+    Bags,
     bag_index_from_sizes,
     bag_sizes,
     collate_bags,
@@ -167,3 +170,25 @@ def test_identity_padded_keeps_real_entries_and_makes_padding_the_identity():
         torch.testing.assert_close(out[b, n:, n:], torch.eye(3 - n, dtype=torch.float64))
         assert (out[b, :n, n:] == 0).all() and (out[b, n:, :n] == 0).all()
     torch.linalg.cholesky(out + 1e-9 * torch.eye(3, dtype=torch.float64))  # positive definite
+
+
+def test_bags_counts_once_and_keeps_what_it_derives():
+    """``Bags`` is the bag structure as one immutable object: sizes and the within-bag layout are
+    computed on first use and kept (the exact q(y) sweep asks for the layout every sweep), a
+    batch builds its ``Bags`` once, and a batch made by ``select_bags`` or ``to`` gets its own. If
+    this fails, a fit recomputes the layout every sweep, or a sub-batch reuses its parent's
+    structure (wrong bags swept together)."""
+    index = torch.tensor([0, 1, 1, 2, 2, 2, 1])
+    bags = Bags.from_index(index)
+    assert bags.num_bags == 3 and bags.num_instances == 7
+    assert bags.sizes.tolist() == [1, 3, 3] and bags.sizes is bags.sizes
+    assert bags.layout is bags.layout
+    assert bags.layout.counts == [3, 2, 2] and bags.layout.bag_order.tolist() == [1, 2, 0]
+    assert Bags.from_index(index, 5).sizes.tolist() == [1, 3, 3, 0, 0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        bags.num_bags = 4
+    batch = BagBatch(torch.zeros(7, 2), index, torch.zeros(3))
+    assert batch.bags is batch.bags and batch.bags.num_bags == 3 and batch.bags.index is index
+    sub = batch.select_bags(torch.tensor([2]))
+    assert sub.bags is not batch.bags and sub.bags.sizes.tolist() == [3]
+    assert batch.to(dtype=torch.float64).bags is not batch.bags

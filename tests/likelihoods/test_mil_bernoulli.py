@@ -40,7 +40,7 @@ def test_expected_log_prob_value_equals_closed_form_elbo_terms(psi):
     target = batch.bag_labels[batch.bag_index]
     elp = lik.expected_log_prob(target, out, bag_index=batch.bag_index, locals=res.locals).sum()
     mean, var = model.variational_strategy.predict_marginals(batch.x)
-    closed = lik.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, res.locals).sum()
+    closed = lik.elbo_terms(mean, var, batch.bags, batch.bag_labels, res.locals).sum()
     assert elp.item() == pytest.approx(closed.item(), rel=1e-10)
     # and the whole VariationalELBO (× N) equals the fast path's ELBO
     mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=batch.num_instances)
@@ -156,7 +156,7 @@ def test_bags_of_one_reduce_to_sparse_gp_logistic_classification():
     bound0 = (y - 0.5) * mean - torch.log(2 * torch.cosh(torch.sqrt(mean**2 + tiny) / 2))
     torch.testing.assert_close(bound0, exact0, atol=1e-9, rtol=0)
     # and the project's ELBO equals that bound up to the vanishing bag/entropy terms
-    elbo_data = lik.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, N, res.locals).sum()
+    elbo_data = lik.elbo_terms(mean, var, batch.bags, batch.bag_labels, res.locals).sum()
     assert elbo_data.item() == pytest.approx(bound.sum().item(), abs=N * 1e-5)
 
 

@@ -37,7 +37,7 @@ def make_problem(B=30, n=5, seed=0, d=2):
 
 
 def paper_expectations(nu, bi, y):
-    """Seed 003 Eqs. 21–24 written literally with scipy (valid for moderate ν)."""
+    """Wang & Pinar (2021), Eqs. 21–24, written literally with scipy (valid for moderate ν)."""
     S = nu - stats.norm.pdf(nu) / stats.norm.cdf(-nu)  # Eq. 22
     P = np.ones(int(bi.max()) + 1)
     np.multiply.at(P, bi, stats.norm.cdf(-nu))  # Π_{i∈b} (1 − Φ(μ_i))
@@ -158,13 +158,13 @@ def test_locals_are_optimal_and_elbo_equals_collapsed_bound():
     mean = torch.randn(24, dtype=torch.float64, generator=g) * 2
     var = torch.rand(24, dtype=torch.float64, generator=g) + 0.1
     nu = mean.clone().requires_grad_(True)
-    val = lik.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, 6, nu).sum()
+    val = lik.elbo_terms(mean, var, batch.bags, batch.bag_labels, nu).sum()
     (grad,) = torch.autograd.grad(val, nu)
     assert grad.abs().max() < 1e-10
-    collapsed = lik.collapsed_elbo_terms(mean, var, batch.bag_index, batch.bag_labels, 6).sum()
+    collapsed = lik.collapsed_elbo_terms(mean, var, batch.bags, batch.bag_labels).sum()
     assert abs(float(val) - float(collapsed)) < 1e-10
     # moving ν away can only lower it
-    worse = lik.elbo_terms(mean, var, batch.bag_index, batch.bag_labels, 6, mean + 0.3).sum()
+    worse = lik.elbo_terms(mean, var, batch.bags, batch.bag_labels, mean + 0.3).sum()
     assert float(worse) < float(val)
 
 
@@ -266,8 +266,8 @@ def test_plain_gpytorch_value_and_one_ngd_step_equal_the_closed_form():
     q0 = type(q0).from_natural(q0.precision @ (q0.m + 0.3), q0.precision * 1.5)
     model.variational_strategy.set_whitened_posterior(q0)
     mean, var = model.variational_strategy.predict_marginals(batch.x)
-    nu = lik.optimal_locals(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags)
-    b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, nu)
+    nu = lik.optimal_locals(mean, var, batch.bags, batch.bag_labels)
+    b, lam = lik.quadratic_terms(mean, var, batch.bags, batch.bag_labels, nu)
     proj = model.variational_strategy.projection(batch.x)
     with torch.no_grad():
         expected = q0.natural_step(natural_statistics(proj.A, b, lam, proj.prior_mean), rho=1.0)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from milgp.data.bags import bag_index_from_sizes
+from milgp.data.bags import Bags, bag_index_from_sizes
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.noisy_or import PI_CLAMP, log_prob_bag_all_negative, positions_in_bag, update_instance_labels
 
@@ -43,7 +43,7 @@ def test_exact_update_is_the_coordinatewise_optimum():
     var = torch.ones(8, dtype=torch.float64)
 
     def objective(p):
-        return lik.elbo_terms(mean, var, bag_index, labels, 3, p).sum()
+        return lik.elbo_terms(mean, var, Bags(bag_index, 3), labels, p).sum()
 
     base = objective(pi)
     for n in (2, 6, 7):  # last instance of each bag: its update saw the final values of the others
@@ -59,8 +59,8 @@ def test_bag_log_likelihood_limits():
     lik = MILBernoulliLikelihood(H=100.0)
     bag_index = torch.tensor([0, 0])
     pi = torch.tensor([1 - 1e-9, 0.2], dtype=torch.float64)
-    pos = lik.bag_log_likelihood(pi, bag_index, torch.tensor([1.0], dtype=torch.float64), 1)
-    neg = lik.bag_log_likelihood(pi, bag_index, torch.tensor([0.0], dtype=torch.float64), 1)
+    pos = lik.bag_log_likelihood(pi, Bags(bag_index, 1), torch.tensor([1.0], dtype=torch.float64))
+    neg = lik.bag_log_likelihood(pi, Bags(bag_index, 1), torch.tensor([0.0], dtype=torch.float64))
     assert pos.item() == pytest.approx(math.log(100 / 101), abs=1e-5)
     assert neg.item() == pytest.approx(-math.log(101), abs=1e-4)
 
@@ -76,7 +76,7 @@ def test_hyperparameter_objective_is_exact_logistic_and_above_the_bound():
     pi = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
     bag_index = torch.tensor([0, 0, 1])
     labels = torch.tensor([1.0, 1.0], dtype=torch.float64)
-    terms = lik.hyperparameter_terms(mean, var, bag_index, labels, 2, pi)
+    terms = lik.hyperparameter_terms(mean, var, Bags(bag_index, 2), labels, pi)
     f = mean + var.sqrt() * torch.randn(400_000, 3, generator=g, dtype=torch.float64)
     log_phi = -math.log(2 * math.pi) - torch.log(torch.cosh(f / 2))
     entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log(1 - pi))
@@ -88,22 +88,3 @@ def test_hyperparameter_objective_is_exact_logistic_and_above_the_bound():
     c = torch.sqrt(mean**2 + var)
     bound = (pi - 0.5) * mean - torch.log(2 * torch.cosh(c / 2)) + entropy + bag_share
     assert (terms >= bound - 1e-12).all()
-
-
-def test_the_layout_cache_follows_the_bag_index_not_its_address():
-    """The likelihood caches the within-bag layout of the last ``bag_index``. A new minibatch's
-    index (even one allocated where a freed one lived, or the same tensor edited in place) must get
-    its own layout; a stale layout would sweep the wrong instances together."""
-    from milgp.likelihoods.noisy_or import bag_layout
-
-    lik = MILBernoulliLikelihood()
-    first = torch.tensor([0, 0, 0, 1, 1, 2])
-    lik._positions(first, 3)
-    del first  # the cache keeps it alive, so its memory cannot be handed to the next index
-    for _ in range(20):
-        other = torch.tensor([0, 1, 1, 1, 2, 2])
-        got, want = lik._positions(other, 3), bag_layout(other, 3)
-        assert torch.equal(got.flat, want.flat) and got.counts == want.counts
-    other[:] = torch.tensor([0, 0, 1, 1, 2, 2])  # in place: same address, new contents
-    got, want = lik._positions(other, 3), bag_layout(other, 3)
-    assert torch.equal(got.flat, want.flat) and got.counts == want.counts

@@ -60,10 +60,10 @@ def test_converged_state_is_a_fixed_point(psi, rule):
     with torch.no_grad():
         proj = model.variational_strategy.projection(batch.x)
         mean, var = model.variational_strategy.marginals(proj, q0)
-        b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
+        b, lam = lik.quadratic_terms(mean, var, batch.bags, batch.bag_labels, pi0)
         q1 = q0.natural_step(natural_statistics(proj.A, b, lam, proj.prior_mean))
         mean1, var1 = model.variational_strategy.marginals(proj, q1)
-        pi1 = lik.update_locals(mean1, var1, batch.bag_index, batch.bag_labels, batch.num_bags, pi0)
+        pi1 = lik.update_locals(mean1, var1, batch.bags, batch.bag_labels, pi0)
     assert (q1.m - q0.m).abs().max() < 1e-6
     assert (q1.S - q0.S).abs().max() < 1e-6
     assert (pi1 - pi0).abs().max() < 1e-6

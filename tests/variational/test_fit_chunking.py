@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from milgp.data.bags import BagBatch, bag_index_from_sizes
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, bag_layout
 from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.prediction import BagPosterior, JointNoisyOrRule
-from milgp.likelihoods.noisy_or import bag_layout, positions_in_bag, update_instance_labels
+from milgp.likelihoods.noisy_or import positions_in_bag, update_instance_labels
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
 from milgp.variational import fit as fit_mod
@@ -164,25 +164,25 @@ def test_layout_sweep_equals_position_loop(seed):
     torch.testing.assert_close(default, loop, rtol=0, atol=1e-15)
 
 
-def test_positions_cache_not_fooled_by_reused_memory():
-    """Two bag indices with the same length but different bag structure must not share a layout."""
+def test_the_layout_belongs_to_its_bags_not_to_the_likelihood():
+    """The exact q(y) sweep's layout is computed once per :class:`Bags` and kept on it; a likelihood
+    used on two bag structures of the same length (e.g. a freed index tensor whose memory is
+    reused) must give each its own sweep, equal to a fresh likelihood's. If this fails, a cached
+    layout of other bags is applied (wrong π) or the layout is recomputed every sweep."""
     lik = MILBernoulliLikelihood()
-    a = bag_index_from_sizes([2, 3, 1])
-    b = bag_index_from_sizes([1, 1, 4])
+    a = Bags(bag_index_from_sizes([2, 3, 1]), 3)
+    b = Bags(bag_index_from_sizes([1, 1, 4]), 3)
     mean = torch.tensor([0.3, -1.0, 2.0, 0.1, -0.5, 1.0], dtype=torch.float64)
     labels = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     pi = torch.full((6,), 0.5, dtype=torch.float64)
-    lik.update_locals(mean, None, a, labels, 3, pi)
-    b_in_place = a.clone()
-    out_b = lik.update_locals(mean, None, b, labels, 3, pi)
-    fresh_b = MILBernoulliLikelihood().update_locals(mean, None, b, labels, 3, pi)
-    torch.testing.assert_close(out_b, fresh_b, rtol=0, atol=0)
-    # an in-place change of the cached tensor is noticed too
-    idx = a.clone()
-    lik.update_locals(mean, None, idx, labels, 3, pi)
-    idx.copy_(b)
-    torch.testing.assert_close(lik.update_locals(mean, None, idx, labels, 3, pi), fresh_b, rtol=0, atol=0)
-    del b_in_place
+    out_a = lik.update_locals(mean, None, a, labels, pi)
+    out_b = lik.update_locals(mean, None, b, labels, pi)
+    torch.testing.assert_close(out_b, MILBernoulliLikelihood().update_locals(mean, None, b, labels, pi), rtol=0, atol=0)
+    torch.testing.assert_close(lik.update_locals(mean, None, a, labels, pi), out_a, rtol=0, atol=0)
+    assert not torch.equal(out_a, out_b)
+    layout = a.layout
+    lik.update_locals(mean, None, a, labels, pi)
+    assert a.layout is layout and torch.equal(layout.flat, bag_layout(a.index, 3).flat)
 
 
 def test_fused_marginal_variance_matches_formula_and_grad_path():

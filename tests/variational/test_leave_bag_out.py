@@ -54,7 +54,7 @@ def test_cavity_equals_posterior_without_the_bag(likelihood, constant_mean, num_
     with torch.no_grad():
         proj = model.variational_strategy.projection(batch.x)
         mean, var = model.variational_strategy.marginals(proj, model.variational_strategy.whitened_posterior())
-        b, lam = likelihood.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, locals_)
+        b, lam = likelihood.quadratic_terms(mean, var, batch.bags, batch.bag_labels, locals_)
         for bag in range(batch.num_bags):
             keep, sel = batch.bag_index != bag, batch.bag_index == bag
             eta1, P = natural_statistics(proj.A[:, keep], b[keep], lam[keep], proj.prior_mean[keep]).targets()

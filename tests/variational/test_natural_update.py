@@ -44,7 +44,7 @@ def sigmoid(t):
 
 
 class PaperReference:
-    """Seed 000 Algorithm 1 in u-space, numpy float64, explicit inverses."""
+    """Algorithm 1 of Castro-Macías et al. (2024) in u-space, numpy float64, explicit inverses."""
 
     def __init__(self, model, batch, H=100.0, rule="exact"):
         with torch.no_grad():
@@ -246,7 +246,7 @@ def test_gpytorch_ngd_step_equals_closed_form_natural_step(constant_mean, rho):
     with torch.no_grad():
         proj = model.variational_strategy.projection(batch.x)
         mean, var = model.variational_strategy.marginals(proj, q0)
-        b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi)
+        b, lam = lik.quadratic_terms(mean, var, batch.bags, batch.bag_labels, pi)
         expected = q0.natural_step(natural_statistics(proj.A, b, lam, proj.prior_mean), rho=rho)
     # GPyTorch
     model.train()
@@ -271,7 +271,7 @@ def test_natural_step_rho_interpolates_natural_parameters():
     with torch.no_grad():
         proj = model.variational_strategy.projection(batch.x)
         mean, var = model.variational_strategy.marginals(proj, q0)
-        b, lam = lik.quadratic_terms(mean, var, batch.bag_index, batch.bag_labels, batch.num_bags, pi)
+        b, lam = lik.quadratic_terms(mean, var, batch.bags, batch.bag_labels, pi)
         stats = natural_statistics(proj.A, b, lam)
     full = q0.natural_step(stats, rho=1.0)
     half = q0.natural_step(stats, rho=0.4)
