@@ -18,6 +18,7 @@ import time
 import torch
 
 from benchmarks.common import add_thread_arg, batch_from_flat, make_model, markdown_table, set_threads, synthetic_mil, write_json
+from milgp.data.bags import Bags
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.prediction import BagPosterior, JointNoisyOrRule, NoisyOrRule
 from milgp.variational.fit import fit_closed_form
@@ -67,7 +68,7 @@ def main(argv=None):
 
         def noisy_or():
             mu, var = model.variational_strategy.predict_marginals(xt)
-            return NoisyOrRule()(BagPosterior(mu, var, bit, Bt), lik.instance_link)
+            return NoisyOrRule()(BagPosterior(mu, var, Bags(bit, Bt)), lik.instance_link)
 
         w, c = best_of(noisy_or)
         rows.append({"what": "bag noisy-OR probability + std", "unit": "bags", "count": Bt, "per_s": Bt / w, "per_cpu_s": Bt / c, "wall_s": w})
@@ -76,7 +77,7 @@ def main(argv=None):
         gen = torch.Generator().manual_seed(0)
 
         def joint():
-            return JointNoisyOrRule(num_samples=512)(BagPosterior.from_model(model, sub.x, sub.bag_index, nb), lik.instance_link, gen)
+            return JointNoisyOrRule(num_samples=512)(BagPosterior.from_model(model, sub.x, Bags(sub.bag_index, nb)), lik.instance_link, gen)
 
         w, c = best_of(joint)
         rows.append({"what": "bag joint-sampling probability + std (512 samples)", "unit": "bags", "count": nb, "per_s": nb / w, "per_cpu_s": nb / c, "wall_s": w})

@@ -151,14 +151,14 @@ def rule_comparison(records: list[dict], link: Any, threshold: float = 0.5) -> d
     import numpy as np
     import torch
 
-    from milgp.data.bags import bag_index_from_sizes
+    from milgp.data.bags import Bags, bag_index_from_sizes
     from milgp.metrics import auroc, log_loss
     from milgp.prediction import BagPosterior, NoisyOrRule
 
     mean = torch.as_tensor(np.concatenate([r["gp_mean"] for r in records]), dtype=torch.float64)
     var = torch.as_tensor(np.concatenate([r["gp_var"] for r in records]), dtype=torch.float64)
     index = bag_index_from_sizes([len(r["gp_mean"]) for r in records])
-    noisy_or = NoisyOrRule()(BagPosterior(mean, var, index, len(records)), link)[0].numpy()
+    noisy_or = NoisyOrRule()(BagPosterior(mean, var, Bags(index, len(records))), link)[0].numpy()
     y = np.array([r["bag_label"] for r in records])
     rules = {"noisy_or (paper)": noisy_or, "calibrated default": np.array([r["bag_prob"] for r in records])}
     return {name: {"bag_auc": auroc(p, y), "bag_nll": log_loss(p, y), "negatives_called_positive": int(((p > threshold) & (y == 0)).sum()),

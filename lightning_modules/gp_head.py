@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from milgp.data.bags import BagBatch
+from milgp.data.bags import BagBatch, Bags
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
@@ -250,7 +250,7 @@ class GPHead(nn.Module):
     def bag_posterior(self, z: Tensor, bag_index: Tensor, num_bags: int) -> BagPosterior:
         """The predictive ``q(f*)`` of bags of standardised features ``z`` ``(N, D)``: marginals, and
         the within-bag covariance blocks on demand (joint rules); no gradients."""
-        return BagPosterior.from_model(self.gp, z.to(torch.float64), bag_index, num_bags)
+        return BagPosterior.from_model(self.gp, z.to(torch.float64), Bags(bag_index, num_bags))
 
     @torch.no_grad()
     def leave_bag_out(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> BagPosterior:

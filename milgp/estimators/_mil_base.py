@@ -32,7 +32,7 @@ import torch
 from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_is_fitted
 
-from milgp.data.bags import BagBatch, flatten_bags, split_by_bag
+from milgp.data.bags import BagBatch, Bags, flatten_bags, split_by_bag
 from milgp.estimators._validation import FeatureScaler, check_bags, check_binary_bag_labels, torch_dtype
 from milgp.inducing import kmeans_pp_inducing
 from milgp.likelihoods.base import AugmentedBagLikelihood
@@ -262,27 +262,27 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         x = self.scaler_.transform(x.to(dtype=torch_dtype(self.dtype), device=self.device))
         return x, bag_index.to(self.device)
 
-    def _features(self, bags: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Standardised instances ``(N, D)``, their bag ids ``(N,)`` and the number of bags."""
+    def _features(self, bags: Sequence[Any]) -> tuple[torch.Tensor, Bags]:
+        """Standardised instances ``(N, D)`` and their :class:`Bags`."""
         check_is_fitted(self, "ensemble_")
         bags_np = check_bags(bags)
         if bags_np[0].shape[1] != self.n_features_in_:
             raise ValueError(f"bags have {bags_np[0].shape[1]} features, the model was fitted on {self.n_features_in_}")
         x, bag_index = self._to_tensor(bags_np)
-        return x, bag_index, len(bags_np)
+        return x, Bags(bag_index, len(bags_np))
 
     # -- predictions ---------------------------------------------------------------------------------
-    def _bag_probability(self, x: torch.Tensor, bag_index: torch.Tensor, num_bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bag_probability(self, x: torch.Tensor, bags: Bags) -> tuple[torch.Tensor, torch.Tensor]:
         """Calibrated bag probability and std ``(B,)``: the weighted candidates (:attr:`ensemble_`)."""
-        return self.ensemble_.bag_probability(x, bag_index, num_bags, self._generator(x))
+        return self.ensemble_.bag_probability(x, bags, self._generator(x))
 
     def predict_bag_proba(self, bags: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
         """Positive-bag probability and its standard deviation, each ``(B,)``: each candidate's bag
         rule, calibrated on out-of-bag predictions of the training bags, averaged with the
         candidates' weights (:attr:`ensemble_`)."""
-        x, bag_index, num_bags = self._features(bags)
+        x, bag_struct = self._features(bags)
         with torch.no_grad():
-            p, s = self._bag_probability(x, bag_index, num_bags)
+            p, s = self._bag_probability(x, bag_struct)
         return p.cpu().numpy(), s.cpu().numpy()
 
     def predict_proba(self, bags: Sequence[Any]) -> np.ndarray:
@@ -300,10 +300,10 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def predict_instance_proba(self, bags: Sequence[Any], return_std: bool = False) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-bag lists of instance probabilities ``(n_b,)`` (and their stds): the models' own
         ``E[p(y=1|f*)]`` (not recalibrated), averaged with the candidates' weights."""
-        x, bag_index, num_bags = self._features(bags)
+        x, bag_struct = self._features(bags)
         with torch.no_grad():
             p, s = self._instance_moments(x)
-        probs = [t.cpu().numpy() for t in split_by_bag(p, bag_index, num_bags)]
+        probs = [t.cpu().numpy() for t in split_by_bag(p, bag_struct.index, bag_struct.num_bags)]
         if not return_std:
             return probs
-        return probs, [t.cpu().numpy() for t in split_by_bag(s, bag_index, num_bags)]
+        return probs, [t.cpu().numpy() for t in split_by_bag(s, bag_struct.index, bag_struct.num_bags)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from milgp.data.bags import BagBatch
+from milgp.data.bags import BagBatch, Bags
 from milgp.estimators._mil_base import KERNEL_GRID, MILClassifierBase
 from milgp.likelihoods.mil_probit import MILProbitLikelihood
 from milgp.prediction import BagRule, MarginalBagRule, OrthantRule, make_bag_rule
@@ -145,15 +145,15 @@ class ProbitMILClassifier(MILClassifierBase):
         """The Gibbs sampler runs at one kernel: ``inference="gibbs"`` keeps the best candidate."""
         return bool(self.average) and self.inference == "vi"
 
-    def _bag_probability(self, x: torch.Tensor, bag_index: torch.Tensor, num_bags: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _bag_probability(self, x: torch.Tensor, bags: Bags) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gibbs_ is None:
-            return super()._bag_probability(x, bag_index, num_bags)
+            return super()._bag_probability(x, bags)
         rule = self.decision_.rule
         if isinstance(rule, MarginalBagRule):
             p_inst, s_inst = self.gibbs_.instance_probability(self.model_, x)
-            p, s = rule.combine(p_inst, s_inst, bag_index, num_bags)
+            p, s = rule.combine(p_inst, s_inst, bags)
         else:  # joint rules: the exact per-draw product over the Gibbs draws
-            p, s = self.gibbs_.bag_probability(self.model_, x, bag_index, num_bags)
+            p, s = self.gibbs_.bag_probability(self.model_, x, bags.index, bags.num_bags)
         return self.decision_.calibrator(p, s)
 
     def _instance_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,7 +84,7 @@ def score_bag_rules(
         rule = make_bag_rule(cand)
         if isinstance(rule, MarginalBagRule) and not rule.uses_log_negative:
             moments = link.moments(heldout.mean, heldout.var) if moments is None else moments
-            p, _ = rule.combine(*moments, heldout.bag_index, heldout.num_bags)
+            p, _ = rule.combine(*moments, heldout.bags)
         else:
             p, _ = rule(heldout, link, generator)
         calibrator = BagCalibrator().fit(p, y) if calibrate else BagCalibrator()

@@ -14,7 +14,7 @@ import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from milgp.data.bags import bag_sizes, make_bag_groups
+from milgp.data.bags import Bags, make_bag_groups
 
 __all__ = ["BLOCK_BUDGET", "BagPosterior", "JointBlocks", "MAX_JOINT_INSTANCES"]
 
@@ -44,12 +44,11 @@ class JointBlocks:
 
 @dataclass
 class BagPosterior:
-    """``q(f*)`` of the instances of ``num_bags`` bags.
+    """``q(f*)`` of the instances of a batch of bags.
 
     Attributes:
         mean, var: ``(N,)`` marginal means and variances.
-        bag_index: ``(N,)`` bag of each instance, ``0..num_bags−1``.
-        num_bags: B.
+        bags: the instances' :class:`~milgp.data.bags.Bags` (bag of each instance, number of bags).
         block_source: ``(instances (n_g,), local bag index (n_g,), bags in group) → (mean_pad,
             cov_pad, mask)``, the padded joint blocks of one group; ``None`` when only marginals
             are known.
@@ -59,8 +58,7 @@ class BagPosterior:
 
     mean: Tensor
     var: Tensor
-    bag_index: Tensor
-    num_bags: int
+    bags: Bags
     block_source: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, Tensor]] | None = None
     block_budget: int | None = None
     chunk_instances: int = 32768
@@ -70,8 +68,7 @@ class BagPosterior:
         cls,
         model: ApproximateGP,
         x: Tensor,
-        bag_index: Tensor,
-        num_bags: int,
+        bags: Bags,
         block_budget: int | None = None,
     ) -> "BagPosterior":
         """The predictive ``q(f*)`` of ``model`` at inputs ``x`` ``(N, D)`` (no gradients)."""
@@ -81,7 +78,7 @@ class BagPosterior:
         def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
             return model.variational_strategy.bag_covariances(x[inst], local, n_bags, q)
 
-        return cls(mean, var, bag_index, num_bags, blocks, block_budget)
+        return cls(mean, var, bags, blocks, block_budget)
 
     @classmethod
     def from_blocks(cls, mean_pad: Tensor, cov_pad: Tensor, mask: Tensor) -> "BagPosterior":
@@ -96,13 +93,13 @@ class BagPosterior:
             bags = torch.zeros(n_bags, dtype=torch.long, device=mask.device).scatter_(0, local, bag_index[inst])
             return mean_pad[bags], cov_pad[bags], mask[bags]
 
-        return cls(mean_pad[mask], var, bag_index, B, blocks, max(B * n * n, 1), max(B * n, 1))
+        return cls(mean_pad[mask], var, Bags(bag_index, B), blocks, max(B * n * n, 1), max(B * n, 1))
 
     def joint_blocks(self, max_instances: int = MAX_JOINT_INSTANCES) -> Iterator[JointBlocks]:
         """The padded joint blocks, group by group (every bag exactly once)."""
         if self.block_source is None:
             raise ValueError("this bag posterior has marginals only; use a marginal bag rule (noisy_or, max, top_k_mean)")
-        sizes = bag_sizes(self.bag_index, self.num_bags)
+        sizes = self.bags.sizes
         too_big = torch.nonzero(sizes > max_instances).flatten()
         if too_big.numel():
             b = int(too_big[0])
@@ -111,7 +108,7 @@ class BagPosterior:
                 f"predictive covariance (limit {max_instances}); use a marginal rule such as 'max' for bags this long"
             )
         budget = BLOCK_BUDGET if self.block_budget is None else self.block_budget
-        for g in make_bag_groups(self.bag_index, self.num_bags, self.chunk_instances, budget):
+        for g in make_bag_groups(self.bags.index, self.bags.num_bags, self.chunk_instances, budget):
             with torch.no_grad():
                 mean_pad, cov_pad, mask = self.block_source(g.inst, g.local, g.num_bags)
             yield JointBlocks(g.bags, mean_pad, cov_pad, mask)

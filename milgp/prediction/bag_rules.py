@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from milgp.data.bags import segment_max, segment_sum
+from milgp.data.bags import Bags, segment_max, segment_sum
 from milgp.likelihoods.instance_link import InstanceLink, ProbitLink
 from milgp.likelihoods.orthant import orthant_probability
 from milgp.linalg import robust_cholesky
@@ -87,12 +87,10 @@ class MarginalBagRule(BagRule):
     def __call__(self, posterior, link, generator=None):
         p, std = link.moments(posterior.mean, posterior.var)
         log_negative = link.log_expected_negative(posterior.mean, posterior.var) if self.uses_log_negative else None
-        return self.combine(p, std, posterior.bag_index, posterior.num_bags, log_negative)
+        return self.combine(p, std, posterior.bags, log_negative)
 
     @abstractmethod
-    def combine(
-        self, p: Tensor, std: Tensor, bag_index: Tensor, num_bags: int, log_negative: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def combine(self, p: Tensor, std: Tensor, bags: Bags, log_negative: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Bag probability and std ``(B,)`` from instance probabilities and stds ``(N,)``."""
 
 
@@ -107,10 +105,10 @@ class NoisyOrRule(MarginalBagRule):
     name = "noisy_or"
     uses_log_negative = True
 
-    def combine(self, p, std, bag_index, num_bags, log_negative=None):
+    def combine(self, p, std, bags, log_negative=None):
         log_g = torch.log1p(-p.clamp(max=1 - 1e-16)) if log_negative is None else log_negative
-        log_all_neg = segment_sum(log_g, bag_index, num_bags)
-        rel = segment_sum(torch.log1p(std * std * torch.exp(-2 * log_g)), bag_index, num_bags)
+        log_all_neg = segment_sum(log_g, bags.index, bags.num_bags)
+        rel = segment_sum(torch.log1p(std * std * torch.exp(-2 * log_g)), bags.index, bags.num_bags)
         var = torch.exp(2 * log_all_neg) * torch.expm1(rel)
         return -torch.expm1(log_all_neg), var.clamp_min(0).sqrt()
 
@@ -120,7 +118,8 @@ class MaxRule(MarginalBagRule):
 
     name = "max"
 
-    def combine(self, p, std, bag_index, num_bags, log_negative=None):
+    def combine(self, p, std, bags, log_negative=None):
+        bag_index, num_bags = bags.index, bags.num_bags
         top = segment_max(p, bag_index, num_bags)
         is_top = p == top[bag_index]
         std_top = std.new_zeros(num_bags).scatter_reduce(0, bag_index[is_top], std[is_top], "amax", include_self=True)
@@ -151,8 +150,8 @@ class TopKMeanRule(MarginalBagRule):
         self.k = None if k is None else int(k)
         self.fraction = None if fraction is None else float(fraction)
 
-    def combine(self, p, std, bag_index, num_bags, log_negative=None):
-        B, idx = num_bags, bag_index
+    def combine(self, p, std, bags, log_negative=None):
+        B, idx = bags.num_bags, bags.index
         # rank within bag by descending probability: sort by (bag, −p)
         order = torch.argsort(p, descending=True, stable=True)
         order = order[torch.argsort(idx[order], stable=True)]
@@ -186,7 +185,7 @@ class _SamplingRule(BagRule):
         """``(S, B_g)`` bag values from joint samples ``f`` ``(S, B_g, n)`` (padding masked)."""
 
     def __call__(self, posterior, link, generator=None):
-        p = posterior.mean.new_zeros(posterior.num_bags)
+        p = posterior.mean.new_zeros(posterior.bags.num_bags)
         std = torch.zeros_like(p)
         for blk in posterior.joint_blocks(self.max_instances):
             L = robust_cholesky(blk.cov, jitter=1e-10, what="the within-bag predictive covariance q(f*_b)")
@@ -238,7 +237,7 @@ class OrthantRule(BagRule):
         if not isinstance(link, ProbitLink):
             raise ValueError(f"the orthant bag rule is defined for the probit link only, not {link!r}")
         seed = self.seed if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
-        p = posterior.mean.new_zeros(posterior.num_bags)
+        p = posterior.mean.new_zeros(posterior.bags.num_bags)
         err = torch.zeros_like(p)
         for blk in posterior.joint_blocks(self.max_instances):
             n = blk.cov.shape[-1]

@@ -25,6 +25,7 @@ import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
+from milgp.data.bags import Bags
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.prediction.bag_decision import BagDecision
 from milgp.prediction.bag_posterior import BagPosterior
@@ -91,14 +92,12 @@ class ModelAverage:
         """The heaviest candidate."""
         return self.members[0]
 
-    def bag_probability(
-        self, x: Tensor, bag_index: Tensor, num_bags: int, generator: torch.Generator | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def bag_probability(self, x: Tensor, bags: Bags, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """Calibrated positive-bag probability and its std ``(B,)`` of the mixture at inputs ``x``
-        ``(N, D)`` with bag ids ``bag_index`` ``(N,)``."""
+        ``(N, D)`` of the bags ``bags``."""
         parts = []
         for m in self.members:
-            posterior = BagPosterior.from_model(m.model, x, bag_index, num_bags)
+            posterior = BagPosterior.from_model(m.model, x, bags)
             parts.append(m.decision(posterior, m.likelihood.instance_link, generator))
         return self._mix(parts)
 

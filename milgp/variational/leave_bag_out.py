@@ -119,4 +119,4 @@ def leave_bag_out_posterior(
         cov, mask = model.variational_strategy.block_covariances(x[inst], local, n_bags, A_pad, cov_v)
         return mean_pad, cov, mask
 
-    return BagPosterior(cav_mean, cav_var.clamp_min(1e-10), bag_index, B, blocks, block_budget)
+    return BagPosterior(cav_mean, cav_var.clamp_min(1e-10), batch.bags, blocks, block_budget)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from milgp.data.bags import BagBatch
+from milgp.data.bags import BagBatch, Bags
 from milgp.likelihoods import MILProbitLikelihood
 from milgp.likelihoods.mil_probit import bag_log_normaliser, expected_augmentation
 from milgp.likelihoods.instance_link import ProbitLink
@@ -343,7 +343,7 @@ def test_bag_prediction_accounts_for_within_bag_correlation():
     mask = torch.ones(1, 2, dtype=torch.bool)
     p_same, _ = OrthantRule()(BagPosterior.from_blocks(mean, same, mask), ProbitLink())
     p_ind, _ = OrthantRule()(BagPosterior.from_blocks(mean, indep, mask), ProbitLink())
-    p_ind2, _ = NoisyOrRule()(BagPosterior(mean[0], torch.full((2,), sig2, dtype=torch.float64), torch.zeros(2, dtype=torch.long), 1), ProbitLink())
+    p_ind2, _ = NoisyOrRule()(BagPosterior(mean[0], torch.full((2,), sig2, dtype=torch.float64), Bags(torch.zeros(2, dtype=torch.long), 1)), ProbitLink())
     assert float(p_same) < float(p_ind) - 0.05  # 1 − P(neg): higher P(neg) ⇔ lower P(pos)
     assert abs(float(p_ind) - float(p_ind2)) < 1e-3
     # through the model: a bag [x, x] has the full correlation from bag_covariances
@@ -352,7 +352,7 @@ def test_bag_prediction_accounts_for_within_bag_correlation():
     mp_, cp, mk = model.variational_strategy.bag_covariances(x, torch.zeros(2, dtype=torch.long), 1)
     p_joint, _ = OrthantRule()(BagPosterior.from_blocks(mp_, cp, mk), ProbitLink())
     m, v = model.variational_strategy.predict_marginals(x)
-    p_indep, _ = NoisyOrRule()(BagPosterior(m, v, torch.zeros(2, dtype=torch.long), 1), ProbitLink())
+    p_indep, _ = NoisyOrRule()(BagPosterior(m, v, Bags(torch.zeros(2, dtype=torch.long), 1)), ProbitLink())
     assert float(p_joint) < float(p_indep) - 0.05
 
 

@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from milgp.data.bags import Bags
 from milgp.likelihoods.instance_link import LogisticLink, ProbitLink
 from milgp.likelihoods.orthant import orthant_probability
 from milgp.prediction import (
@@ -34,7 +35,7 @@ def _diag_posterior(mean=MEAN, var=VAR, bag_index=BAG_INDEX, num_bags=3):
         v, _ = to_padded(var[inst], local, n_bags, fill=1.0)
         return m, torch.diag_embed(v), mask
 
-    return BagPosterior(mean, var, bag_index, num_bags, blocks)
+    return BagPosterior(mean, var, Bags(bag_index, num_bags), blocks)
 
 
 def test_noisy_or_matches_monte_carlo():
@@ -57,8 +58,8 @@ def test_noisy_or_std_of_long_bag_is_accurate_in_float32():
     mean = -5.0 + 0.3 * torch.randn(1000, generator=g, dtype=torch.float64)
     var = torch.full((1000,), 0.001, dtype=torch.float64)
     idx = torch.zeros(1000, dtype=torch.long)
-    p64, s64 = NoisyOrRule()(BagPosterior(mean, var, idx, 1), LogisticLink())
-    p32, s32 = NoisyOrRule()(BagPosterior(mean.float(), var.float(), idx, 1), LogisticLink())
+    p64, s64 = NoisyOrRule()(BagPosterior(mean, var, Bags(idx, 1)), LogisticLink())
+    p32, s32 = NoisyOrRule()(BagPosterior(mean.float(), var.float(), Bags(idx, 1)), LogisticLink())
     assert s64.item() > 0
     assert s32.item() == pytest.approx(s64.item(), rel=1e-3)
     assert p32.item() == pytest.approx(p64.item(), rel=1e-4)
@@ -109,7 +110,7 @@ def test_duplication_invariant_rules(rule):
     these rules' bag probabilities; the noisy-OR, for contrast, rises towards 1."""
     link = LogisticLink()
     rep = 10
-    dup = BagPosterior(MEAN.repeat_interleave(rep), VAR.repeat_interleave(rep), BAG_INDEX.repeat_interleave(rep), 3)
+    dup = BagPosterior(MEAN.repeat_interleave(rep), VAR.repeat_interleave(rep), Bags(BAG_INDEX.repeat_interleave(rep), 3))
     p, _ = rule(_diag_posterior(), link)
     p_dup, _ = rule(dup, link)
     torch.testing.assert_close(p_dup, p, rtol=0, atol=1e-12)
@@ -129,7 +130,7 @@ def test_joint_max_is_unchanged_by_exact_duplicates():
 
     def post(m, c):
         n = m.shape[1]
-        return BagPosterior(m[0], torch.diagonal(c[0]), torch.zeros(n, dtype=torch.long), 1, lambda i, l, b: (m, c, torch.ones_like(m, dtype=torch.bool)))
+        return BagPosterior(m[0], torch.diagonal(c[0]), Bags(torch.zeros(n, dtype=torch.long), 1), lambda i, l, b: (m, c, torch.ones_like(m, dtype=torch.bool)))
 
     n = 100_000
     p, s = JointMaxRule(num_samples=n)(post(mean, cov), LogisticLink(), torch.Generator().manual_seed(3))
@@ -152,7 +153,7 @@ def test_orthant_rule_matches_the_orthant_integral():
     A = torch.tensor([[1.0, 0.2, 0.0], [0.2, 0.8, 0.3], [0.0, 0.3, 1.5]], dtype=torch.float64)
     cov = (A @ A.mT).unsqueeze(0)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    post = BagPosterior(mean[0], torch.diagonal(cov[0]), torch.zeros(3, dtype=torch.long), 1, lambda i, l, b: (mean, cov, mask))
+    post = BagPosterior(mean[0], torch.diagonal(cov[0]), Bags(torch.zeros(3, dtype=torch.long), 1), lambda i, l, b: (mean, cov, mask))
     p, se = OrthantRule(num_points=4096, replicates=8)(post, ProbitLink())
     p_neg, _ = orthant_probability(mean, cov + torch.eye(3, dtype=torch.float64), mask, num_points=4096, replicates=8, seed=0)
     assert p.item() == pytest.approx(1 - p_neg.item(), abs=5 * se.item() + 1e-6)
@@ -172,7 +173,7 @@ def test_error_paths():
     with pytest.raises(ValueError, match="probit"):
         OrthantRule()(_diag_posterior(), LogisticLink())
     with pytest.raises(ValueError, match="marginals only"):
-        JointMaxRule()(BagPosterior(MEAN, VAR, BAG_INDEX, 3), LogisticLink())
+        JointMaxRule()(BagPosterior(MEAN, VAR, Bags(BAG_INDEX, 3)), LogisticLink())
     with pytest.raises(ValueError, match="bag 0 has 3 instances"):
         JointMaxRule(max_instances=2)(_diag_posterior(), LogisticLink())
     with pytest.raises(ValueError, match="exactly one"):

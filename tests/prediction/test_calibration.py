@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from milgp.data.bags import Bags
 from milgp.prediction import BagCalibrator
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -94,7 +95,7 @@ def test_fit_bag_decision_picks_the_rule_that_predicts_held_out_bags():
     mean = torch.randn(B, n, generator=g, dtype=torch.float64) + 0.8 * y.unsqueeze(1)
     mean[:, 0] = 3.0 + torch.randn(B, generator=g, dtype=torch.float64)  # a loud instance in every bag
     bag_index = torch.arange(B).repeat_interleave(n)
-    post = BagPosterior(mean.reshape(-1), torch.full((B * n,), 0.1, dtype=torch.float64), bag_index, B)
+    post = BagPosterior(mean.reshape(-1), torch.full((B * n,), 0.1, dtype=torch.float64), Bags(bag_index, B))
     decision = fit_bag_decision(post, LogisticLink(), y)
     assert decision.rule.name == "top_k_mean" and decision.rule.fraction == 1.0
     assert set(decision.candidates) == {"MaxRule()", "TopKMeanRule(fraction=0.25)", "TopKMeanRule(fraction=1.0)"}
@@ -117,7 +118,7 @@ def test_score_bag_rules_keeps_each_rules_heldout_probabilities():
     B, n = 60, 6
     y = (torch.arange(B) % 2).double()
     mean = torch.randn(B, n, generator=g, dtype=torch.float64) + 1.5 * y.unsqueeze(1) - 0.5
-    post = BagPosterior(mean.reshape(-1), torch.full((B * n,), 0.3, dtype=torch.float64), torch.arange(B).repeat_interleave(n), B)
+    post = BagPosterior(mean.reshape(-1), torch.full((B * n,), 0.3, dtype=torch.float64), Bags(torch.arange(B).repeat_interleave(n), B))
     link = LogisticLink()
     for calibrate in (True, False):
         scored = score_bag_rules(post, link, y, ("max", "top_k_mean", "mean", "noisy_or"), calibrate=calibrate)

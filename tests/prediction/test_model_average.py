@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from milgp.data.bags import Bags
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.models.sparse_gp import SparseGP
 from milgp.prediction import BagCalibrator, BagDecision, BagPosterior, ModelAverage, make_bag_rule, pseudo_bma_plus_weights
@@ -74,8 +75,8 @@ def test_mixture_is_the_weighted_mean_with_the_law_of_total_variance():
     avg = ModelAverage.from_candidates(cands, labels, seed=0)
     assert len(avg.members) == 2 and all(m.model is not cands[2][0] for m in avg.members)  # the wrong one is dropped
     assert math.isclose(sum(m.weight for m in avg.members), 1.0)
-    p, s = avg.bag_probability(x, bag_index, 3)
-    parts = [m.decision(BagPosterior.from_model(m.model, x, bag_index, 3), m.likelihood.instance_link) for m in avg.members]
+    p, s = avg.bag_probability(x, Bags(bag_index, 3))
+    parts = [m.decision(BagPosterior.from_model(m.model, x, Bags(bag_index, 3)), m.likelihood.instance_link) for m in avg.members]
     w = [m.weight for m in avg.members]
     ref_p = w[0] * parts[0][0] + w[1] * parts[1][0]
     ref_var = w[0] * (parts[0][1] ** 2 + parts[0][0] ** 2) + w[1] * (parts[1][1] ** 2 + parts[1][0] ** 2) - ref_p**2
