@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from milgp.data.atomic import atomic_write_json, remove_stale_temporaries
 from milgp.ct.bag_array_file import open_array_file
-from milgp.ct.cache_bag import BagResult, process_bag_isolated
+from milgp.ct.cache_bag import BagResult, bag_file_stem, process_bag_isolated
 from milgp.ct.cache_lock import CacheLock
 from milgp.ct.cache_params import (
     CacheParams,
@@ -149,11 +149,14 @@ def build_cache(
         )
         entries: dict[str, dict] = {}
         bar = tqdm(total=len(index), desc="caching bags", unit="bag", disable=not progress)
+        # bags cached before this build: a bag whose worker wrote it but died with its pool before
+        # reporting it is found verified on the retry, and counts as built here, not as reused
+        cached_before = {marker.stem for marker in (root / "bags").glob("*.json")}
 
         def record(result: BagResult) -> None:
             if result.status == "failed":
                 report.failed.append(ReportEntry(result.bag_id, result.path, result.reason))
-            elif result.status == "reused":
+            elif result.status == "reused" and bag_file_stem(result.bag_id) in cached_before:
                 report.reused.append(result.bag_id)
             else:
                 report.done.append(result.bag_id)

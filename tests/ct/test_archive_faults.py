@@ -203,6 +203,34 @@ def test_worker_killed_by_a_signal_costs_only_its_bag(tmp_path: Path, monkeypatc
     report = build_cache(index, tmp_path / "c", CacheParams(size=8), workers=2, progress=False)
     assert [e.bag_id for e in report.failed] == [ds.scans[2].bag_id] and "worker process died" in report.failed[0].reason
     assert sorted(report.done) == sorted(s.bag_id for s in ds.scans if s is not ds.scans[2])
+    # a bag a dying pool's other worker had already written (its result lost with the pool) is found
+    # on the retry; it was built by this run, so it is reported as done, never as reused
+    assert report.reused == []
+
+
+def test_a_bag_written_just_before_its_pool_broke_is_reported_as_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that writes its bag and dies before reporting it (the pool breaks: its result is lost) leaves a
+    complete bag on disk; the retry finds it verified. The report must say the bag was built by this run (``done``),
+    not reused from an earlier one, and nothing may be reported failed. If this fails, a build's report misstates
+    what it wrote (a bag counted as reused that no earlier build made)."""
+    ds = _generic(tmp_path / "gen", n_bags=3)
+    index = index_generic(ds.image_dir, ds.labels_csv)
+    victim, parent, flag = ds.scans[1].bag_id, os.getpid(), tmp_path / "died-once"
+    real = cache_bag.process_bag
+
+    def write_then_die(record, cache_dir, params):
+        result = real(record, cache_dir, params)
+        if record.bag_id == victim and os.getpid() != parent and not flag.exists():
+            flag.touch()
+            os.kill(os.getpid(), signal.SIGKILL)  # the bag is on disk; its result never reaches the parent
+        return result
+
+    monkeypatch.setattr(cache_bag, "process_bag", write_then_die)
+    report = build_cache(index, tmp_path / "c", CacheParams(size=8), workers=2, progress=False)
+    assert flag.exists() and report.failed == [] and report.reused == []
+    assert sorted(report.done) == sorted(s.bag_id for s in ds.scans)
+    rerun = build_cache(index, tmp_path / "c", CacheParams(size=8), workers=2, progress=False)
+    assert sorted(rerun.reused) == sorted(s.bag_id for s in ds.scans) and rerun.done == []
 
 
 def test_header_read_that_kills_its_worker_costs_only_that_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
