@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules import AttentionMILModule, GPMILModule, ResNetExtractor, SmallCNN
-from milgp.data.bags import bag_index_from_sizes
+from milgp.data.bags import Bags, bag_index_from_sizes
 
 
 def _rss_mb() -> float:
@@ -93,7 +93,7 @@ def _gp_step(model: GPMILModule, opt: torch.optim.Optimizer, amp: bool, device: 
             z = model.gp.standardize(h.float())
             B = len(labels)
             # the training step's closed-form step and hyperparameter objective (GPMILModule.training_step)
-            steps = model.gp.fit_steps(z, bag_index, labels, B)
+            steps = model.gp.fit_steps(z, Bags(bag_index, B), labels)
             steps.minibatch_step(None, 0.5, 10.0)
             loss = -steps.hyper_objective(z) / len(z)
         opt.zero_grad(set_to_none=True)

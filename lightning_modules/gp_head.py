@@ -247,17 +247,17 @@ class GPHead(nn.Module):
         return self.strategy.marginals(self.strategy.projection(z), q)
 
     # -- bag decisions ---------------------------------------------------------------------------
-    def bag_posterior(self, z: Tensor, bag_index: Tensor, num_bags: int) -> BagPosterior:
-        """The predictive ``q(f*)`` of bags of standardised features ``z`` ``(N, D)``: marginals, and
-        the within-bag covariance blocks on demand (joint rules); no gradients."""
-        return BagPosterior.from_model(self.gp, z.to(torch.float64), Bags(bag_index, num_bags))
+    def bag_posterior(self, z: Tensor, bags: Bags) -> BagPosterior:
+        """The predictive ``q(f*)`` of the bags ``bags`` of standardised features ``z`` ``(N, D)``:
+        marginals, and the within-bag covariance blocks on demand (joint rules); no gradients."""
+        return BagPosterior.from_model(self.gp, z.to(torch.float64), bags)
 
     @torch.no_grad()
-    def leave_bag_out(self, z: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, locals_: Any) -> BagPosterior:
+    def leave_bag_out(self, z: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> BagPosterior:
         """Leave-one-bag-out cavity predictive of training bags (standardised features ``z``, their
         labels and locals at the current fit): an out-of-bag prediction of every training bag
         (:func:`milgp.variational.leave_bag_out.leave_bag_out_posterior`)."""
-        batch = BagBatch(z.to(torch.float64), bag_index, bag_labels.to(torch.float64))
+        batch = BagBatch(z.to(torch.float64), bags.index, bag_labels.to(torch.float64))
         return leave_bag_out_posterior(self.gp, self.likelihood, batch, locals_, block_budget=self.block_budget)
 
     @property
@@ -313,7 +313,7 @@ class GPHead(nn.Module):
         return p_cal, std_cal
 
     @torch.no_grad()
-    def cross_fitted_nll(self, z: Tensor, bag_index: Tensor, labels: Tensor, num_bags: int, folds: int = 2) -> float | None:
+    def cross_fitted_nll(self, z: Tensor, bags: Bags, labels: Tensor, folds: int = 2) -> float | None:
         """Held-out NLL of bag decisions fitted on the same bags, by cross-fitting: the bags are
         dealt into ``folds`` folds stratified by label, each fold is predicted by a decision
         (:meth:`fit_decision`) fitted on the other folds, and the mean NLL of those out-of-fold
@@ -321,6 +321,7 @@ class GPHead(nn.Module):
 
         ``z`` ``(N, D)`` are the bags' standardised features, ``labels`` ``(B,)`` in {0, 1}."""
         y = labels.to(torch.float64).cpu()
+        bag_index, num_bags = bags.index, bags.num_bags
         pos, neg = torch.nonzero(y > 0.5).flatten(), torch.nonzero(y <= 0.5).flatten()
         if min(len(pos), len(neg)) < folds:
             return None
@@ -328,12 +329,12 @@ class GPHead(nn.Module):
         fold[pos], fold[neg] = torch.arange(len(pos)) % folds, torch.arange(len(neg)) % folds
         p_out = torch.empty(num_bags, dtype=torch.float64)
 
-        def subset(bags: Tensor) -> BagPosterior:
-            bags = bags.to(bag_index.device)
-            keep = torch.isin(bag_index, bags)
+        def subset(ids: Tensor) -> BagPosterior:
+            ids = ids.to(bag_index.device)
+            keep = torch.isin(bag_index, ids)
             new_id = torch.full((num_bags,), -1, dtype=torch.long, device=bag_index.device)
-            new_id[bags] = torch.arange(len(bags), device=bag_index.device)
-            return self.bag_posterior(z[keep], new_id[bag_index[keep]], len(bags))
+            new_id[ids] = torch.arange(len(ids), device=bag_index.device)
+            return self.bag_posterior(z[keep], Bags(new_id[bag_index[keep]], len(ids)))
 
         for k in range(folds):
             fit_bags, out_bags = torch.nonzero(fold != k).flatten(), torch.nonzero(fold == k).flatten()
@@ -355,9 +356,8 @@ class GPHead(nn.Module):
     def fit_steps(
         self,
         z: Tensor,
-        bag_index: Tensor,
+        bags: Bags,
         bag_labels: Tensor,
-        num_bags: int,
         *,
         weights: Tensor | None = None,
         locals_: Any = None,
@@ -377,19 +377,19 @@ class GPHead(nn.Module):
         labels = bag_labels.to(z)
         if self.is_aggregate:
             return AggregateSteps(
-                self.strategy, self.likelihood, BagBatch(z, bag_index, labels, instance_weights=self._ones_if_none(weights, z)),
+                self.strategy, self.likelihood, BagBatch(z, bags.index, labels, instance_weights=self._ones_if_none(weights, z)),
                 rho=rho, rho_max=rho_max,
                 chunk_instances=self.chunk_instances, block_budget=self.block_budget, cache_entries=self.cache_entries,
                 reduce=reduce, reduce_value=reduce_value,
             )
         return ClosedFormSteps(
-            self.strategy, self.likelihood, BagBatch(z, bag_index, labels), chunk_size=max(1, len(z)), cache_bytes=math.inf,
+            self.strategy, self.likelihood, BagBatch(z, bags.index, labels), chunk_size=max(1, len(z)), cache_bytes=math.inf,
             initial_locals=locals_, reduce=reduce,
         )
 
     @torch.no_grad()
     def predict(
-        self, z: Tensor, bag_index: Tensor, num_bags: int, weights: Tensor | None = None, bag_targets: Tensor | None = None
+        self, z: Tensor, bags: Bags, weights: Tensor | None = None, bag_targets: Tensor | None = None
     ) -> dict[str, Tensor | dict[str, Tensor]]:
         """Instance and bag predictions with uncertainty, for either kind of likelihood.
 
@@ -408,18 +408,18 @@ class GPHead(nn.Module):
         """
         z = z.to(torch.float64)
         if not self.is_aggregate:
-            posterior = self.bag_posterior(z, bag_index, num_bags)
+            posterior = self.bag_posterior(z, bags)
             out: dict[str, Any] = {"mean": posterior.mean, "var": posterior.var, "bag_fields": {}}
             out["instance"], out["instance_std"] = self.likelihood.instance_link.moments(posterior.mean, posterior.var)
             out["bag"], out["bag_std"] = self.decide(posterior)
             return out
         lik, w = self.likelihood, self._ones_if_none(weights, z)
         mean, var = self.moments(z)
-        bag = predict_bag_moments(self.gp, lik, z, bag_index, num_bags, w, self.chunk_instances, self.block_budget)
+        bag = predict_bag_moments(self.gp, lik, z, bags.index, bags.num_bags, w, self.chunk_instances, self.block_budget)
         fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"]}
         if bag_targets is not None:
             fields["bag_nll"] = -bag_log_predictive(
-                self.gp, lik, z, bag_index, num_bags, bag_targets.to(z), w, samples=self.nll_samples,
+                self.gp, lik, z, bags.index, bags.num_bags, bag_targets.to(z), w, samples=self.nll_samples,
                 generator=torch.Generator(device=z.device).manual_seed(self.seed), chunk_instances=self.chunk_instances,
                 block_budget=self.block_budget, moments=bag,
             )

@@ -82,7 +82,7 @@ from lightning_modules.distributed import all_gather_objects, all_reduce_sum, wo
 from lightning_modules.gp_head import GPHead
 from lightning_modules.input_error import InputError
 from lightning_modules.module_config import module_config
-from milgp.data.bags import BagBatch, bag_sizes, split_by_bag
+from milgp.data.bags import BagBatch, Bags, bag_sizes, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
@@ -439,7 +439,7 @@ class GPMILModule(BagModuleBase):
             assert self.num_train_bags is not None
             full = global_bags >= self.num_train_bags
             steps = self.gp.fit_steps(
-                z, batch.bag_index, batch.bag_labels, batch.num_bags, weights=w, locals_=self._get_locals(batch),
+                z, batch.bags, batch.bag_labels, weights=w, locals_=self._get_locals(batch),
                 rho=float(self.aggregate_rho) if self.gp.is_aggregate else 1.0, rho_max=self.rho_max,
                 reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
             )
@@ -499,9 +499,9 @@ class GPMILModule(BagModuleBase):
         of the epoch's last step, so validation and both checkpoints see it)."""
         ids, h, bag_index, labels = self._decision_store.gathered()
         self._decision_store.clear()
-        h, bag_index = h.to(self.device), bag_index.to(self.device)
+        h, bags = h.to(self.device), Bags(bag_index.to(self.device), len(ids))
         locals_ = torch.cat([self._locals[b] for b in ids]).to(self.device)
-        posterior = self.gp.leave_bag_out(self._standardize(h), bag_index, labels.to(self.device), len(ids), locals_)
+        posterior = self.gp.leave_bag_out(self._standardize(h), bags, labels.to(self.device), locals_)
         self._adopt_decision(posterior, labels, "training")
 
     def _hyper_steps(
@@ -543,7 +543,7 @@ class GPMILModule(BagModuleBase):
         x, w = self.split_inputs(batch)
         h = self.features(x)
         with self._float64():
-            pred = self.gp.predict(self._standardize(h), batch.bag_index, batch.num_bags, weights=w, bag_targets=batch.bag_labels)
+            pred = self.gp.predict(self._standardize(h), batch.bags, weights=w, bag_targets=batch.bag_labels)
         extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
         if self.extractor is not None:
             extra["features"] = h.float()
@@ -584,15 +584,15 @@ class GPMILModule(BagModuleBase):
         fewer than two validation bags: the NLL is then the in-sample one, and a warning says so)."""
         ids, h, bag_index, labels = self._decision_store.gathered()
         self._decision_store.clear()
-        z, bag_index = self._standardize(h.to(self.device)), bag_index.to(self.device)
-        posterior = self.gp.bag_posterior(z, bag_index, len(ids))
+        z, bags = self._standardize(h.to(self.device)), Bags(bag_index.to(self.device), len(ids))
+        posterior = self.gp.bag_posterior(z, bags)
         if not self._adopt_decision(posterior, labels, "validation"):
             return None
         p, std = self.gp.decide(posterior)
         by_id = {b: (float(p[k]), float(std[k])) for k, b in enumerate(ids)}
         for r in records:
             r["bag_prob"], r["bag_std"] = by_id[r["bag_id"]]
-        heldout = self.gp.cross_fitted_nll(z, bag_index, labels, len(ids))
+        heldout = self.gp.cross_fitted_nll(z, bags, labels)
         if heldout is None:
             rank_zero_warn("fewer than two validation bags of a class: val/bag_nll is computed on the bags the decision was fitted on")
         return heldout

@@ -9,7 +9,7 @@ import torch
 
 from lightning_modules import AttentionMILModule, BagArrayDataModule, GPMILModule, InputError, SmallCNN
 from lightning_modules.checkpoints import load_module
-from milgp.data.bags import collate_bags
+from milgp.data.bags import Bags, collate_bags
 from milgp.likelihoods import GammaPsi, MILBernoulliLikelihood
 from lm_helpers import feature_bags, image_bags
 
@@ -114,9 +114,9 @@ def test_end_to_end_decision_is_fitted_on_validation_with_a_cross_fitted_score(t
     batch = _batch(data, sorted(range(6, 14), key=lambda i: f"bag_{i}"))  # the order validation sees (by bag id)
     with torch.no_grad():
         z = model.gp.standardize(model.features(batch.x))
-        cross = model.gp.cross_fitted_nll(z, batch.bag_index, batch.bag_labels, batch.num_bags)
+        cross = model.gp.cross_fitted_nll(z, batch.bags, batch.bag_labels)
         assert cross == pytest.approx(float(trainer.callback_metrics["val/bag_nll"]), rel=1e-6)
-        assert model.gp.cross_fitted_nll(z[batch.bag_index < 3], batch.bag_index[batch.bag_index < 3], batch.bag_labels[:3], 3) is None
+        assert model.gp.cross_fitted_nll(z[batch.bag_index < 3], Bags(batch.bag_index[batch.bag_index < 3], 3), batch.bag_labels[:3]) is None
 
 
 def test_threshold_half_means_something_for_g_vgpmil(tmp_path: Path) -> None:

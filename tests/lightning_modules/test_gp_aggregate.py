@@ -25,7 +25,7 @@ import torch
 from lightning_modules import BagArrayDataModule, GPMILModule, SmallCNN
 from lightning_modules.cli import run_cli
 from lightning_modules.features import FeatureTable, save_features
-from milgp.data.bags import BagBatch, collate_bags
+from milgp.data.bags import BagBatch, Bags, collate_bags
 from milgp.estimators import VBAggRegressor
 from milgp.likelihoods import MILBernoulliLikelihood, NormalAggregateLikelihood, PoissonAggregateLikelihood
 from milgp.variational.aggregate_fit import fit_aggregate
@@ -142,7 +142,7 @@ def test_normal_exact_step_matches_vbagg_regressor() -> None:
     torch.testing.assert_close(q.m, q_ref.m, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(q.S, q_ref.S, rtol=1e-9, atol=1e-9)
     X = np.concatenate(data["x"])
-    pred = model.gp.predict(model.gp.standardize(torch.as_tensor(X)), torch.zeros(len(X), dtype=torch.long), 1)
+    pred = model.gp.predict(model.gp.standardize(torch.as_tensor(X)), Bags(torch.zeros(len(X), dtype=torch.long), 1))
     np.testing.assert_allclose(pred["instance"].numpy(), reg.predict(X), rtol=1e-8, atol=1e-9)
     # a second exact step at the same hyperparameters stays at the optimum
     _trainer(1).fit(model, dict_loader(data, idx))

@@ -71,7 +71,7 @@ def test_bags_of_one_slice_train_and_predict() -> None:
     gp.num_train_bags = 4
     with torch.no_grad():
         z = gp.gp.standardize(gp.features(batch.x))
-        steps = gp.gp.fit_steps(z, batch.bag_index, batch.bag_labels, 4)
+        steps = gp.gp.fit_steps(z, batch.bags, batch.bag_labels)
         steps.sweep()
     assert torch.isfinite(steps.locals).all()
     rec = gp.predict_records(batch)
