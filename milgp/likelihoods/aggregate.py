@@ -35,7 +35,7 @@ from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 from scipy import stats
 from torch import Tensor
 
-from milgp.data.bags import bag_sizes, identity_padded, segment_max, segment_sum, to_padded
+from milgp.data.bags import Bags, bag_sizes, identity_padded, segment_max, segment_sum, to_padded
 
 __all__ = [
     "AggregateLikelihood",
@@ -305,11 +305,10 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         weights: Tensor,
         mean: Tensor,
         var: Tensor,
-        bag_index: Tensor,
-        num_bags: int,
+        bags: Bags,
         blocks: PaddedBlocks | None,
     ) -> Tensor:
-        """Per-bag expected log-likelihood ``(B,)`` (exact, bound or approximation; includes the
+        """Per-bag expected log-likelihood ``(B,)`` of the bags ``bags`` (exact, bound or approximation; includes the
         normalising constants so that it is comparable with ``E_q[log p(y_a | f_a)]``)."""
 
     @abstractmethod
@@ -405,7 +404,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 )
             else:
                 blocks = _blocks_from_distribution(function_dist, bag_index, num_bags, weights)
-        terms = self.bag_terms(y, weights, mean, var, bag_index, num_bags, blocks)
+        terms = self.bag_terms(y, weights, mean, var, Bags(bag_index, num_bags), blocks)
         sizes = bag_sizes(bag_index, num_bags).to(terms.dtype)
         return (terms / sizes)[bag_index]
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from milgp.data.bags import Bags
 from milgp.likelihoods.aggregate import AggregateLikelihood, ExpLink, Link, PaddedBlocks, segment_logsumexp
 
 __all__ = ["ExponentialAggregateLikelihood"]
@@ -46,8 +47,9 @@ class ExponentialAggregateLikelihood(AggregateLikelihood):
             raise ValueError(f"bag {int(bad[0])} has target {float(y[bad[0]])}; Exponential targets must be non-negative")
 
     def bag_terms(
-        self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bag_index: Tensor, num_bags: int, blocks: PaddedBlocks | None
+        self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bags: Bags, blocks: PaddedBlocks | None
     ) -> Tensor:
+        bag_index, num_bags = bags.index, bags.num_bags
         log_w = torch.log(weights)
         log_z = segment_logsumexp(log_w + mean - 0.5 * var, bag_index, num_bags)  # log Σ w_i/ξ_i
         log_e = segment_logsumexp(log_w + mean + 0.5 * var, bag_index, num_bags)  # log E[η_a]

@@ -27,7 +27,7 @@ import torch
 from gpytorch.constraints import GreaterThan
 from torch import Tensor
 
-from milgp.data.bags import bag_sizes, segment_sum
+from milgp.data.bags import Bags, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, IdentityLink, Link, PaddedBlocks
 from milgp.likelihoods.natural_statistics import NaturalStatistics
 
@@ -68,24 +68,24 @@ class NormalAggregateLikelihood(AggregateLikelihood):
         return None
 
     def bag_terms(
-        self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bag_index: Tensor, num_bags: int, blocks: PaddedBlocks | None
+        self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bags: Bags, blocks: PaddedBlocks | None
     ) -> Tensor:
+        bag_index, num_bags = bags.index, bags.num_bags
         tau = self.noise.to(mean)
         w2 = segment_sum(weights * weights, bag_index, num_bags)
         resid = y - segment_sum(weights * mean, bag_index, num_bags)
         if blocks is not None:
             wsw = (blocks.weights.unsqueeze(-2) @ blocks.cov @ blocks.weights.unsqueeze(-1)).squeeze(-1).squeeze(-1)
-        elif bool((bag_sizes(bag_index, num_bags) == 1).all()):
+        elif bool((bags.sizes == 1).all()):
             wsw = segment_sum(weights * weights * var, bag_index, num_bags)
         else:
             raise ValueError("the Normal aggregate ELBO needs the within-bag covariance blocks for bags of more than one instance")
         scale = tau * w2
         return -0.5 * (_LOG_2PI + torch.log(scale)) - 0.5 * (resid * resid + wsw) / scale
 
-    def closed_form_statistics(
-        self, y: Tensor, weights: Tensor, A: Tensor, prior_mean: Tensor, bag_index: Tensor, num_bags: int
-    ) -> NaturalStatistics:
+    def closed_form_statistics(self, y: Tensor, weights: Tensor, A: Tensor, prior_mean: Tensor, bags: Bags) -> NaturalStatistics:
         """Exact statistics ``(h, G)`` (see the module docstring); ``A`` is ``(M, N)``."""
+        bag_index, num_bags = bags.index, bags.num_bags
         with torch.no_grad():
             tau = self.noise.to(A)
             w2 = segment_sum(weights * weights, bag_index, num_bags)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from milgp.data.bags import segment_sum
+from milgp.data.bags import Bags, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, ExpLink, Link, PaddedBlocks, SquareLink, segment_logsumexp
 
 __all__ = ["PoissonAggregateLikelihood"]
@@ -51,8 +51,9 @@ class PoissonAggregateLikelihood(AggregateLikelihood):
             raise ValueError(f"bag {int(bad[0])} has count {float(y[bad[0]])}; Poisson counts must be non-negative integers")
 
     def bag_terms(
-        self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bag_index: Tensor, num_bags: int, blocks: PaddedBlocks | None
+        self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bags: Bags, blocks: PaddedBlocks | None
     ) -> Tensor:
+        bag_index, num_bags = bags.index, bags.num_bags
         rate = segment_sum(weights * self.link.mean(mean, var), bag_index, num_bags)  # Σ p_i E[Ψ(f_i)]
         const = torch.lgamma(y + 1)
         if isinstance(self.link, ExpLink):

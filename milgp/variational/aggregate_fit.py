@@ -44,7 +44,7 @@ import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from milgp.data.bags import BagBatch, BagGroup, bag_sizes, make_bag_groups, segment_sum
+from milgp.data.bags import BagBatch, BagGroup, Bags, bag_sizes, make_bag_groups, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, PaddedBlocks, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
@@ -108,7 +108,7 @@ def group_terms(
     y = batch.bag_labels[group.bags]
     mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
     blocks = blocks_from_base(cached.block, m, S) if cached.block is not None else None
-    return likelihood.bag_terms(y, w, mean, var, group.local, group.num_bags, blocks)
+    return likelihood.bag_terms(y, w, mean, var, Bags(group.local, group.num_bags), blocks)
 
 
 class GroupCache:
@@ -191,7 +191,7 @@ def aggregate_natural_statistics(
             for g, c in zip(groups, items):
                 c = c if c is not None else _prepare(model, likelihood, batch, g, L, False)
                 part = likelihood.closed_form_statistics(
-                    batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local, g.num_bags
+                    batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, Bags(g.local, g.num_bags)
                 )
                 value += float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum())
                 stats = part if stats is None else stats + part
