@@ -415,11 +415,11 @@ class GPHead(nn.Module):
             return out
         lik, w = self.likelihood, self._ones_if_none(weights, z)
         mean, var = self.moments(z)
-        bag = predict_bag_moments(self.gp, lik, z, bags.index, bags.num_bags, w, self.chunk_instances, self.block_budget)
+        bag = predict_bag_moments(self.gp, lik, z, bags, w, self.chunk_instances, self.block_budget)
         fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"]}
         if bag_targets is not None:
             fields["bag_nll"] = -bag_log_predictive(
-                self.gp, lik, z, bags.index, bags.num_bags, bag_targets.to(z), w, samples=self.nll_samples,
+                self.gp, lik, z, bags, bag_targets.to(z), w, samples=self.nll_samples,
                 generator=torch.Generator(device=z.device).manual_seed(self.seed), chunk_instances=self.chunk_instances,
                 block_budget=self.block_budget, moments=bag,
             )

@@ -12,7 +12,7 @@ from sklearn.metrics import r2_score
 from sklearn.model_selection import KFold
 from sklearn.utils.validation import check_is_fitted
 
-from milgp.data.bags import BagBatch, flatten_bags
+from milgp.data.bags import BagBatch, Bags, flatten_bags
 from milgp.estimators._validation import FeatureScaler, check_bag_weights, check_bags, torch_dtype
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
@@ -223,7 +223,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             tr, te = batch.select_bags(torch.as_tensor(train)), batch.select_bags(torch.as_tensor(test))
             model, likelihood, _ = self._fit_one(tr, Z, lengthscale, outputscale, learn=False)
             moments = predict_bag_moments(
-                model, likelihood, te.x, te.bag_index, te.num_bags, te.instance_weights, self.chunk_instances, self.block_budget
+                model, likelihood, te.x, te.bags, te.instance_weights, self.chunk_instances, self.block_budget
             )
             var = moments["y_var"].clamp_min(1e-12)
             nll = 0.5 * (torch.log(2 * math.pi * var) + (te.bag_labels - moments["y_mean"]) ** 2 / var)
@@ -268,7 +268,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         w_list = check_bag_weights(weights, bags_np)
         x, bag_index, w = self._flat(bags_np, w_list)
         out = predict_bag_moments(
-            self.model_, self.likelihood_, x, bag_index, len(bags_np), w, self.chunk_instances, self.block_budget
+            self.model_, self.likelihood_, x, Bags(bag_index, len(bags_np)), w, self.chunk_instances, self.block_budget
         )
         return {k: v.cpu().numpy() for k, v in out.items()}
 

@@ -404,7 +404,7 @@ def fit_aggregate(
 
 
 def _predictive_blocks(
-    model: ApproximateGP, x: Tensor, bag_index: Tensor, num_bags: int, weights: Tensor, chunk_instances: int, block_budget: int
+    model: ApproximateGP, x: Tensor, bags: Bags, weights: Tensor, chunk_instances: int, block_budget: int
 ) -> Iterator[tuple[BagGroup, PaddedBlocks]]:
     """The joint ``q(f_b)`` of every bag, group by group of similar-sized bags within the memory
     bounds: ``(group, padded blocks)`` under the model's current ``q(v)``, without gradients."""
@@ -412,7 +412,7 @@ def _predictive_blocks(
     q = strategy.whitened_posterior()
     with torch.no_grad():
         L = strategy.inducing_cholesky()
-        for g in make_bag_groups(bag_index, num_bags, chunk_instances, block_budget):
+        for g in make_bag_groups(bags.index, bags.num_bags, chunk_instances, block_budget):
             xg = x[g.inst]
             yield g, bag_blocks(model, xg, strategy.projection(xg, L), g.local, g.num_bags, q.m, q.S, weights[g.inst], kernel_grad=False)
 
@@ -421,22 +421,23 @@ def predict_bag_moments(
     model: ApproximateGP,
     likelihood: AggregateLikelihood,
     x: Tensor,
-    bag_index: Tensor,
-    num_bags: int,
+    bags: Bags,
     weights: Tensor | None = None,
     chunk_instances: int = 32768,
     block_budget: int = 2_000_000,
 ) -> dict[str, Tensor]:
-    """Bag-level predictive moments ``(B,)`` under the joint ``q(f_b)`` of each bag.
+    """Bag-level predictive moments ``(B,)`` under the joint ``q(f_b)`` of each of the bags ``bags``
+    of the inputs ``x`` ``(N, D)``.
 
     Returns ``rate_mean``/``rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` (full within-bag covariance) and
     ``y_mean``/``y_var`` of the observed aggregate (:meth:`AggregateLikelihood.observation_moments`).
     """
     weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
+    bag_index, num_bags = bags.index, bags.num_bags
     rate_mean = x.new_zeros(num_bags)
     rate_var = x.new_zeros(num_bags)
     with torch.no_grad():
-        for g, blocks in _predictive_blocks(model, x, bag_index, num_bags, weights, chunk_instances, block_budget):
+        for g, blocks in _predictive_blocks(model, x, bags, weights, chunk_instances, block_budget):
             mu, var = likelihood.bag_rate_moments(blocks)
             rate_mean[g.bags] = mu
             rate_var[g.bags] = var
@@ -450,8 +451,7 @@ def bag_log_predictive(
     model: ApproximateGP,
     likelihood: AggregateLikelihood,
     x: Tensor,
-    bag_index: Tensor,
-    num_bags: int,
+    bags: Bags,
     y: Tensor,
     weights: Tensor | None = None,
     *,
@@ -471,13 +471,13 @@ def bag_log_predictive(
     weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
     y = y.to(x)
     if is_conjugate(likelihood):
-        moments = moments or predict_bag_moments(model, likelihood, x, bag_index, num_bags, weights, chunk_instances, block_budget)
+        moments = moments or predict_bag_moments(model, likelihood, x, bags, weights, chunk_instances, block_budget)
         var_y = moments["y_var"].clamp_min(1e-300)
         return -0.5 * (math.log(2 * math.pi) + torch.log(var_y) + (y - moments["y_mean"]) ** 2 / var_y)
-    w_sq = segment_sum(weights * weights, bag_index, num_bags)
-    out = x.new_empty(num_bags)
+    w_sq = segment_sum(weights * weights, bags.index, bags.num_bags)
+    out = x.new_empty(bags.num_bags)
     with torch.no_grad():
-        for g, blocks in _predictive_blocks(model, x, bag_index, num_bags, weights, chunk_instances, block_budget):
+        for g, blocks in _predictive_blocks(model, x, bags, weights, chunk_instances, block_budget):
             chol = robust_cholesky(blocks.cov, what="within-bag covariance of q(f_b)")
             B_g, n = blocks.mean.shape
             per = max(1, 4_000_000 // max(1, B_g * n * n))  # draws per pass: bounded memory

@@ -13,7 +13,7 @@ from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_
 
 from milgp.likelihoods import PoissonAggregateLikelihood
 from milgp.likelihoods.aggregate import bag_blocks
-from milgp.data.bags import make_bag_groups
+from milgp.data.bags import Bags, make_bag_groups
 from milgp.variational.aggregate_fit import (
     group_terms,
     aggregate_elbo,
@@ -208,7 +208,7 @@ def test_predictive_distributions_match_monte_carlo():
         np.testing.assert_allclose(qs, emp, rtol=0.03, atol=0.01)
         np.testing.assert_allclose(lik.rate_mean(mean, var).numpy(), psi(f).mean(0).numpy(), rtol=0.02)
         agg = torch.zeros(f.shape[0], len(y), dtype=torch.float64).index_add_(1, bag_index, psi(f) * w)
-        mom = predict_bag_moments(model, lik, x, bag_index, len(y), w)
+        mom = predict_bag_moments(model, lik, x, Bags(bag_index, len(y)), w)
         np.testing.assert_allclose(mom["rate_mean"].numpy(), agg.mean(0).numpy(), rtol=0.02)
         np.testing.assert_allclose(mom["rate_var"].numpy(), agg.var(0).numpy(), rtol=0.08)
         np.testing.assert_allclose(mom["y_var"].numpy(), (agg.var(0) + agg.mean(0)).numpy(), rtol=0.06)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from milgp.data.bags import bag_index_from_sizes
+from milgp.data.bags import Bags, bag_index_from_sizes
 from milgp.likelihoods import ExponentialAggregateLikelihood, NormalAggregateLikelihood, PoissonAggregateLikelihood
 from milgp.models import SparseGP, WhitenedPosterior
 from milgp.variational.aggregate_fit import bag_log_predictive
@@ -67,7 +67,7 @@ def test_bag_log_predictive_equals_a_monte_carlo_reference(likelihood, y, tol) -
     likelihood = likelihood.to(torch.float64)
     y = y.to(torch.float64)
     ours = bag_log_predictive(
-        model, likelihood, x, bag_index, 4, y, weights, samples=100_000, generator=torch.Generator().manual_seed(1)
+        model, likelihood, x, Bags(bag_index, 4), y, weights, samples=100_000, generator=torch.Generator().manual_seed(1)
     )
     torch.manual_seed(2)
     ref = _reference(model, likelihood, x, bag_index, weights, y)
@@ -81,7 +81,7 @@ def test_normal_log_prob_given_rate_averaged_over_draws_equals_the_exact_predict
     model, x, bag_index, weights = _model_and_bags()
     likelihood = NormalAggregateLikelihood(noise=0.3).to(torch.float64)
     y = torch.tensor([3.0, -0.5, 4.0, 1.5], dtype=torch.float64)
-    exact = bag_log_predictive(model, likelihood, x, bag_index, 4, y, weights)
+    exact = bag_log_predictive(model, likelihood, x, Bags(bag_index, 4), y, weights)
     model.eval()
     with torch.no_grad():
         out = model(x)
