@@ -153,7 +153,7 @@ class ProbitMILClassifier(MILClassifierBase):
             p_inst, s_inst = self.gibbs_.instance_probability(self.model_, x)
             p, s = rule.combine(p_inst, s_inst, bags)
         else:  # joint rules: the exact per-draw product over the Gibbs draws
-            p, s = self.gibbs_.bag_probability(self.model_, x, bags.index, bags.num_bags)
+            p, s = self.gibbs_.bag_probability(self.model_, x, bags)
         return self.decision_.calibrator(p, s)
 
     def _instance_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,13 +42,12 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, segment_sum, to_padded
+from milgp.data.bags import BagBatch, Bags, make_bag_groups, segment_sum, to_padded
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import sample_truncated
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import WhitenedPosterior
 from milgp.sampling.diagnostics import effective_sample_size, split_rhat
-from milgp.data.bags import make_bag_groups
 
 __all__ = ["DEFAULT_INIT_DISPERSION", "DEFAULT_MAX_ELEMENTS", "ProbitGibbsResult", "sample_probit_posterior"]
 
@@ -173,9 +172,7 @@ class ProbitGibbsResult:
             return x.new_zeros(0), x.new_zeros(0)
         return torch.cat(ps), torch.cat(sds)
 
-    def bag_probability_draws(
-        self, model: ApproximateGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
-    ) -> Tensor:
+    def bag_probability_draws(self, model: ApproximateGP, x: Tensor, bags: Bags, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
         """Per-draw ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` laid out ``(C, S, B)``.
 
         Bags are processed in groups of whole bags (:func:`milgp.data.bags.make_bag_groups`,
@@ -187,10 +184,11 @@ class ProbitGibbsResult:
         draws = self.draws
         S = draws.shape[0]
         C = self.v.shape[0]
+        num_bags = bags.num_bags
         out = x.new_zeros(S, num_bags)
         with torch.no_grad():
             L = model.variational_strategy.inducing_cholesky()
-            for g in make_bag_groups(bag_index, num_bags, chunk_instances=max(1, max_elements // S)):
+            for g in make_bag_groups(bags.index, num_bags, chunk_instances=max(1, max_elements // S)):
                 mu0, A, resid = self._projection(model, x[g.inst], L)
                 scale = torch.sqrt(1.0 + resid)
                 n_g = g.inst.shape[0]
@@ -202,7 +200,7 @@ class ProbitGibbsResult:
         return out.reshape(C, S // C, num_bags)
 
     def bag_probability(
-        self, model: ApproximateGP, x: Tensor, bag_index: Tensor, num_bags: int, max_elements: int = DEFAULT_MAX_ELEMENTS
+        self, model: ApproximateGP, x: Tensor, bags: Bags, max_elements: int = DEFAULT_MAX_ELEMENTS
     ) -> tuple[Tensor, Tensor]:
         """``P(Y* = 1)`` per bag and its Monte-Carlo standard error, ``(B,)`` each.
 
@@ -213,8 +211,8 @@ class ProbitGibbsResult:
         ``sd / sqrt(C·S)`` (which would understate it by ``sqrt(C·S/ESS)``). Memory as
         :meth:`bag_probability_draws`.
         """
-        per_draw = self.bag_probability_draws(model, x, bag_index, num_bags, max_elements)  # (C, S, B)
-        flat = per_draw.reshape(-1, num_bags)
+        per_draw = self.bag_probability_draws(model, x, bags, max_elements)  # (C, S, B)
+        flat = per_draw.reshape(-1, bags.num_bags)
         p = 1.0 - flat.mean(0)
         ess = effective_sample_size(per_draw)
         se = flat.std(0) / torch.sqrt(ess)

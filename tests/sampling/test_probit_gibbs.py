@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from milgp.data.bags import BagBatch, segment_max
+from milgp.data.bags import BagBatch, Bags, segment_max
 from milgp.likelihoods import MILProbitLikelihood
 from milgp.models.sparse_gp import SparseGP
 from milgp.sampling import sample_probit_posterior
@@ -67,7 +67,7 @@ def test_state_respects_the_bag_constraints_and_predictions_are_sane(fitted):
     for c in range(m.shape[0]):
         top = segment_max(m[c], batch.bag_index, batch.num_bags)
         assert ((top > 0) == batch.bag_labels.bool()).all()
-    p_bag, se = gibbs.bag_probability(model, batch.x, batch.bag_index, batch.num_bags)
+    p_bag, se = gibbs.bag_probability(model, batch.x, batch.bags)
     assert ((p_bag >= 0) & (p_bag <= 1)).all() and torch.isfinite(se).all()
     # training bags: the posterior ranks them well (a weak prior, outputscale 0.5, keeps p moderate)
     from sklearn.metrics import roc_auc_score
@@ -116,7 +116,7 @@ def test_chunked_predictions_equal_unchunked_and_respect_the_memory_bound(fitted
     big = 10**12  # one block: the unchunked computation
     ref_mean = gibbs.latent_mean(model, x, max_elements=big)
     ref_p, ref_s = gibbs.instance_probability(model, x, max_elements=big)
-    ref_bag, ref_se = gibbs.bag_probability(model, x, bi, B, max_elements=big)
+    ref_bag, ref_se = gibbs.bag_probability(model, x, Bags(bi, B), max_elements=big)
     S = gibbs.draws.shape[0]
 
     seen = []
@@ -143,7 +143,7 @@ def test_chunked_predictions_equal_unchunked_and_respect_the_memory_bound(fitted
         assert max(seen) <= budget, (max(seen), budget)
     for budget in (S * 12, 1000):  # groups of ~2 bags; one bag per group with draw chunks
         seen.clear()
-        p_bag, se = gibbs.bag_probability(model, x, bi, B, max_elements=budget)
+        p_bag, se = gibbs.bag_probability(model, x, Bags(bi, B), max_elements=budget)
         torch.testing.assert_close(p_bag, ref_bag, rtol=1e-12, atol=1e-13)
         torch.testing.assert_close(se, ref_se, rtol=1e-10, atol=1e-13)
         assert max(seen) <= budget, (max(seen), budget)
@@ -170,11 +170,11 @@ def test_bag_standard_error_accounts_for_autocorrelation():
     ps, ses = [], []
     for r in range(R):
         res = ProbitGibbsResult(v=v[r], m_last=torch.zeros(C, 4), rhat=torch.ones(1), ess=torch.ones(1), monitored=torch.zeros(1))
-        p, se = res.bag_probability(model, x, bi, 2)
+        p, se = res.bag_probability(model, x, Bags(bi, 2))
         ps.append(p)
         ses.append(se)
         if r == 0:  # the formula itself
-            per = res.bag_probability_draws(model, x, bi, 2)
+            per = res.bag_probability_draws(model, x, Bags(bi, 2))
             expected = per.reshape(-1, 2).std(0) / effective_sample_size(per).sqrt()
             torch.testing.assert_close(se, expected)
             assert (se > 3 * per.reshape(-1, 2).std(0) / math.sqrt(C * S)).all()
