@@ -82,7 +82,7 @@ from lightning_modules.distributed import all_gather_objects, all_reduce_sum, wo
 from lightning_modules.gp_head import GPHead
 from lightning_modules.input_error import InputError
 from lightning_modules.module_config import module_config
-from milgp.data.bags import BagBatch, Bags, bag_sizes, split_by_bag
+from milgp.data.bags import BagBatch, Bags, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
@@ -382,7 +382,7 @@ class GPMILModule(BagModuleBase):
     def _get_locals(self, batch: BagBatch) -> Tensor | None:
         if not batch.bag_ids or not all(b in self._locals for b in batch.bag_ids):
             return None
-        sizes = bag_sizes(batch.bag_index, batch.num_bags).tolist()
+        sizes = batch.bags.sizes.tolist()
         parts = [self._locals[b] for b in batch.bag_ids]
         if [len(p) for p in parts] != sizes:
             return None

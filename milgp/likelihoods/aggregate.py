@@ -35,7 +35,7 @@ from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 from scipy import stats
 from torch import Tensor
 
-from milgp.data.bags import Bags, bag_sizes, identity_padded, segment_max, segment_sum, to_padded
+from milgp.data.bags import Bags, identity_padded, segment_max, segment_sum, to_padded
 
 __all__ = [
     "AggregateLikelihood",
@@ -378,7 +378,8 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             )
         y = kwargs.get("bag_targets")
         # with the bag targets given, their length is the number of bags (no device sync on bag_index.max())
-        num_bags = int(y.shape[0]) if y is not None else int(bag_index.max()) + 1
+        bags = Bags.from_index(bag_index, None if y is None else int(y.shape[0]))
+        num_bags = bags.num_bags
         mean, var = function_dist.mean, function_dist.variance
         weights = kwargs.get("weights")
         weights = torch.ones_like(mean) if weights is None else weights.to(mean)
@@ -396,7 +397,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 proj = model.variational_strategy.projection(x)
                 mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
                 blocks = bag_blocks(model, x, proj, bag_index, num_bags, m, S, weights)
-            elif _is_train_mode_diagonal(function_dist) and bool((bag_sizes(bag_index, num_bags) > 1).any()):
+            elif _is_train_mode_diagonal(function_dist) and bool((bags.sizes > 1).any()):
                 raise ValueError(
                     f"{type(self).__name__} needs the within-bag covariance, but function_dist is GPyTorch's "
                     "train-mode diag=True output whose off-diagonal entries are not valid. "
@@ -404,9 +405,8 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 )
             else:
                 blocks = _blocks_from_distribution(function_dist, bag_index, num_bags, weights)
-        terms = self.bag_terms(y, weights, mean, var, Bags(bag_index, num_bags), blocks)
-        sizes = bag_sizes(bag_index, num_bags).to(terms.dtype)
-        return (terms / sizes)[bag_index]
+        terms = self.bag_terms(y, weights, mean, var, bags, blocks)
+        return (terms / bags.sizes.to(terms.dtype))[bag_index]
 
     # -- predictions --------------------------------------------------------------------------
     def rate_mean(self, mean: Tensor, var: Tensor) -> Tensor:

@@ -253,7 +253,7 @@ class AggregateSteps:
         self.groups = make_bag_groups(batch.bag_index, batch.num_bags, chunk_instances, self.budget)
         self.conjugate = is_conjugate(likelihood)
         self.cache = GroupCache(self.model, likelihood, batch, self.groups, cache_entries)
-        self.sizes = bag_sizes(batch.bag_index, batch.num_bags)
+        self.sizes = batch.bags.sizes
         self.q = strategy.whitened_posterior()
         self.rho = 1.0 if self.conjugate else min(rho, rho_max)
         self.step_size, self.elbo_estimate = 0.0, math.nan

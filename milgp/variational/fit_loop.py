@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, bag_sizes, random_bags_within
+from milgp.data.bags import BagBatch, random_bags_within
 from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
 from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import RobbinsMonro
@@ -93,7 +93,7 @@ def fit_loop(
     batch, strategy = steps.batch, steps.strategy
     generator = torch.Generator().manual_seed(seed)
     B, N = batch.num_bags, batch.num_instances
-    sizes = bag_sizes(batch.bag_index, B) if optimizer is not None and N > hyper_max_instances else None
+    sizes = batch.bags.sizes if optimizer is not None and N > hyper_max_instances else None
     schedule = schedule or RobbinsMonro()
     stop = RelativeChangeStop(tol, min_iter)
     result = FitResult()
