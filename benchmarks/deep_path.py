@@ -76,7 +76,7 @@ def _attcnn_step(model: AttentionMILModule, opt: torch.optim.Optimizer, amp: boo
     def step(x: torch.Tensor, bag_index: torch.Tensor, labels: torch.Tensor) -> None:
         ctx = torch.autocast(device_type=device, dtype=torch.float16) if amp else nullcontext()
         with ctx:
-            out = model(x, bag_index, len(labels))
+            out = model(x, Bags(bag_index, len(labels)))
         loss = F.binary_cross_entropy_with_logits(out["logits"].float(), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()

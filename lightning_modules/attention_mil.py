@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from lightning_modules.attention_pooling import AttentionPooling
 from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.extractors.small_cnn import SmallCNN
-from milgp.data.bags import BagBatch
+from milgp.data.bags import BagBatch, Bags
 
 __all__ = ["AttentionMILModule"]
 
@@ -73,15 +73,15 @@ class AttentionMILModule(BagModuleBase):
         self.pos_weight = pos_weight
         self.instance_score = instance_score
 
-    def forward(self, x: Tensor, bag_index: Tensor, num_bags: int) -> dict[str, Tensor]:
-        """``x (N, C, H, W)`` or ``(N, D)`` → ``{"logits" (B,), "attention" (N,), "features" (N, D)}``."""
+    def forward(self, x: Tensor, bags: Bags) -> dict[str, Tensor]:
+        """``x (N, C, H, W)`` or ``(N, D)`` of ``bags`` → ``{"logits" (B,), "attention" (N,), "features" (N, D)}``."""
         h = self.features(x)
-        pooled, weights = self.pooling(h, bag_index, num_bags)
+        pooled, weights = self.pooling(h, bags)
         logits = self.classifier(self.dropout(pooled)).squeeze(-1)
         return {"logits": logits, "attention": weights, "features": h}
 
     def training_step(self, batch: BagBatch, batch_idx: int) -> Tensor:
-        out = self(batch.x, batch.bag_index, batch.num_bags)
+        out = self(batch.x, batch.bags)
         target = batch.bag_labels.to(out["logits"].dtype)
         pw = None if self.pos_weight is None else torch.tensor(self.pos_weight, device=target.device, dtype=target.dtype)
         loss = F.binary_cross_entropy_with_logits(out["logits"].float(), target.float(), pos_weight=pw)
@@ -90,7 +90,7 @@ class AttentionMILModule(BagModuleBase):
 
     @torch.no_grad()
     def predict_records(self, batch: BagBatch) -> list[dict]:
-        out = self(batch.x, batch.bag_index, batch.num_bags)
+        out = self(batch.x, batch.bags)
         bag_p = torch.sigmoid(out["logits"].float())
         slice_p = torch.sigmoid(self.classifier(out["features"]).squeeze(-1).float())
         scores = out["attention"] if self.instance_score == "attention" else slice_p

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from milgp.data.bags import segment_sum, to_padded
+from milgp.data.bags import Bags, segment_sum, to_padded
 
 __all__ = ["AttentionPooling"]
 
@@ -39,13 +39,13 @@ class AttentionPooling(nn.Module):
             a = a * torch.sigmoid(self.U(h))
         return self.w(a).squeeze(-1)
 
-    def forward(self, h: Tensor, bag_index: Tensor, num_bags: int) -> tuple[Tensor, Tensor]:
-        """``h (N, D)``, ``bag_index (N,)`` → ``(bag embeddings (B, D), attention weights (N,))``."""
+    def forward(self, h: Tensor, bags: Bags) -> tuple[Tensor, Tensor]:
+        """``h (N, D)`` of ``bags`` → ``(bag embeddings (B, D), attention weights (N,))``."""
         s = self.scores(h).float()
-        s_pad, mask = to_padded(s, bag_index, num_bags, fill=float("-inf"))
-        idx_pad, _ = to_padded(torch.arange(len(s), device=s.device), bag_index, num_bags, fill=-1)
+        s_pad, mask = to_padded(s, bags, fill=float("-inf"))
+        idx_pad, _ = to_padded(torch.arange(len(s), device=s.device), bags, fill=-1)
         w_pad = torch.softmax(s_pad, dim=1)  # every bag has >= 1 real entry, so no NaN
         weights = torch.empty_like(s)
         weights[idx_pad[mask]] = w_pad[mask]
-        pooled = segment_sum(weights.to(h.dtype).unsqueeze(-1) * h, bag_index, num_bags)
+        pooled = segment_sum(weights.to(h.dtype).unsqueeze(-1) * h, bags.index, bags.num_bags)
         return pooled, weights

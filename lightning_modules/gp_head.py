@@ -189,9 +189,8 @@ class GPHead(nn.Module):
         # a tensor, not a Python float: GPyTorch's setter would round a float through float32
         self.gp.covar_module.base_kernel.lengthscale = torch.as_tensor(float(ls), dtype=torch.float64, device=device)
         if self.is_aggregate and bag_targets is not None and hasattr(self.gp.mean_module, "constant"):
-            total_w = float(instance_weights.sum()) if instance_weights is not None else float(x.shape[0])
-            rate = float(torch.as_tensor(bag_targets, dtype=torch.float64).sum()) / total_w
-            self.gp.mean_module.constant.data.fill_(self.likelihood.link.inverse(rate))
+            w = torch.ones_like(x[:, 0]) if instance_weights is None else instance_weights.to(x)
+            self.gp.mean_module.constant.data.fill_(self.likelihood.pooled_latent(torch.as_tensor(bag_targets).to(x), w))
         self.reset_posterior()
         self.initialized.fill_(True)
 

@@ -372,7 +372,7 @@ class GPMILModule(BagModuleBase):
         weights = torch.cat([torch.ones(len(per_bag[k][0]), dtype=torch.float64) if per_bag[k][2] is None else per_bag[k][2] for k in keys])
         bag_index = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor([len(per_bag[k][0]) for k in keys]))
         try:
-            self.gp.likelihood.check_data(targets, weights, bag_index, len(keys))
+            self.gp.likelihood.check_data(targets, weights, Bags(bag_index, len(keys)))
         except ValueError as err:  # name the bag by its id, not by its position in the sorted list
             msg = re.sub(r"^bag (\d+)", lambda m: f"training bag {keys[int(m.group(1))]!r}", str(err))
             raise ValueError(msg) from err

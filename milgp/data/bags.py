@@ -36,6 +36,7 @@ __all__ = [
     "flatten_bags",
     "from_padded",
     "identity_padded",
+    "Padding",
     "labels_per_instance",
     "make_bag_groups",
     "random_bags_within",
@@ -86,19 +87,28 @@ class BagLayout:
     counts: list[int]
 
 
-def bag_layout(bag_index: Tensor, num_bags: int) -> BagLayout:
-    """The :class:`BagLayout` of ``bag_index`` ``(N,)``."""
-    sizes = bag_sizes(bag_index, num_bags)
-    order = torch.argsort(bag_index, stable=True)
-    starts = torch.cumsum(sizes, 0) - sizes
-    pos = torch.empty_like(bag_index)
-    pos[order] = torch.arange(len(order), device=bag_index.device) - starts[bag_index[order]]
-    bag_order = torch.argsort(-sizes, stable=True)
+def bag_layout(bags: "Bags") -> BagLayout:
+    """The :class:`BagLayout` of ``bags``."""
+    pos = torch.empty_like(bags.index)
+    pos[bags.padding.order] = bags.padding.position
+    bag_order = torch.argsort(-bags.sizes, stable=True)
     rank = torch.empty_like(bag_order)
-    rank[bag_order] = torch.arange(num_bags, device=bag_index.device)
-    flat = torch.argsort(pos * max(1, num_bags) + rank[bag_index])
+    rank[bag_order] = torch.arange(bags.num_bags, device=bags.index.device)
+    flat = torch.argsort(pos * max(1, bags.num_bags) + rank[bags.index])
     counts = torch.bincount(pos).tolist() if len(pos) else []
     return BagLayout(flat=flat, bag_order=bag_order, counts=counts)
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Where the instances of :class:`Bags` go in a dense ``(B, n_max)`` layout: ``order`` ``(N,)``
+    the instances sorted (stably) by bag, ``bag`` and ``position`` ``(N,)`` the bag and slot of
+    each of them, and ``n_max`` the largest bag size."""
+
+    order: Tensor
+    bag: Tensor
+    position: Tensor
+    n_max: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +124,7 @@ class Bags:
 
     index: Tensor
     num_bags: int
+    _groups: dict = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     def from_index(cls, index: Tensor, num_bags: int | None = None) -> "Bags":
@@ -132,7 +143,23 @@ class Bags:
     @cached_property
     def layout(self) -> BagLayout:
         """The :class:`BagLayout` of the bags."""
-        return bag_layout(self.index, self.num_bags)
+        return bag_layout(self)
+
+    @cached_property
+    def padding(self) -> Padding:
+        """The :class:`Padding` of the bags (:func:`to_padded`)."""
+        sizes = self.sizes
+        order = torch.argsort(self.index, stable=True)
+        bag = self.index[order]
+        position = torch.arange(len(order), device=self.index.device) - (torch.cumsum(sizes, 0) - sizes)[bag]
+        return Padding(order, bag, position, int(sizes.max()) if sizes.numel() else 0)
+
+    def groups(self, chunk_instances: int = 32768, block_budget: int | None = None) -> list["BagGroup"]:
+        """All bags packed into groups of whole bags (:func:`make_bag_groups`); kept per bound."""
+        key = (int(chunk_instances), block_budget)
+        if key not in self._groups:
+            self._groups[key] = make_bag_groups(self, chunk_instances, block_budget)
+        return self._groups[key]
 
 
 def segment_sum(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
@@ -192,22 +219,17 @@ def split_by_bag(values: Tensor, bag_index: Tensor, num_bags: int | None = None)
     return list(torch.split(values[order], sizes.tolist()))
 
 
-def to_padded(x: Tensor, bag_index: Tensor, num_bags: int | None = None, fill: float = 0.0) -> tuple[Tensor, Tensor]:
-    """Dense ``(B, N_max, ...)`` tensor and boolean mask ``(B, N_max)`` (``True`` = real instance).
+def to_padded(x: Tensor, bags: Bags, fill: float = 0.0) -> tuple[Tensor, Tensor]:
+    """Dense ``(B, N_max, ...)`` tensor and boolean mask ``(B, N_max)`` (``True`` = real instance)
+    of the instances ``x`` ``(N, ...)`` of ``bags``.
 
     Instances keep their order within each bag. Only for operators that need dense input.
     """
-    num_bags = int(bag_index.max()) + 1 if num_bags is None else num_bags
-    sizes = bag_sizes(bag_index, num_bags)
-    n_max = int(sizes.max()) if sizes.numel() else 0
-    order = torch.argsort(bag_index, stable=True)
-    sorted_bags = bag_index[order]
-    starts = torch.cumsum(sizes, 0) - sizes
-    position = torch.arange(len(order), device=x.device) - starts[sorted_bags]
-    padded = x.new_full((num_bags, n_max) + tuple(x.shape[1:]), fill)
-    padded[sorted_bags, position] = x[order]
-    mask = torch.zeros(num_bags, n_max, dtype=torch.bool, device=x.device)
-    mask[sorted_bags, position] = True
+    pad = bags.padding
+    padded = x.new_full((bags.num_bags, pad.n_max) + tuple(x.shape[1:]), fill)
+    padded[pad.bag, pad.position] = x[pad.order]
+    mask = torch.zeros(bags.num_bags, pad.n_max, dtype=torch.bool, device=x.device)
+    mask[pad.bag, pad.position] = True
     return padded, mask
 
 
@@ -381,26 +403,30 @@ class BagGroup:
     def num_bags(self) -> int:
         return int(self.bags.shape[0])
 
+    @cached_property
+    def local_bags(self) -> Bags:
+        """The group's own bags: :class:`Bags` of :attr:`local`."""
+        return Bags(self.local, self.num_bags)
+
 
 def make_bag_groups(
-    bag_index: Tensor,
-    num_bags: int,
+    bags: Bags,
     chunk_instances: int = 32768,
     block_budget: int | None = None,
-    bags: Tensor | None = None,
+    subset: Tensor | None = None,
 ) -> list[BagGroup]:
-    """Pack (a subset ``bags`` of) the bags into groups of whole bags, smallest bags first.
+    """Pack the bags (or the bags ``subset``) into groups of whole bags, smallest bags first.
 
     A group holds at most ``chunk_instances`` instances and, with ``block_budget``, at most that
     many entries of its padded within-bag blocks (``B_g · n_max²``), so work on padded per-bag
     covariances has bounded memory whatever the bag sizes; a bag larger than either bound forms a
-    group of its own.
+    group of its own. :meth:`Bags.groups` keeps the groups of all bags.
     """
-    device = bag_index.device
-    sizes = bag_sizes(bag_index, num_bags)
-    perm = torch.argsort(bag_index, stable=True)
+    device = bags.index.device
+    sizes = bags.sizes
+    perm = bags.padding.order
     starts = torch.cumsum(sizes, 0) - sizes
-    chosen = torch.arange(num_bags, device=device) if bags is None else torch.as_tensor(bags, device=device)
+    chosen = torch.arange(bags.num_bags, device=device) if subset is None else torch.as_tensor(subset, device=device)
     chosen = chosen[torch.argsort(sizes[chosen], stable=True)]
     sizes_l = sizes[chosen].tolist()
     groups, current, n_inst = [], [], 0

@@ -12,7 +12,7 @@ from sklearn.metrics import r2_score
 from sklearn.model_selection import KFold
 from sklearn.utils.validation import check_is_fitted
 
-from milgp.data.bags import BagBatch, Bags, flatten_bags
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, flatten_bags
 from milgp.estimators._validation import FeatureScaler, check_bag_weights, check_bags, torch_dtype
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
@@ -149,7 +149,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             raise ValueError(f"y must be a 1-D array with one target per bag ({len(bags_np)}), got shape {y_np.shape}")
         w_list = check_bag_weights(weights, bags_np)
         sizes = [len(b) for b in bags_np]
-        self._make_likelihood().check_data(y_np, np.concatenate(w_list), np.repeat(np.arange(len(sizes)), sizes), len(sizes))
+        self._make_likelihood().check_data(y_np, np.concatenate(w_list), Bags(bag_index_from_sizes(sizes), len(sizes)))
         if self.outputscale is not None and not self.outputscale > 0:
             raise ValueError(f"outputscale must be None (chosen by cross-validation) or > 0, got {self.outputscale!r}")
         torch.manual_seed(self.random_state)
@@ -188,8 +188,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         ).to(self.device)
         likelihood = self._make_likelihood().to(device=self.device, dtype=batch.x.dtype)
         if self.constant_mean:  # at the rate that explains the total: Σy = Σ w Ψ(c)
-            rate = float(batch.bag_labels.sum() / batch.instance_weights.sum())
-            model.mean_module.constant.data.fill_(likelihood.link.inverse(rate))
+            model.mean_module.constant.data.fill_(likelihood.pooled_latent(batch.bag_labels, batch.instance_weights))
         if not self.learn_hyperparameters:
             for p in model.covar_module.parameters():
                 p.requires_grad_(False)

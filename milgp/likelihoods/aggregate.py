@@ -214,17 +214,15 @@ class BlockBase:
     mask: Tensor
 
 
-def block_base(
-    model: Any, x: Tensor, proj: Any, bag_index: Tensor, num_bags: int, weights: Tensor, kernel_grad: bool = True
-) -> BlockBase:
-    """:class:`BlockBase` of a group of bags (``model``: an ``ApproximateGP`` on
+def block_base(model: Any, x: Tensor, proj: Any, bags: Bags, weights: Tensor, kernel_grad: bool = True) -> BlockBase:
+    """:class:`BlockBase` of the bags ``bags`` of instances ``x`` (``model``: an ``ApproximateGP`` on
     :class:`milgp.models.ClosedFormStrategy`, ``proj`` its projection of ``x``; the blocks are the
     strategy's :meth:`~milgp.models.ClosedFormStrategy.residual_blocks`). ``kernel_grad=False``
     builds the kernel block without a graph."""
-    A_pad, _ = to_padded(proj.A.mT, bag_index, num_bags)  # (B, n, M)
-    mu0_pad, _ = to_padded(proj.prior_mean, bag_index, num_bags)
-    w_pad, _ = to_padded(weights, bag_index, num_bags, fill=0.0)
-    base, mask = model.variational_strategy.residual_blocks(x, bag_index, num_bags, A_pad, kernel_grad)
+    A_pad, _ = to_padded(proj.A.mT, bags)  # (B, n, M)
+    mu0_pad, _ = to_padded(proj.prior_mean, bags)
+    w_pad, _ = to_padded(weights, bags, fill=0.0)
+    base, mask = model.variational_strategy.residual_blocks(x, bags, A_pad, kernel_grad)
     return BlockBase(A_pad=A_pad, base=base, prior_mean=mu0_pad, weights=w_pad, mask=mask)
 
 
@@ -239,8 +237,7 @@ def bag_blocks(
     model: Any,
     x: Tensor,
     proj: Any,
-    bag_index: Tensor,
-    num_bags: int,
+    bags: Bags,
     m: Tensor,
     S: Tensor,
     weights: Tensor,
@@ -253,19 +250,18 @@ def bag_blocks(
     the kernel hyperparameters (``kernel_grad=False``: the kernel block is built without a graph,
     e.g. for natural steps). Memory ``O(B · n_max²)``: group bags of similar size.
     """
-    return blocks_from_base(block_base(model, x, proj, bag_index, num_bags, weights, kernel_grad), m, S)
+    return blocks_from_base(block_base(model, x, proj, bags, weights, kernel_grad), m, S)
 
 
-def _blocks_from_distribution(function_dist: Any, bag_index: Tensor, num_bags: int, weights: Tensor) -> PaddedBlocks:
+def _blocks_from_distribution(function_dist: Any, bags: Bags, weights: Tensor) -> PaddedBlocks:
     """Index a full-covariance GPyTorch ``MultivariateNormal`` per bag (no N×N is formed)."""
-    N = bag_index.shape[0]
-    idx = torch.arange(N, device=bag_index.device)
-    idx_pad, mask = to_padded(idx, bag_index, num_bags, fill=0)
+    idx = torch.arange(bags.num_instances, device=bags.index.device)
+    idx_pad, mask = to_padded(idx, bags, fill=0)
     idx_pad = idx_pad.long()
     cov = function_dist.lazy_covariance_matrix[idx_pad[:, :, None], idx_pad[:, None, :]]
     cov = cov.to_dense() if hasattr(cov, "to_dense") else cov
-    mean_pad, _ = to_padded(function_dist.mean, bag_index, num_bags)
-    w_pad, _ = to_padded(weights, bag_index, num_bags, fill=0.0)
+    mean_pad, _ = to_padded(function_dist.mean, bags)
+    w_pad, _ = to_padded(weights, bags, fill=0.0)
     return PaddedBlocks(mean=mean_pad, cov=identity_padded(cov, mask), weights=w_pad, mask=mask)
 
 
@@ -296,6 +292,11 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     def __init__(self, link: str | Link):
         super().__init__()
         self.link = make_link(link)
+
+    def pooled_latent(self, y: Tensor, weights: Tensor) -> float:
+        """``Ψ⁻¹(Σ_a y_a / Σ_i w_i)``: the constant latent value whose rate explains the total of
+        the targets ``y`` ``(B,)`` over the weights ``(N,)`` — where a constant mean starts."""
+        return self.link.inverse(float(y.sum() / weights.sum()))
 
     # -- interface --------------------------------------------------------------------------
     @abstractmethod
@@ -333,8 +334,9 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         return rate_mean, rate_var
 
     # -- validation ---------------------------------------------------------------------------
-    def check_data(self, y: Any, weights: Any, bag_index: Any, num_bags: int) -> None:
-        """Validate targets ``(B,)`` and weights ``(N,)``: ``ValueError`` naming the bag."""
+    def check_data(self, y: Any, weights: Any, bags: Bags) -> None:
+        """Validate targets ``(B,)`` and weights ``(N,)`` of ``bags``: ``ValueError`` naming the bag."""
+        num_bags = bags.num_bags
         y_np = np.asarray(torch.as_tensor(y).detach().cpu().numpy() if isinstance(y, Tensor) else y, dtype=np.float64)
         if y_np.shape != (num_bags,):
             raise ValueError(f"expected one {self.target_name} per bag ({num_bags}), got shape {y_np.shape}")
@@ -343,7 +345,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             raise ValueError(f"bag {int(bad[0])} has {self.target_name} {float(y_np[bad[0]])}; targets must be finite (no NaN/inf)")
         self.check_targets(y_np)
         w = np.asarray(weights.detach().cpu().numpy() if isinstance(weights, Tensor) else weights, dtype=np.float64)
-        b_idx = np.asarray(bag_index.detach().cpu().numpy() if isinstance(bag_index, Tensor) else bag_index)
+        b_idx = bags.index.detach().cpu().numpy()
         bad = np.nonzero(~(np.isfinite(w) & (w > 0)))[0]
         if len(bad):
             i = int(bad[0])
@@ -387,7 +389,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             y = target.new_zeros(num_bags).scatter(0, bag_index, target)
         y = y.to(mean)
         if kwargs.get("check", True):
-            self.check_data(y, weights, bag_index, num_bags)
+            self.check_data(y, weights, bags)
         blocks = None
         model, x = kwargs.get("model"), kwargs.get("x")
         if self.needs_covariance:
@@ -396,7 +398,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 m, S = q_u.mean, q_u.covariance_matrix
                 proj = model.variational_strategy.projection(x)
                 mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
-                blocks = bag_blocks(model, x, proj, bag_index, num_bags, m, S, weights)
+                blocks = bag_blocks(model, x, proj, bags, m, S, weights)
             elif _is_train_mode_diagonal(function_dist) and bool((bags.sizes > 1).any()):
                 raise ValueError(
                     f"{type(self).__name__} needs the within-bag covariance, but function_dist is GPyTorch's "
@@ -404,7 +406,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                     "Pass model=model, x=x to expected_log_prob / the mll, or call model(x, diag=False)."
                 )
             else:
-                blocks = _blocks_from_distribution(function_dist, bag_index, num_bags, weights)
+                blocks = _blocks_from_distribution(function_dist, bags, weights)
         terms = self.bag_terms(y, weights, mean, var, bags, blocks)
         return (terms / bags.sizes.to(terms.dtype))[bag_index]
 

@@ -116,10 +116,7 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
 
     def update_locals(self, mean: Tensor, var: Tensor | None, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         # the exact sweep runs on the bags' position-major layout, computed once per Bags
-        layout = bags.layout if self.max_rule == "exact" else None
-        return update_instance_labels(
-            mean, locals_, bags.index, bag_labels, bags.num_bags, self.log_h, self.max_rule, layout, self.damping
-        )
+        return update_instance_labels(mean, locals_, bags, bag_labels, self.log_h, self.max_rule, damping=self.damping)
 
     def _quadratic_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> tuple[Tensor, Tensor]:
         c = torch.sqrt(mean * mean + var)

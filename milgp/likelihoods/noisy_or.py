@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from milgp.data.bags import BagLayout, bag_layout, bag_sizes, segment_sum
+from milgp.data.bags import BagLayout, Bags, bag_sizes, segment_sum
 
 __all__ = ["MAX_RULE_DAMPING", "PI_CLAMP", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
 
@@ -61,9 +61,8 @@ def log_prob_bag_all_negative(pi: Tensor, bag_index: Tensor, num_bags: int) -> T
 def update_instance_labels(
     mean: Tensor,
     pi: Tensor,
-    bag_index: Tensor,
+    bags: Bags,
     bag_labels: Tensor,
-    num_bags: int,
     log_h: float,
     rule: str = "exact",
     positions: list[Tensor] | BagLayout | None = None,
@@ -74,15 +73,18 @@ def update_instance_labels(
     Args:
         mean: ``(N,)`` current ``μ_n``.
         pi: ``(N,)`` current ``π_n``.
+        bags: the instances' :class:`~milgp.data.bags.Bags`.
         bag_labels: ``(B,)`` in ``{0, 1}``.
         log_h: ``log H``.
         rule: ``"exact"`` (noisy-OR leave-one-out), ``"max"`` (largest other π) or ``"single"``
             (``E[max y_{b∖n}] = 0``: every instance answers for its bag's label on its own).
-        positions: the bags' :class:`~milgp.data.bags.BagLayout` (:attr:`Bags.layout <milgp.data.bags.Bags.layout>`), or
-            :func:`positions_in_bag` (a per-position reference loop); computed when ``None``.
+        positions: the order of the sweep: ``None`` (default) the bags' position-major
+            :attr:`~milgp.data.bags.Bags.layout` (computed once per ``Bags``), or the per-position
+            reference loop :func:`positions_in_bag`.
         damping: step ``δ ∈ (0, 1]`` of the parallel updates (``"max"``, ``"single"``;
             :data:`MAX_RULE_DAMPING`).
     """
+    bag_index, num_bags = bags.index, bags.num_bags
     sign = (2 * bag_labels - 1).to(mean.dtype)[bag_index]
     if rule in ("max", "single"):
         if rule == "max":
@@ -92,18 +94,18 @@ def update_instance_labels(
         return (1 - damping) * pi + damping * target
     if rule != "exact":
         raise ValueError(f"unknown rule {rule!r} for E[max y_b\\n]: use 'exact', 'max' or 'single'")
-    positions = bag_layout(bag_index, num_bags) if positions is None else positions
+    positions = bags.layout if positions is None else positions
     pi = pi.clamp(PI_CLAMP, 1 - PI_CLAMP).clone()
     log_keep = log_prob_bag_all_negative(pi, bag_index, num_bags)
     if isinstance(positions, BagLayout):
         return _sweep_layout(mean, pi, sign, log_keep, log_h, positions)
     for idx in positions:
-        bags = bag_index[idx]
+        b = bag_index[idx]
         old = torch.log1p(-pi[idx])
-        loo = (log_keep[bags] - old).clamp_max(0.0)
+        loo = (log_keep[b] - old).clamp_max(0.0)
         new_pi = torch.sigmoid(mean[idx] + log_h * sign[idx] * torch.exp(loo)).clamp(PI_CLAMP, 1 - PI_CLAMP)
         pi[idx] = new_pi
-        log_keep[bags] = log_keep[bags] + torch.log1p(-new_pi) - old
+        log_keep[b] = log_keep[b] + torch.log1p(-new_pi) - old
     return pi
 
 

@@ -42,7 +42,7 @@ import torch
 from scipy.linalg import blas
 from torch import Tensor
 
-from milgp.data.bags import identity_padded, to_padded
+from milgp.data.bags import Bags, identity_padded, to_padded
 from milgp.likelihoods.natural_statistics import NaturalStatistics
 from milgp.linalg import cholesky_inverse_from_precision, robust_cholesky
 
@@ -306,41 +306,35 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
                 variances.append(var)
         return torch.cat(means), torch.cat(variances)
 
-    def bag_covariances(
-        self, x: Tensor, bag_index: Tensor, num_bags: int | None = None, q: WhitenedPosterior | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Per-bag predictive blocks of ``q(f)``: padded means ``(B, N_max)``, covariances
+    def bag_covariances(self, x: Tensor, bags: Bags, q: WhitenedPosterior | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-bag predictive blocks of ``q(f)`` at the instances ``x`` of ``bags``: padded means ``(B, N_max)``, covariances
         ``(B, N_max, N_max)`` and the mask ``(B, N_max)``. Padded rows/columns are the identity.
 
         Each block is ``K_bb + jitter·I − A_bᵀA_b + A_bᵀ S A_b``; no N×N matrix is formed.
         """
         q = self.whitened_posterior() if q is None else q
         proj = self.projection(x, self.inducing_cholesky())
-        A_pad, _ = to_padded(proj.A.mT, bag_index, num_bags)  # (B, N_max, M)
-        mean_pad, _ = to_padded(proj.prior_mean + proj.A.mT @ q.m, bag_index, num_bags)
-        cov, mask = self.block_covariances(x, bag_index, num_bags, A_pad, A_pad @ q.S @ A_pad.mT)
+        A_pad, _ = to_padded(proj.A.mT, bags)  # (B, N_max, M)
+        mean_pad, _ = to_padded(proj.prior_mean + proj.A.mT @ q.m, bags)
+        cov, mask = self.block_covariances(x, bags, A_pad, A_pad @ q.S @ A_pad.mT)
         return mean_pad, cov, mask
 
-    def residual_blocks(
-        self, x: Tensor, bag_index: Tensor, num_bags: int | None, A_pad: Tensor, kernel_grad: bool = True
-    ) -> tuple[Tensor, Tensor]:
+    def residual_blocks(self, x: Tensor, bags: Bags, A_pad: Tensor, kernel_grad: bool = True) -> tuple[Tensor, Tensor]:
         """The within-bag prior covariance the inducing points do not explain,
         ``K_bb + jitter·I − A_bᵀA_b`` ``(B, N_max, N_max)`` (padded entries unspecified), and the
         mask ``(B, N_max)``, for ``A_pad`` ``(B, N_max, M)`` the bags' padded projections.
         ``kernel_grad=False`` builds the kernel block without a graph."""
-        x_pad, mask = to_padded(x, bag_index, num_bags)
+        x_pad, mask = to_padded(x, bags)
         with torch.set_grad_enabled(kernel_grad and torch.is_grad_enabled()):
             K = self.model.forward(x_pad).lazy_covariance_matrix.to_dense()  # (B, N_max, N_max)
         eye = torch.eye(mask.shape[1], dtype=x.dtype, device=x.device)
         return K + self.jitter * eye - A_pad @ A_pad.mT, mask
 
-    def block_covariances(
-        self, x: Tensor, bag_index: Tensor, num_bags: int | None, A_pad: Tensor, cov_v: Tensor
-    ) -> tuple[Tensor, Tensor]:
+    def block_covariances(self, x: Tensor, bags: Bags, A_pad: Tensor, cov_v: Tensor) -> tuple[Tensor, Tensor]:
         """Padded within-bag covariances ``K_bb + jitter·I − A_bᵀA_b + cov_v`` ``(B, N_max, N_max)``
         and the mask ``(B, N_max)``, for ``A_pad`` ``(B, N_max, M)`` the bags' padded projections and
         ``cov_v`` ``(B, N_max, N_max)`` the covariance of ``A_bᵀv`` under whichever ``q(v)`` (the
         posterior's, or a leave-one-bag-out cavity's). Padded rows/columns are the identity; exactly
         symmetric."""
-        base, mask = self.residual_blocks(x, bag_index, num_bags, A_pad)
+        base, mask = self.residual_blocks(x, bags, A_pad)
         return identity_padded(base + cov_v, mask), mask

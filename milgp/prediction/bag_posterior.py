@@ -2,7 +2,7 @@
 
 Marginal rules (noisy-OR, max, top-k) read the per-instance means and variances; joint rules
 (sampling the within-bag ``q(f*_b)``, the probit orthant) read per-bag covariance blocks, built on
-demand for groups of whole bags of similar size (:func:`milgp.data.bags.make_bag_groups`), so
+demand for groups of whole bags of similar size (:meth:`milgp.data.bags.Bags.groups`), so
 memory is bounded by ``block_budget`` entries however the bag sizes are mixed.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from milgp.data.bags import Bags, make_bag_groups
+from milgp.data.bags import BagGroup, Bags
 
 __all__ = ["BLOCK_BUDGET", "BagPosterior", "JointBlocks", "MAX_JOINT_INSTANCES"]
 
@@ -49,9 +49,8 @@ class BagPosterior:
     Attributes:
         mean, var: ``(N,)`` marginal means and variances.
         bags: the instances' :class:`~milgp.data.bags.Bags` (bag of each instance, number of bags).
-        block_source: ``(instances (n_g,), local bag index (n_g,), bags in group) → (mean_pad,
-            cov_pad, mask)``, the padded joint blocks of one group; ``None`` when only marginals
-            are known.
+        block_source: ``BagGroup → (mean_pad, cov_pad, mask)``, the padded joint blocks of one
+            group of bags (:class:`~milgp.data.bags.BagGroup`); ``None`` when only marginals are known.
         block_budget: at most this many padded block entries per group (``None``: :data:`BLOCK_BUDGET`).
         chunk_instances: at most this many instances per group (bounds the ``n_g × M`` projection).
     """
@@ -59,7 +58,7 @@ class BagPosterior:
     mean: Tensor
     var: Tensor
     bags: Bags
-    block_source: Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor, Tensor]] | None = None
+    block_source: Callable[[BagGroup], tuple[Tensor, Tensor, Tensor]] | None = None
     block_budget: int | None = None
     chunk_instances: int = 32768
 
@@ -75,8 +74,8 @@ class BagPosterior:
         q = model.variational_strategy.whitened_posterior()
         mean, var = model.variational_strategy.predict_marginals(x)
 
-        def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
-            return model.variational_strategy.bag_covariances(x[inst], local, n_bags, q)
+        def blocks(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
+            return model.variational_strategy.bag_covariances(x[group.inst], group.local_bags, q)
 
         return cls(mean, var, bags, blocks, block_budget)
 
@@ -89,8 +88,8 @@ class BagPosterior:
         bag_index = torch.arange(B, device=mask.device).unsqueeze(1).expand(B, n)[mask]
         var = torch.diagonal(cov_pad, dim1=-2, dim2=-1)[mask]
 
-        def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
-            bags = torch.zeros(n_bags, dtype=torch.long, device=mask.device).scatter_(0, local, bag_index[inst])
+        def blocks(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
+            bags = torch.zeros(group.num_bags, dtype=torch.long, device=mask.device).scatter_(0, group.local, bag_index[group.inst])
             return mean_pad[bags], cov_pad[bags], mask[bags]
 
         return cls(mean_pad[mask], var, Bags(bag_index, B), blocks, max(B * n * n, 1), max(B * n, 1))
@@ -108,7 +107,7 @@ class BagPosterior:
                 f"predictive covariance (limit {max_instances}); use a marginal rule such as 'max' for bags this long"
             )
         budget = BLOCK_BUDGET if self.block_budget is None else self.block_budget
-        for g in make_bag_groups(self.bags.index, self.bags.num_bags, self.chunk_instances, budget):
+        for g in self.bags.groups(self.chunk_instances, budget):
             with torch.no_grad():
-                mean_pad, cov_pad, mask = self.block_source(g.inst, g.local, g.num_bags)
+                mean_pad, cov_pad, mask = self.block_source(g)
             yield JointBlocks(g.bags, mean_pad, cov_pad, mask)

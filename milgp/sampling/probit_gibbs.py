@@ -42,7 +42,7 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, Bags, make_bag_groups, segment_sum, to_padded
+from milgp.data.bags import BagBatch, Bags, segment_sum, to_padded
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import sample_truncated
 from milgp.linalg import robust_cholesky
@@ -175,7 +175,7 @@ class ProbitGibbsResult:
     def bag_probability_draws(self, model: ApproximateGP, x: Tensor, bags: Bags, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
         """Per-draw ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` laid out ``(C, S, B)``.
 
-        Bags are processed in groups of whole bags (:func:`milgp.data.bags.make_bag_groups`,
+        Bags are processed in groups of whole bags (:meth:`milgp.data.bags.Bags.groups`,
         at most ``max_elements // (C·S)`` instances per group unless one bag alone is larger) and
         the ``(s, n)`` latent means of a group in draw chunks of ``max_elements // n``, so apart
         from the ``(C, S, B)`` output the peak is ``O(max_elements + M·n_g)`` elements, ``n_g`` the
@@ -188,7 +188,7 @@ class ProbitGibbsResult:
         out = x.new_zeros(S, num_bags)
         with torch.no_grad():
             L = model.variational_strategy.inducing_cholesky()
-            for g in make_bag_groups(bags.index, num_bags, chunk_instances=max(1, max_elements // S)):
+            for g in bags.groups(max(1, max_elements // S)):
                 mu0, A, resid = self._projection(model, x[g.inst], L)
                 scale = torch.sqrt(1.0 + resid)
                 n_g = g.inst.shape[0]
@@ -274,7 +274,7 @@ def sample_probit_posterior(
             orig = torch.nonzero(pos_inst, as_tuple=True)[0]
             remap = torch.full((B,), -1, dtype=torch.long, device=device)
             remap[pos_bags] = torch.arange(len(pos_bags), device=device)
-            pad_idx, pad_mask = to_padded(orig, remap[bag_index[orig]], len(pos_bags), fill=0)
+            pad_idx, pad_mask = to_padded(orig, Bags(remap[bag_index[orig]], len(pos_bags)), fill=0)
 
         def randn(*shape: int) -> Tensor:
             return torch.randn(shape, dtype=dtype, device=device, generator=gen)

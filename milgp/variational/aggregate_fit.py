@@ -44,7 +44,7 @@ import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from milgp.data.bags import BagBatch, BagGroup, Bags, bag_sizes, make_bag_groups, segment_sum
+from milgp.data.bags import BagBatch, BagGroup, Bags, make_bag_groups, segment_sum
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, PaddedBlocks, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
@@ -84,7 +84,7 @@ def _prepare(model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBa
         proj = model.variational_strategy.projection(x, L)
         block = None
         if likelihood.needs_covariance:
-            block = block_base(model, x, proj, group.local, group.num_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
+            block = block_base(model, x, proj, group.local_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
     return _Cached(proj, block)
 
 
@@ -108,7 +108,7 @@ def group_terms(
     y = batch.bag_labels[group.bags]
     mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
     blocks = blocks_from_base(cached.block, m, S) if cached.block is not None else None
-    return likelihood.bag_terms(y, w, mean, var, Bags(group.local, group.num_bags), blocks)
+    return likelihood.bag_terms(y, w, mean, var, group.local_bags, blocks)
 
 
 class GroupCache:
@@ -121,7 +121,7 @@ class GroupCache:
         entries = sum(int(g.inst.numel()) * (M + 2) for g in groups)
         if likelihood.needs_covariance:
             for g in groups:
-                n_max = int(bag_sizes(g.local, g.num_bags).max())
+                n_max = g.local_bags.padding.n_max
                 entries += g.num_bags * n_max * (n_max + M + 2)
         self.enabled = entries <= max_entries
         self.items: list[_Cached] | None = None
@@ -191,7 +191,7 @@ def aggregate_natural_statistics(
             for g, c in zip(groups, items):
                 c = c if c is not None else _prepare(model, likelihood, batch, g, L, False)
                 part = likelihood.closed_form_statistics(
-                    batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, Bags(g.local, g.num_bags)
+                    batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local_bags
                 )
                 value += float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum())
                 stats = part if stats is None else stats + part
@@ -250,7 +250,7 @@ class AggregateSteps:
         self.strategy, self.model, self.likelihood, self.batch = strategy, strategy.model, likelihood, batch
         self.rho_max, self.chunk_instances, self.reduce, self.reduce_value = rho_max, chunk_instances, reduce, reduce_value
         self.budget = block_budget if likelihood.needs_covariance else None
-        self.groups = make_bag_groups(batch.bag_index, batch.num_bags, chunk_instances, self.budget)
+        self.groups = batch.bags.groups(chunk_instances, self.budget)
         self.conjugate = is_conjugate(likelihood)
         self.cache = GroupCache(self.model, likelihood, batch, self.groups, cache_entries)
         self.sizes = batch.bags.sizes
@@ -261,7 +261,7 @@ class AggregateSteps:
         self._minibatch: tuple[Tensor, list[BagGroup]] | None = None  # the last minibatch: bags, groups
 
     def _groups_of(self, bags: Tensor) -> list[BagGroup]:
-        return make_bag_groups(self.batch.bag_index, self.batch.num_bags, self.chunk_instances, self.budget, bags=bags)
+        return make_bag_groups(self.batch.bags, self.chunk_instances, self.budget, subset=bags)
 
     def _step(self, groups: list[BagGroup], rho: float, scale: float, check: bool, cache: GroupCache | None) -> bool:
         """One natural step on the bags of ``groups``: the statistics of
@@ -389,7 +389,7 @@ def fit_aggregate(
             hyperparameter steps when they fit in this many floats (else recompute per pass).
     """
     strategy = ClosedFormStrategy.of(model)  # a one-line TypeError for a model on another strategy
-    likelihood.check_data(batch.bag_labels, _weights(batch), batch.bag_index, batch.num_bags)
+    likelihood.check_data(batch.bag_labels, _weights(batch), batch.bags)
     steps = AggregateSteps(
         strategy, likelihood, batch, rho=rho0, rho_max=rho_max, chunk_instances=chunk_instances,
         block_budget=block_budget, cache_entries=cache_entries,
@@ -412,9 +412,9 @@ def _predictive_blocks(
     q = strategy.whitened_posterior()
     with torch.no_grad():
         L = strategy.inducing_cholesky()
-        for g in make_bag_groups(bags.index, bags.num_bags, chunk_instances, block_budget):
+        for g in bags.groups(chunk_instances, block_budget):
             xg = x[g.inst]
-            yield g, bag_blocks(model, xg, strategy.projection(xg, L), g.local, g.num_bags, q.m, q.S, weights[g.inst], kernel_grad=False)
+            yield g, bag_blocks(model, xg, strategy.projection(xg, L), g.local_bags, q.m, q.S, weights[g.inst], kernel_grad=False)
 
 
 def predict_bag_moments(

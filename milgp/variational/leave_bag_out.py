@@ -25,7 +25,7 @@ import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from milgp.data.bags import BagBatch, make_bag_groups, to_padded
+from milgp.data.bags import BagBatch, BagGroup, to_padded
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.closed_form_strategy import Projection, WhitenedPosterior
 from milgp.prediction.bag_posterior import BagPosterior
@@ -67,7 +67,7 @@ def leave_bag_out_posterior(
         A :class:`BagPosterior` with the cavity marginals of all ``N`` instances and, for joint
         bag rules, the cavity's within-bag covariance blocks.
     """
-    x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
+    x = batch.x
     proj = (model.variational_strategy.projection(x) if projection is None else projection[1]).with_residual()
     mean, var = model.variational_strategy.marginals(proj, model.variational_strategy.whitened_posterior()) if moments is None else moments
     beta, lam = likelihood.quadratic_terms(mean, var, batch.bags, batch.bag_labels, locals_)
@@ -81,14 +81,15 @@ def leave_bag_out_posterior(
     m, S = target.m, target.S
     SAT = AT @ S  # (N, M): rows (S A_n)ᵀ
 
-    def cavity_v(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
+    def cavity_v(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
         """Padded cavity mean ``(B_g, n)`` and covariance ``(B_g, n, n)`` of ``A_bᵀ v``, and the mask."""
-        A_pad, mask = to_padded(AT[inst], local, n_bags)  # padding rows are zero
-        lam_pad, _ = to_padded(lam[inst], local, n_bags)
-        beta_pad, _ = to_padded(beta[inst], local, n_bags)
+        inst, bags = group.inst, group.local_bags
+        A_pad, mask = to_padded(AT[inst], bags)  # padding rows are zero
+        lam_pad, _ = to_padded(lam[inst], bags)
+        beta_pad, _ = to_padded(beta[inst], bags)
         n = mask.shape[1]
         if n <= M:
-            SA_pad, _ = to_padded(SAT[inst], local, n_bags)
+            SA_pad, _ = to_padded(SAT[inst], bags)
             C = A_pad @ SA_pad.mT
             C = 0.5 * (C + C.mT)
             r = lam_pad.sqrt()
@@ -107,16 +108,16 @@ def leave_bag_out_posterior(
 
     cav_mean, cav_var = torch.empty_like(mean), torch.empty_like(var)
     residual = proj.residual
-    for g in make_bag_groups(bag_index, B, chunk_instances=max(1, block_budget // M), block_budget=block_budget):
-        mean_v, cov_v, mask = cavity_v(g.inst, g.local, g.num_bags)
+    for g in batch.bags.groups(max(1, block_budget // M), block_budget):
+        mean_v, cov_v, mask = cavity_v(g)
         cav_mean[g.inst] = proj.prior_mean[g.inst] + mean_v[mask]
         cav_var[g.inst] = residual[g.inst] + torch.diagonal(cov_v, dim1=-2, dim2=-1)[mask]
 
-    def blocks(inst: Tensor, local: Tensor, n_bags: int) -> tuple[Tensor, Tensor, Tensor]:
-        _, cov_v, _ = cavity_v(inst, local, n_bags)
-        A_pad, _ = to_padded(AT[inst], local, n_bags)
-        mean_pad, _ = to_padded(cav_mean[inst], local, n_bags)
-        cov, mask = model.variational_strategy.block_covariances(x[inst], local, n_bags, A_pad, cov_v)
+    def blocks(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
+        _, cov_v, _ = cavity_v(group)
+        A_pad, _ = to_padded(AT[group.inst], group.local_bags)
+        mean_pad, _ = to_padded(cav_mean[group.inst], group.local_bags)
+        cov, mask = model.variational_strategy.block_covariances(x[group.inst], group.local_bags, A_pad, cov_v)
         return mean_pad, cov, mask
 
     return BagPosterior(cav_mean, cav_var.clamp_min(1e-10), batch.bags, blocks, block_budget)

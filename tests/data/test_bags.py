@@ -50,7 +50,7 @@ def test_padded_round_trip_and_mask():
     """to_padded/from_padded are inverses; mask marks real instances; padding is the fill."""
     bags = bags_list()
     x, bag_index = flatten_bags(bags)
-    padded, mask = to_padded(x, bag_index, fill=-7.0)
+    padded, mask = to_padded(x, Bags.from_index(bag_index), fill=-7.0)
     assert padded.shape == (4, 5, 4)
     assert mask.sum(1).tolist() == [3, 1, 5, 2]
     assert (padded[~mask] == -7.0).all()
@@ -160,7 +160,7 @@ def test_identity_padded_keeps_real_entries_and_makes_padding_the_identity():
     g = torch.Generator().manual_seed(0)
     bag_index = torch.tensor([0, 1, 1, 0, 1, 2])
     x = torch.randn(6, 2, generator=g, dtype=torch.float64)
-    x_pad, mask = to_padded(x, bag_index, 3)
+    x_pad, mask = to_padded(x, Bags(bag_index, 3))
     cov = x_pad @ x_pad.mT + 5.0  # padded entries hold garbage (5.0)
     cov[:, 0, 1] += 1e-3  # a slightly asymmetric real pair
     out = identity_padded(cov, mask)

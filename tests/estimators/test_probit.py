@@ -5,6 +5,7 @@ import torch
 from sklearn.base import clone
 from sklearn.metrics import roc_auc_score
 
+from milgp.data.bags import Bags
 from milgp.estimators import ProbitMILClassifier
 from milgp.estimators._mil_base import MILClassifierBase
 
@@ -113,8 +114,8 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     shapes = []
     orig = ClosedFormStrategy.bag_covariances
 
-    def spy(self, x, bag_index, num_bags=None, q=None):
-        out = orig(self, x, bag_index, num_bags, q)
+    def spy(self, x, bags, q=None):
+        out = orig(self, x, bags, q)
         shapes.append(tuple(out[1].shape))
         return out
 
@@ -139,7 +140,7 @@ def test_vi_bag_predictions_group_bags_by_size(data, monkeypatch):
     monkeypatch.setattr(ClosedFormStrategy, "bag_covariances", orig)
     x, bag_index = clf._to_tensor(bags)
     with torch.no_grad():
-        mp_, cp, mk = clf.model_.variational_strategy.bag_covariances(x, bag_index, len(bags))
+        mp_, cp, mk = clf.model_.variational_strategy.bag_covariances(x, Bags(bag_index, len(bags)))
         p_pad, se_pad = OrthantRule(num_points=256, seed=1)(BagPosterior.from_blocks(mp_, cp, mk), ProbitLink())
     tol = 4 * np.sqrt(se_pad.numpy() ** 2 + se_all**2) + 1e-9
     assert (np.abs(p_pad.numpy() - p_all) <= tol).all()

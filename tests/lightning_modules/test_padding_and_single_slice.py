@@ -46,7 +46,7 @@ def test_padding_never_changes_a_bags_prediction() -> None:
             assert abs(r_alone["bag_prob"] - r_mixed["bag_prob"]) < 1e-6
             np.testing.assert_allclose(r_alone["slice_scores"], r_mixed["slice_scores"], atol=1e-6)
             np.testing.assert_allclose(r_alone["slice_probs"], r_mixed["slice_probs"], atol=1e-6)
-        out = att(mixed.x, mixed.bag_index, mixed.num_bags)
+        out = att(mixed.x, mixed.bags)
         sums = torch.zeros(3).index_add_(0, mixed.bag_index, out["attention"])
         torch.testing.assert_close(sums, torch.ones(3))
 

@@ -9,7 +9,7 @@ import torch
 from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
 
 from milgp.likelihoods import ExponentialAggregateLikelihood
-from milgp.data.bags import make_bag_groups
+from milgp.data.bags import Bags
 from milgp.variational.aggregate_fit import group_terms, fit_aggregate
 
 
@@ -24,7 +24,7 @@ def test_bound_is_below_monte_carlo_expected_log_likelihood():
     w = 0.5 + torch.rand(len(bag_index), generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     y = torch.tensor([2.0, 7.0, 0.5, 4.0], dtype=torch.float64)
     lik = ExponentialAggregateLikelihood("exp")
-    g = make_bag_groups(bag_index, len(sizes))[0]
+    g = Bags(bag_index, len(sizes)).groups()[0]
     with torch.no_grad():
         bound = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
         bound = bound[torch.argsort(g.bags)]

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from milgp.data.bags import Bags
 from milgp.estimators import VBAggRegressor
 from milgp.likelihoods import ExponentialAggregateLikelihood, NormalAggregateLikelihood, PoissonAggregateLikelihood
 
-BAG_INDEX = np.array([0, 0, 1, 1, 1, 2])
+BAGS = Bags(torch.tensor([0, 0, 1, 1, 1, 2]), 3)
 W = np.ones(6)
 
 
@@ -23,7 +25,7 @@ def test_poisson_rejects_bad_counts(y, message):
     """Negative, non-integer or NaN counts are not Poisson data; silently accepting them would give
     a meaningless fit (lgamma of a negative number, or a NaN objective)."""
     with pytest.raises(ValueError, match=message):
-        PoissonAggregateLikelihood("exp").check_data(np.array(y, dtype=float), W, BAG_INDEX, 3)
+        PoissonAggregateLikelihood("exp").check_data(np.array(y, dtype=float), W, BAGS)
 
 
 @pytest.mark.parametrize("bad", [0.0, -2.0, np.nan, np.inf])
@@ -33,14 +35,14 @@ def test_rejects_non_positive_or_nan_populations(bad):
     w[3] = bad
     for lik in (PoissonAggregateLikelihood("square"), NormalAggregateLikelihood(), ExponentialAggregateLikelihood()):
         with pytest.raises(ValueError, match="bag 1 has weight/population"):
-            lik.check_data(np.array([1.0, 2.0, 3.0]), w, BAG_INDEX, 3)
+            lik.check_data(np.array([1.0, 2.0, 3.0]), w, BAGS)
 
 
 def test_exponential_rejects_negative_and_normal_rejects_nan():
     with pytest.raises(ValueError, match="bag 0 has target -1.0"):
-        ExponentialAggregateLikelihood().check_data(np.array([-1.0, 2.0, 3.0]), W, BAG_INDEX, 3)
+        ExponentialAggregateLikelihood().check_data(np.array([-1.0, 2.0, 3.0]), W, BAGS)
     with pytest.raises(ValueError, match="bag 2 has target nan"):
-        NormalAggregateLikelihood().check_data(np.array([1.0, 2.0, np.nan]), W, BAG_INDEX, 3)
+        NormalAggregateLikelihood().check_data(np.array([1.0, 2.0, np.nan]), W, BAGS)
 
 
 def test_estimator_reports_the_bag():

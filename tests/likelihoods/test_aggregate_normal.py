@@ -10,7 +10,7 @@ import torch
 from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
 
 from milgp.likelihoods import NormalAggregateLikelihood
-from milgp.data.bags import make_bag_groups
+from milgp.data.bags import Bags
 from milgp.variational.aggregate_fit import aggregate_elbo, aggregate_natural_statistics
 
 TAU = 0.37
@@ -40,7 +40,7 @@ def test_elbo_with_singleton_bags_equals_gpytorch_svgp_elbo():
     model.train()
     with torch.no_grad():
         reference = float(gpytorch.mlls.VariationalELBO(gauss, model, num_data=N)(model(x), y)) * N
-    ours = aggregate_elbo(model, lik, make_batch(x, bag_index, y), make_bag_groups(bag_index, N), q)
+    ours = aggregate_elbo(model, lik, make_batch(x, bag_index, y), Bags(bag_index, N).groups(), q)
     assert abs(ours - reference) < 1e-8 * max(1.0, abs(reference))
     # the same through our likelihood plugged into GPyTorch's VariationalELBO
     with torch.no_grad():
@@ -57,7 +57,7 @@ def test_gpytorch_path_with_real_bags_matches_closed_form_and_needs_covariance()
     sizes = [3, 1, 4, 2, 5]
     model, q, x, bag_index, y, w, lik = _setup(sizes)
     N = len(bag_index)
-    ref = aggregate_elbo(model, lik, make_batch(x, bag_index, y, w), make_bag_groups(bag_index, len(sizes)), q)
+    ref = aggregate_elbo(model, lik, make_batch(x, bag_index, y, w), Bags(bag_index, len(sizes)).groups(), q)
     mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=N)
     model.train()
     target = y[bag_index]
@@ -102,7 +102,7 @@ def test_one_natural_step_is_the_exact_optimum():
     sizes = [3, 1, 4, 2, 5, 6]
     model, _, x, bag_index, y, w, lik = _setup(sizes, seed=4)
     batch = make_batch(x, bag_index, y, w)
-    groups = make_bag_groups(bag_index, len(sizes))
+    groups = Bags(bag_index, len(sizes)).groups()
     q0 = random_posterior(model.variational_strategy.num_inducing, seed=9)
     stats, _ = aggregate_natural_statistics(model, lik, batch, groups, q0)
     q1 = q0.try_natural_step(stats, 1.0, 1.0)
@@ -125,7 +125,7 @@ def test_expected_log_likelihood_matches_monte_carlo():
     sizes = [4, 2, 6]
     model, q, x, bag_index, y, w, lik = _setup(sizes, seed=11)
     batch = make_batch(x, bag_index, y, w)
-    groups = make_bag_groups(bag_index, len(sizes))
+    groups = Bags(bag_index, len(sizes)).groups()
     from milgp.variational.aggregate_fit import group_terms
 
     with torch.no_grad():

@@ -13,7 +13,7 @@ from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_
 
 from milgp.likelihoods import PoissonAggregateLikelihood
 from milgp.likelihoods.aggregate import bag_blocks
-from milgp.data.bags import Bags, make_bag_groups
+from milgp.data.bags import Bags
 from milgp.variational.aggregate_fit import (
     group_terms,
     aggregate_elbo,
@@ -38,7 +38,7 @@ def _setup(mean_level=0.3, seed=0, sizes=SIZES):
 
 
 def _terms(model, lik, x, bag_index, y, w, q):
-    groups = make_bag_groups(bag_index, len(y))
+    groups = Bags(bag_index, len(y)).groups()
     out = torch.empty(len(y), dtype=torch.float64)
     with torch.no_grad():
         for g in groups:
@@ -85,7 +85,7 @@ def test_square_link_taylor_approximation_is_close_to_monte_carlo():
     # the approximation of E log‖V‖² itself
     with torch.no_grad():
         proj = model.variational_strategy.projection(x)
-        blocks = bag_blocks(model, x, proj, bag_index, len(y), q.m, q.S, w)
+        blocks = bag_blocks(model, x, proj, Bags(bag_index, len(y)), q.m, q.S, w)
         zeta = lik.taylor_log_norm(blocks)
     norm = torch.zeros(f.shape[0], len(y), dtype=torch.float64).index_add_(1, bag_index, f * f * w)
     mc_log = torch.log(norm).mean(0)
@@ -97,7 +97,7 @@ def test_square_link_taylor_approximation_is_close_to_monte_carlo():
     # the expansion converges as E‖V‖² grows relative to its spread (the truncation error shrinks)
     model.mean_module.constant.data.fill_(6.0)
     with torch.no_grad():
-        blocks = bag_blocks(model, x, model.variational_strategy.projection(x), bag_index, len(y), q.m, q.S, w)
+        blocks = bag_blocks(model, x, model.variational_strategy.projection(x), Bags(bag_index, len(y)), q.m, q.S, w)
         zeta_far = lik.taylor_log_norm(blocks)
     f_far = _mc_samples(model, x, q)
     norm_far = torch.zeros(f_far.shape[0], len(y), dtype=torch.float64).index_add_(1, bag_index, f_far * f_far * w)
@@ -110,7 +110,7 @@ def test_within_bag_covariance_equals_block_of_full_predictive_covariance():
     as GPyTorch computes it in eval mode. Padded rows/columns must be the identity."""
     model, q, x, bag_index, y, w = _setup()
     with torch.no_grad():
-        blocks = bag_blocks(model, x, model.variational_strategy.projection(x), bag_index, len(y), q.m, q.S, w)
+        blocks = bag_blocks(model, x, model.variational_strategy.projection(x), Bags(bag_index, len(y)), q.m, q.S, w)
         mean, cov = dense_posterior(model, x, q)
         model.eval()
         full = model(x).covariance_matrix
@@ -171,7 +171,7 @@ def test_natural_gradient_fit_increases_the_objective_to_a_fixed_point(link):
     diffs = np.diff(res.elbo)
     assert (diffs >= -1e-8 * np.abs(res.elbo[:-1])).all()
     q = model.variational_strategy.whitened_posterior()
-    stats, _ = aggregate_natural_statistics(model, lik, batch, make_bag_groups(bag_index, len(sizes)), q)
+    stats, _ = aggregate_natural_statistics(model, lik, batch, Bags(bag_index, len(sizes)).groups(), q)
     eta1_hat, P_hat = stats.targets()
     torch.testing.assert_close(eta1_hat, q.precision @ q.m, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(P_hat, q.precision, rtol=1e-4, atol=1e-5)

@@ -349,7 +349,7 @@ def test_bag_prediction_accounts_for_within_bag_correlation():
     # through the model: a bag [x, x] has the full correlation from bag_covariances
     model = SparseGP(torch.tensor([[0.0], [3.0]], dtype=torch.float64), lengthscale=1.0, outputscale=2.0)
     x = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
-    mp_, cp, mk = model.variational_strategy.bag_covariances(x, torch.zeros(2, dtype=torch.long), 1)
+    mp_, cp, mk = model.variational_strategy.bag_covariances(x, Bags(torch.zeros(2, dtype=torch.long), 1))
     p_joint, _ = OrthantRule()(BagPosterior.from_blocks(mp_, cp, mk), ProbitLink())
     m, v = model.variational_strategy.predict_marginals(x)
     p_indep, _ = NoisyOrRule()(BagPosterior(m, v, Bags(torch.zeros(2, dtype=torch.long), 1)), ProbitLink())

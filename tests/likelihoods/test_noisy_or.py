@@ -39,7 +39,7 @@ def test_exact_update_is_the_coordinatewise_optimum():
     labels = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
     mean = torch.randn(8, generator=g, dtype=torch.float64)
     lik = MILBernoulliLikelihood(H=50.0)
-    pi = update_instance_labels(mean, torch.full((8,), 0.5, dtype=torch.float64), bag_index, labels, 3, math.log(50.0))
+    pi = update_instance_labels(mean, torch.full((8,), 0.5, dtype=torch.float64), Bags(bag_index, 3), labels, math.log(50.0))
     var = torch.ones(8, dtype=torch.float64)
 
     def objective(p):

@@ -4,7 +4,7 @@ import gpytorch
 import pytest
 import torch
 
-from milgp.data.bags import bag_index_from_sizes
+from milgp.data.bags import Bags, bag_index_from_sizes
 from milgp.linalg import CholeskyError
 from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
@@ -70,7 +70,7 @@ def test_bag_covariances_equal_gpytorch_full_covariance_blocks():
     sizes = [3, 1, 4, 2]
     bag_index = bag_index_from_sizes(sizes)[torch.randperm(10, generator=g)]  # interleaved bags
     x = torch.randn(10, 3, generator=g, dtype=torch.float64)
-    mean_pad, cov_pad, mask = model.variational_strategy.bag_covariances(x, bag_index, 4)
+    mean_pad, cov_pad, mask = model.variational_strategy.bag_covariances(x, Bags(bag_index, 4))
     model.eval()
     with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
         out = model(x)
@@ -208,7 +208,7 @@ def test_a_user_model_fast_path_marginals_and_bag_blocks_equal_its_gpytorch_pred
     x = torch.randn(8, 2, generator=g, dtype=torch.float64)
     bag_index = torch.tensor([0, 1, 0, 2, 1, 0, 2, 2])
     mu, var = model.variational_strategy.predict_marginals(x)
-    mean_pad, cov_pad, _ = model.variational_strategy.bag_covariances(x, bag_index, 3)
+    mean_pad, cov_pad, _ = model.variational_strategy.bag_covariances(x, Bags(bag_index, 3))
     model.eval()
     with torch.no_grad(), gpytorch.settings.fast_pred_var(False):
         out = model(x)

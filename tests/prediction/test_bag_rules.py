@@ -28,11 +28,11 @@ VAR = torch.tensor([1.0, 0.5, 2.0, 0.2, 3.0, 1.0], dtype=torch.float64)
 def _diag_posterior(mean=MEAN, var=VAR, bag_index=BAG_INDEX, num_bags=3):
     """Marginals plus diagonal joint blocks: the factorised posterior of the noisy-OR model."""
 
-    def blocks(inst, local, n_bags):
+    def blocks(group):
         from milgp.data.bags import to_padded
 
-        m, mask = to_padded(mean[inst], local, n_bags)
-        v, _ = to_padded(var[inst], local, n_bags, fill=1.0)
+        m, mask = to_padded(mean[group.inst], group.local_bags)
+        v, _ = to_padded(var[group.inst], group.local_bags, fill=1.0)
         return m, torch.diag_embed(v), mask
 
     return BagPosterior(mean, var, Bags(bag_index, num_bags), blocks)
@@ -130,7 +130,7 @@ def test_joint_max_is_unchanged_by_exact_duplicates():
 
     def post(m, c):
         n = m.shape[1]
-        return BagPosterior(m[0], torch.diagonal(c[0]), Bags(torch.zeros(n, dtype=torch.long), 1), lambda i, l, b: (m, c, torch.ones_like(m, dtype=torch.bool)))
+        return BagPosterior(m[0], torch.diagonal(c[0]), Bags(torch.zeros(n, dtype=torch.long), 1), lambda group: (m, c, torch.ones_like(m, dtype=torch.bool)))
 
     n = 100_000
     p, s = JointMaxRule(num_samples=n)(post(mean, cov), LogisticLink(), torch.Generator().manual_seed(3))
@@ -153,7 +153,7 @@ def test_orthant_rule_matches_the_orthant_integral():
     A = torch.tensor([[1.0, 0.2, 0.0], [0.2, 0.8, 0.3], [0.0, 0.3, 1.5]], dtype=torch.float64)
     cov = (A @ A.mT).unsqueeze(0)
     mask = torch.ones(1, 3, dtype=torch.bool)
-    post = BagPosterior(mean[0], torch.diagonal(cov[0]), Bags(torch.zeros(3, dtype=torch.long), 1), lambda i, l, b: (mean, cov, mask))
+    post = BagPosterior(mean[0], torch.diagonal(cov[0]), Bags(torch.zeros(3, dtype=torch.long), 1), lambda group: (mean, cov, mask))
     p, se = OrthantRule(num_points=4096, replicates=8)(post, ProbitLink())
     p_neg, _ = orthant_probability(mean, cov + torch.eye(3, dtype=torch.float64), mask, num_points=4096, replicates=8, seed=0)
     assert p.item() == pytest.approx(1 - p_neg.item(), abs=5 * se.item() + 1e-6)

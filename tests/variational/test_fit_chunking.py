@@ -157,9 +157,9 @@ def test_layout_sweep_equals_position_loop(seed):
     labels = torch.as_tensor(rng.integers(0, 2, size=B).astype(np.float64))
     mean = torch.as_tensor(rng.normal(0, 3, size=len(bag_index)))
     pi = torch.as_tensor(rng.random(len(bag_index)))
-    loop = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), "exact", positions_in_bag(bag_index, B))
-    lay = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), "exact", bag_layout(bag_index, B))
-    default = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), "exact")
+    loop = update_instance_labels(mean, pi, Bags(bag_index, B), labels, math.log(100.0), "exact", positions_in_bag(bag_index, B))
+    lay = update_instance_labels(mean, pi, Bags(bag_index, B), labels, math.log(100.0), "exact", Bags(bag_index, B).layout)
+    default = update_instance_labels(mean, pi, Bags(bag_index, B), labels, math.log(100.0), "exact")
     torch.testing.assert_close(lay, loop, rtol=0, atol=1e-15)
     torch.testing.assert_close(default, loop, rtol=0, atol=1e-15)
 
@@ -182,7 +182,7 @@ def test_the_layout_belongs_to_its_bags_not_to_the_likelihood():
     assert not torch.equal(out_a, out_b)
     layout = a.layout
     lik.update_locals(mean, None, a, labels, pi)
-    assert a.layout is layout and torch.equal(layout.flat, bag_layout(a.index, 3).flat)
+    assert a.layout is layout and torch.equal(layout.flat, bag_layout(a).flat)
 
 
 def test_fused_marginal_variance_matches_formula_and_grad_path():

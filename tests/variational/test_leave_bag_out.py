@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from milgp.data.bags import BagBatch, bag_index_from_sizes
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.mil_probit import MILProbitLikelihood
 from milgp.models.closed_form_strategy import Projection, WhitenedPosterior
@@ -62,7 +62,7 @@ def test_cavity_equals_posterior_without_the_bag(likelihood, constant_mean, num_
             m_ref, v_ref = model.variational_strategy.marginals(Projection(proj.A[:, sel], proj.prior_var[sel], proj.prior_mean[sel]), q_minus)
             torch.testing.assert_close(post.mean[sel], m_ref, rtol=0, atol=1e-10)
             torch.testing.assert_close(post.var[sel], v_ref, rtol=0, atol=1e-10)
-            mp, cp, _ = model.variational_strategy.bag_covariances(batch.x[sel], torch.zeros(int(sel.sum()), dtype=torch.long), 1, q_minus)
+            mp, cp, _ = model.variational_strategy.bag_covariances(batch.x[sel], Bags(torch.zeros(int(sel.sum()), dtype=torch.long), 1), q_minus)
             torch.testing.assert_close(blocks[bag][0], mp[0], rtol=0, atol=1e-10)
             torch.testing.assert_close(blocks[bag][1], cp[0], rtol=0, atol=1e-10)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from milgp.data.bags import BagBatch, bag_index_from_sizes
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.noisy_or import MAX_RULE_DAMPING, PI_CLAMP, update_instance_labels
 from milgp.models.closed_form_strategy import WhitenedPosterior
@@ -159,8 +159,8 @@ def test_max_rule_is_parallel_update_against_brute_force():
     pi[3:6] = 0.7  # a three-way tie for the maximum in bag 2
     pi[6] = 0.9  # bag 3: a tie of two at the top
     pi[7] = 0.9
-    new = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), rule="max", damping=1.0)
-    damped = update_instance_labels(mean, pi, bag_index, labels, B, math.log(100.0), rule="max")
+    new = update_instance_labels(mean, pi, Bags(bag_index, B), labels, math.log(100.0), rule="max", damping=1.0)
+    damped = update_instance_labels(mean, pi, Bags(bag_index, B), labels, math.log(100.0), rule="max")
     torch.testing.assert_close(damped, (1 - MAX_RULE_DAMPING) * pi + MAX_RULE_DAMPING * new, rtol=0, atol=1e-15)
     bi = bag_index.numpy()
     for n in range(N):
@@ -181,12 +181,12 @@ def test_damped_max_rule_converges_where_the_undamped_one_cycles():
     pi = torch.full((2,), 0.5, dtype=torch.float64)
     undamped = [pi]
     for _ in range(40):
-        undamped.append(update_instance_labels(mean, undamped[-1], bag_index, labels, 1, log_h, rule="max", damping=1.0))
+        undamped.append(update_instance_labels(mean, undamped[-1], Bags(bag_index, 1), labels, log_h, rule="max", damping=1.0))
     assert abs(undamped[-1][0] - undamped[-2][0]) > 0.5  # still jumping
     damped = pi
     for _ in range(200):
-        damped = update_instance_labels(mean, damped, bag_index, labels, 1, log_h, rule="max")
-    target = update_instance_labels(mean, damped, bag_index, labels, 1, log_h, rule="max", damping=1.0)
+        damped = update_instance_labels(mean, damped, Bags(bag_index, 1), labels, log_h, rule="max")
+    target = update_instance_labels(mean, damped, Bags(bag_index, 1), labels, log_h, rule="max", damping=1.0)
     torch.testing.assert_close(target, damped, rtol=0, atol=1e-9)
 
 
@@ -200,7 +200,7 @@ def test_exact_rule_single_pass_against_brute_force_random_pi():
     labels = torch.tensor([1, 0, 1, 1, 0, 0, 1], dtype=torch.float64)
     mean = 2 * torch.randn(N, generator=g, dtype=torch.float64)
     pi = torch.rand(N, generator=g, dtype=torch.float64)
-    new = update_instance_labels(mean, pi, bag_index, labels, B, math.log(37.0), rule="exact").numpy()
+    new = update_instance_labels(mean, pi, Bags(bag_index, B), labels, math.log(37.0), rule="exact").numpy()
     pi_ref = pi.numpy().copy()
     bi = bag_index.numpy()
     for b in range(B):
@@ -215,7 +215,7 @@ def test_unknown_rule_raises():
     """A typo in the rule name must not silently pick a rule."""
     bag_index = bag_index_from_sizes([2])
     with pytest.raises(ValueError, match="rule"):
-        update_instance_labels(torch.zeros(2), torch.full((2,), 0.5), bag_index, torch.ones(1), 1, 1.0, rule="mean")
+        update_instance_labels(torch.zeros(2), torch.full((2,), 0.5), Bags(bag_index, 1), torch.ones(1), 1.0, rule="mean")
 
 
 def _ngd_setup(constant_mean):
@@ -320,9 +320,9 @@ def test_single_instance_rule_against_brute_force():
     mean = torch.randn(8, generator=g, dtype=torch.float64)
     pi = torch.rand(8, generator=g, dtype=torch.float64)
     log_h = math.log(50.0)
-    new = update_instance_labels(mean, pi, bag_index, labels, 3, log_h, rule="single", damping=0.3)
+    new = update_instance_labels(mean, pi, Bags(bag_index, 3), labels, log_h, rule="single", damping=0.3)
     sign = 2 * labels[bag_index] - 1
     expected = 0.7 * pi + 0.3 * torch.sigmoid(mean + log_h * sign)
     torch.testing.assert_close(new, expected, rtol=0, atol=1e-15)
     with pytest.raises(ValueError, match="'single'"):
-        update_instance_labels(mean, pi, bag_index, labels, 3, log_h, rule="witness")
+        update_instance_labels(mean, pi, Bags(bag_index, 3), labels, log_h, rule="witness")
