@@ -152,7 +152,6 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         self._make_likelihood().check_data(y_np, np.concatenate(w_list), Bags(bag_index_from_sizes(sizes), len(sizes)))
         if self.outputscale is not None and not self.outputscale > 0:
             raise ValueError(f"outputscale must be None (chosen by cross-validation) or > 0, got {self.outputscale!r}")
-        torch.manual_seed(self.random_state)
         flat = np.concatenate(bags_np, 0)
         self.n_features_in_ = flat.shape[1]
         self.scaler_ = FeatureScaler(self.standardize).fit(flat)

@@ -49,3 +49,24 @@ def test_all_constant_features_do_not_call_every_bag_positive():
     assert any("constant" in str(w.message) for w in caught)
     p = clf.predict_proba(bags)[:, 1]
     assert (p < 0.5).all() and np.allclose(p, p[0], atol=0.05)
+
+
+def test_fitting_and_predicting_leave_the_global_rng_alone():
+    """``random_state`` seeds the estimators' own generators only. If this fails, fitting a model
+    reseeds (or draws from) the user's global torch RNG, so code around it that relies on its own
+    seeding silently changes its random numbers."""
+    from milgp.estimators import ProbitMILClassifier, VBAggRegressor
+
+    rng = np.random.default_rng(0)
+    bags = [rng.normal(size=(k, 2)) for k in (2, 3, 4, 2, 3, 4)]
+    y_bin, y_count = np.array([0, 1] * 3), np.array([1.0, 2.0, 0.0, 3.0, 1.0, 2.0])
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    for est, y in (
+        (VGPMILClassifier(num_inducing=4, max_iter=3, search_iter=2, random_state=7), y_bin),
+        (ProbitMILClassifier(num_inducing=4, max_iter=3, search_iter=2, random_state=7), y_bin),
+        (VBAggRegressor(num_inducing=4, max_iter=3, random_state=7), y_count),
+    ):
+        est.fit(bags, y)
+        est.predict_bags(bags) if isinstance(est, VBAggRegressor) else est.predict(bags)
+        assert torch.equal(torch.get_rng_state(), before), type(est).__name__
