@@ -21,6 +21,7 @@ _EXPORTS = {
     "CTCacheDataModule": "lightning_modules.data",
     "DicomDataModule": "lightning_modules.data",
     "FeatureDataModule": "lightning_modules.data",
+    "AggregateGPHead": "lightning_modules.aggregate_gp_head",
     "FeatureWriter": "lightning_modules.callbacks",
     "GPMILModule": "lightning_modules.gp_mil",
     "InputError": "lightning_modules.input_error",

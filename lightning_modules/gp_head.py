@@ -1,22 +1,19 @@
 """The GP-MIL head as a plain ``nn.Module`` (float64): standardisation, sparse GP, bag likelihood.
 
 Wraps :class:`milgp.models.SparseGP` and any :class:`milgp.likelihoods.AugmentedBagLikelihood`
-(MIL classification) or :class:`milgp.likelihoods.aggregate.AggregateLikelihood` (real-valued bag
-aggregates, VBAgg: Poisson, Normal, Exponential) with what a trainer needs around them:
+(MIL classification; :class:`~lightning_modules.aggregate_gp_head.AggregateGPHead` is the same
+head for aggregate outputs) with what a trainer needs around them:
 
 * feature standardisation buffers (``feature_mean``, ``feature_scale``), inducing points and the
   initial lengthscale set once from training features (:meth:`GPHead.initialize`: z-scores,
   k-means++ split between positive and negative bags, median heuristic);
 * the GP's :class:`~milgp.models.ClosedFormStrategy` (:attr:`GPHead.strategy`) and the library's
   fit steps of its likelihood on a training batch (:meth:`GPHead.fit_steps`:
-  :class:`~milgp.variational.fit.ClosedFormSteps` or
-  :class:`~milgp.variational.aggregate_fit.AggregateSteps`, as
-  :func:`~milgp.variational.fit_loop.fit_loop` drives them), with hooks that all-reduce the
-  statistics under DDP; the training step takes its natural step and its hyperparameter objective
-  from them;
-* predictions with uncertainty for instances and bags (:meth:`GPHead.predict`, one method for both
-  kinds of likelihood: bag probabilities, or predicted aggregates with their predictive NLL); MIL
-  bag probabilities go through the head's **bag decision**: a bag rule
+  :class:`~milgp.variational.fit.ClosedFormSteps`, as :func:`~milgp.variational.fit_loop.fit_loop`
+  drives them), with hooks that all-reduce the statistics under DDP; the training step takes its
+  natural step and its hyperparameter objective from them;
+* predictions with uncertainty for instances and bags (:meth:`GPHead.predict`; the same method
+  and keys on both heads); bag probabilities go through the head's **bag decision**: a bag rule
   (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its score
   (:class:`milgp.prediction.BagCalibrator`), chosen and fitted on held-out bags by
   :meth:`GPHead.fit_decision` (with ``bag_rule="auto"`` the rule is chosen among the
@@ -29,22 +26,20 @@ Everything here runs in float64; callers cast features with :meth:`GPHead.standa
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lightning_modules.bag_module_base import records_metrics
 from milgp.data.bags import BagBatch, Bags
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
-from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.metrics import log_loss
 from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
-
-from milgp.variational.aggregate_fit import AggregateSteps, bag_log_predictive, predict_bag_moments
 from milgp.variational.fit import ClosedFormSteps
 from milgp.prediction import (
     AUTO_BAG_RULES,
@@ -71,13 +66,12 @@ class GPHead(nn.Module):
     Args:
         feature_dim: D.
         num_inducing: M.
-        likelihood: any :class:`AugmentedBagLikelihood` or :class:`AggregateLikelihood`; default
-            VGPMIL (:class:`MILBernoulliLikelihood` with ``psi="pg"``, H = 100).
+        likelihood: any :class:`AugmentedBagLikelihood`; default VGPMIL
+            (:class:`MILBernoulliLikelihood` with ``psi="pg"``, H = 100).
         ard: one lengthscale per feature.
         learn_inducing_locations: make Z trainable.
-        constant_mean: constant instead of zero GP mean (``None``: constant for aggregate
-            likelihoods — initialised, as :class:`milgp.estimators.VBAggRegressor` does, at the
-            link's inverse of the rate ``Σy / Σw`` of the training bags — zero otherwise).
+        constant_mean: constant instead of zero GP mean (``None``: the head's
+            :attr:`default_constant_mean`, zero here).
         standardize: z-score features with training statistics.
         lengthscale: initial RBF lengthscale (``None``: median pairwise distance of the
             standardised training features).
@@ -90,17 +84,22 @@ class GPHead(nn.Module):
             head predicts with the named rule (``"auto"``: :data:`milgp.prediction.DEFAULT_BAG_RULE`)
             uncalibrated.
         seed: k-means++ and sampling seed.
-        chunk_instances, block_budget, cache_entries: aggregate likelihoods, memory bounds of one
+        chunk_instances, block_budget, cache_entries: aggregate heads, memory bounds of one
             chunk of bags (see :func:`milgp.variational.aggregate_fit.fit_aggregate`).
-        nll_samples: aggregate likelihoods without a closed-form predictive (Poisson,
-            Exponential), Monte Carlo samples of the joint ``q(f_b)`` for the bag predictive NLL.
+        nll_samples: aggregate heads without a closed-form predictive (Poisson, Exponential),
+            Monte Carlo samples of the joint ``q(f_b)`` for the bag predictive NLL.
     """
+
+    bag_label_kind: ClassVar[str] = "binary"
+    """What the bag labels are: ``"binary"`` (MIL) or ``"aggregate"`` (real-valued targets)."""
+    likelihood_type: ClassVar[type] = AugmentedBagLikelihood
+    default_constant_mean: ClassVar[bool] = False
 
     def __init__(
         self,
         feature_dim: int,
         num_inducing: int = 64,
-        likelihood: AugmentedBagLikelihood | AggregateLikelihood | None = None,
+        likelihood: Any = None,
         ard: bool = False,
         learn_inducing_locations: bool = False,
         constant_mean: bool | None = None,
@@ -118,8 +117,11 @@ class GPHead(nn.Module):
         bag_rule = "joint_noisy_or" if bag_rule == "joint" else bag_rule
         if bag_rule != "auto" and bag_rule not in RULE_NAMES:
             raise ValueError(f"unknown bag rule {bag_rule!r}: use 'auto' or one of {list(RULE_NAMES)}")
-        is_aggregate = isinstance(likelihood, AggregateLikelihood)
-        constant_mean = is_aggregate if constant_mean is None else bool(constant_mean)
+        likelihood = likelihood if likelihood is not None else MILBernoulliLikelihood(psi="pg", H=100.0)
+        if not isinstance(likelihood, self.likelihood_type):
+            raise TypeError(f"{type(self).__name__} needs a likelihood of type {self.likelihood_type.__name__}, got {type(likelihood).__name__} "
+                            "(aggregate likelihoods: AggregateGPHead; MIL likelihoods: GPHead)")
+        constant_mean = self.default_constant_mean if constant_mean is None else bool(constant_mean)
         gen = torch.Generator().manual_seed(seed)
         Z0 = torch.randn(num_inducing, feature_dim, generator=gen, dtype=torch.float64)
         self.gp = SparseGP(
@@ -128,7 +130,7 @@ class GPHead(nn.Module):
         )
         for p in self.gp.variational_parameters():  # q(v) is updated in closed form only
             p.requires_grad_(False)
-        self.likelihood = likelihood if likelihood is not None else MILBernoulliLikelihood(psi="pg", H=100.0)
+        self.likelihood = likelihood
         self.likelihood.to(torch.float64)
         self.register_buffer("feature_mean", torch.zeros(feature_dim, dtype=torch.float64))
         self.register_buffer("feature_scale", torch.ones(feature_dim, dtype=torch.float64))
@@ -147,11 +149,6 @@ class GPHead(nn.Module):
         self.cache_entries = int(cache_entries)
         self.nll_samples = int(nll_samples)
 
-    @property
-    def is_aggregate(self) -> bool:
-        """Whether the likelihood is an aggregate-output (VBAgg) one: real-valued bag targets."""
-        return isinstance(self.likelihood, AggregateLikelihood)
-
     # -- set-up ----------------------------------------------------------------------------------
     @torch.no_grad()
     def initialize(
@@ -162,15 +159,10 @@ class GPHead(nn.Module):
         instance_weights: Tensor | None = None,
     ) -> None:
         """Standardisation statistics, inducing points (k-means++, half on instances of positive
-        bags) and the initial lengthscale from training features ``(N, D)``; q(v) reset to the prior.
-
-        Aggregate likelihoods (as :class:`milgp.estimators.VBAggRegressor`): k-means++ over all
-        instances, and with a constant mean its value set to ``Ψ⁻¹(Σ_a y_a / Σ_i w_i)`` from the
-        training bags' targets ``bag_targets`` ``(B,)`` and weights ``instance_weights`` ``(N,)``
-        (default ones)."""
+        bags: ``instance_bag_labels`` ``(N,)``) and the initial lengthscale from training features
+        ``(N, D)``; q(v) reset to the prior. The bags' targets ``bag_targets`` ``(B,)`` and instance
+        weights ``(N,)`` are for heads that start their mean from them (aggregate outputs)."""
         x = features.detach().to(torch.float64).cpu()
-        if self.is_aggregate:
-            instance_bag_labels = torch.zeros(x.shape[0], dtype=torch.float64)
         if self.standardize_features:
             mean, scale = x.mean(0), x.std(0, unbiased=False)
             scale = torch.where(scale > 1e-12, scale, torch.ones_like(scale))
@@ -188,11 +180,13 @@ class GPHead(nn.Module):
         ls = self.init_lengthscale if self.init_lengthscale is not None else median_lengthscale(z, seed=self.seed)
         # a tensor, not a Python float: GPyTorch's setter would round a float through float32
         self.gp.covar_module.base_kernel.lengthscale = torch.as_tensor(float(ls), dtype=torch.float64, device=device)
-        if self.is_aggregate and bag_targets is not None and hasattr(self.gp.mean_module, "constant"):
-            w = torch.ones_like(x[:, 0]) if instance_weights is None else instance_weights.to(x)
-            self.gp.mean_module.constant.data.fill_(self.likelihood.pooled_latent(torch.as_tensor(bag_targets).to(x), w))
         self.reset_posterior()
         self.initialized.fill_(True)
+
+    def check_data(self, bag_targets: Tensor, instance_weights: Tensor, bags: Bags) -> None:
+        """Check the training bags' targets ``(B,)`` and instance weights ``(N,)`` before
+        :meth:`initialize` (``ValueError`` naming the bag by position). Nothing to add here: MIL
+        bag labels are checked where the data modules read them (:mod:`lightning_modules.data.checks`)."""
 
     def reset_posterior(self) -> None:
         """q(v) ← N(0, I)."""
@@ -342,16 +336,16 @@ class GPHead(nn.Module):
             p_out[out_bags] = decision(posterior, self.likelihood.instance_link, self.generator(posterior.mean.device))[0].cpu()
         return log_loss(p_out, y)
 
-    def decision_summary(self) -> dict[str, Any]:
+    def records_metrics(self, records: list[dict]) -> dict[str, float]:
+        """Validation/test metrics of the head's prediction records (:func:`records_metrics`)."""
+        return records_metrics(records)
+
+    def decision_summary(self) -> dict[str, Any] | None:
         """What the head decides with, for reports: rule, whether calibrated, Platt slope and intercept."""
         return {"bag_rule": self.rule_name, "configured_bag_rule": self.bag_rule, "calibrated": self.calibrated,
                 "calibration_slope": float(self.calibrator.slope), "calibration_intercept": float(self.calibrator.intercept)}
 
     # -- training steps and predictions ---------------------------------------------------------
-    @staticmethod
-    def _ones_if_none(weights: Tensor | None, z: Tensor) -> Tensor:
-        return torch.ones_like(z[:, 0]) if weights is None else weights.to(z)
-
     def fit_steps(
         self,
         z: Tensor,
@@ -364,63 +358,35 @@ class GPHead(nn.Module):
         rho_max: float = 1.0,
         reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
         reduce_value: Callable[[float], float] | None = None,
-    ) -> ClosedFormSteps | AggregateSteps:
+    ) -> Any:
         """The library's fit steps of the head's likelihood on a batch of standardised features ``z``
-        ``(N, D)`` (detached for the natural step) with bag labels or targets ``(B,)``:
-        :class:`~milgp.variational.fit.ClosedFormSteps` (MIL; ``locals_``: the batch's current
-        locals, ``None`` to initialise them) or :class:`~milgp.variational.aggregate_fit.AggregateSteps`
-        (aggregate outputs; ``weights``: populations ``(N,)``, ``None`` = ones; ``rho``: the adaptive
-        full-batch step size to start from). ``reduce`` and ``reduce_value`` sum statistics and
-        data terms over DDP ranks. The batch's projection is computed once and serves every pass."""
+        ``(N, D)`` (detached for the natural step) with bag labels ``(B,)``:
+        :class:`~milgp.variational.fit.ClosedFormSteps` (``locals_``: the batch's current locals,
+        ``None`` to initialise them; ``reduce`` sums the statistics over DDP ranks). ``weights``,
+        ``rho``, ``rho_max`` and ``reduce_value`` serve aggregate heads (populations, the adaptive
+        full-batch step size, the data term's DDP sum). The batch's projection is computed once
+        and serves every pass."""
         z = z.detach().to(torch.float64)
-        labels = bag_labels.to(z)
-        if self.is_aggregate:
-            return AggregateSteps(
-                self.strategy, self.likelihood, BagBatch(z, bags.index, labels, instance_weights=self._ones_if_none(weights, z)),
-                rho=rho, rho_max=rho_max,
-                chunk_instances=self.chunk_instances, block_budget=self.block_budget, cache_entries=self.cache_entries,
-                reduce=reduce, reduce_value=reduce_value,
-            )
         return ClosedFormSteps(
-            self.strategy, self.likelihood, BagBatch(z, bags.index, labels), chunk_size=max(1, len(z)), cache_bytes=math.inf,
-            initial_locals=locals_, reduce=reduce,
+            self.strategy, self.likelihood, BagBatch(z, bags.index, bag_labels.to(z)), chunk_size=max(1, len(z)),
+            cache_bytes=math.inf, initial_locals=locals_, reduce=reduce,
         )
 
     @torch.no_grad()
     def predict(
         self, z: Tensor, bags: Bags, weights: Tensor | None = None, bag_targets: Tensor | None = None
     ) -> dict[str, Tensor | dict[str, Tensor]]:
-        """Instance and bag predictions with uncertainty, for either kind of likelihood.
+        """Instance and bag predictions with uncertainty (the same keys on every head).
 
         Returns:
             ``"mean"``, ``"var"`` of ``q(f)`` and ``"instance"``, ``"instance_std"`` ``(N,)``; ``"bag"``,
             ``"bag_std"`` ``(B,)``; ``"bag_fields"``, further per-bag predictions ``(B,)`` by name.
-            MIL: ``instance`` is ``p(y_n = 1)`` (the likelihood's :attr:`instance_link` moments),
-            ``bag`` the calibrated probability of the head's bag decision (:meth:`decide`), no
-            further fields. Aggregate outputs (``weights``: populations ``(N,)``, ``None`` = ones):
-            ``instance`` is the individual rate ``E[Ψ(f)]``, ``bag`` the predicted aggregate
-            ``E[y_a]`` with its predictive std; ``bag_fields`` hold ``y_mean``, ``y_var`` and
-            ``bag_rate_mean``, ``bag_rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` (full within-bag covariance,
-            :func:`predict_bag_moments`) and, with ``bag_targets``, ``bag_nll``, the predictive
-            ``−log p(y_a | data)`` (:func:`bag_log_predictive`: exact for the Normal model, Monte
-            Carlo over the joint ``q(f_b)`` with ``nll_samples`` draws for the others).
+            Here ``instance`` is ``p(y_n = 1)`` (the likelihood's :attr:`instance_link` moments),
+            ``bag`` the calibrated probability of the head's bag decision (:meth:`decide`), and
+            there are no further fields (``weights`` and ``bag_targets`` serve aggregate heads).
         """
-        z = z.to(torch.float64)
-        if not self.is_aggregate:
-            posterior = self.bag_posterior(z, bags)
-            out: dict[str, Any] = {"mean": posterior.mean, "var": posterior.var, "bag_fields": {}}
-            out["instance"], out["instance_std"] = self.likelihood.instance_link.moments(posterior.mean, posterior.var)
-            out["bag"], out["bag_std"] = self.decide(posterior)
-            return out
-        lik, w = self.likelihood, self._ones_if_none(weights, z)
-        mean, var = self.moments(z)
-        bag = predict_bag_moments(self.gp, lik, z, bags, w, self.chunk_instances, self.block_budget)
-        fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"]}
-        if bag_targets is not None:
-            fields["bag_nll"] = -bag_log_predictive(
-                self.gp, lik, z, bags, bag_targets.to(z), w, samples=self.nll_samples,
-                generator=torch.Generator(device=z.device).manual_seed(self.seed), chunk_instances=self.chunk_instances,
-                block_budget=self.block_budget, moments=bag,
-            )
-        return {"mean": mean, "var": var, "instance": lik.rate_mean(mean, var), "instance_std": lik.link.variance(mean, var).clamp_min(0).sqrt(),
-                "bag": bag["y_mean"], "bag_std": bag["y_var"].clamp_min(0).sqrt(), "bag_fields": fields}
+        posterior = self.bag_posterior(z.to(torch.float64), bags)
+        out: dict[str, Any] = {"mean": posterior.mean, "var": posterior.var, "bag_fields": {}}
+        out["instance"], out["instance_std"] = self.likelihood.instance_link.moments(posterior.mean, posterior.var)
+        out["bag"], out["bag_std"] = self.decide(posterior)
+        return out

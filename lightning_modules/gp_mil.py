@@ -41,23 +41,18 @@ the end of every validation epoch of a fit, the logged ``val/bag_nll`` then bein
 CNN features of the training bags change with every step). The decision is saved in the state
 dict, so a checkpoint predicts with the decision of its epoch.
 
-**Aggregate likelihoods** (VBAgg, Law et al., *Variational learning on aggregate outputs with
-Gaussian processes*, NeurIPS 2018: :class:`~milgp.likelihoods.PoissonAggregateLikelihood`,
-:class:`~milgp.likelihoods.NormalAggregateLikelihood`, :class:`~milgp.likelihoods.ExponentialAggregateLikelihood`):
-the bag labels are real-valued aggregates ``y_a`` (counts, totals), instances may carry
-weights/populations ``w_i`` (``batch.instance_weights``, or a feature column named by
-``population_column``; default ones), and instance labels, where known, are the individual targets
-(rates). Step 2 is then one step of :func:`milgp.variational.aggregate_fit.fit_aggregate`
-(:class:`~milgp.variational.aggregate_fit.AggregateSteps`): the exact optimum (ρ = 1) for Normal on the full batch;
-ELBO backtracking with an adaptive ρ (from ``rho0``, ×1.5 after an accepted step, at most
-``rho_max``) for Poisson/Exponential on the full batch; ``ρ_t = min(1, rho_max · RM(t))`` with the
-statistics scaled by ``training bags / global batch bags`` for minibatches. Its statistics are sums
-over bags, all-reduced across DDP ranks like the MIL ones (and so is the ELBO the backtracking
-compares). There are no locals (step 3). Step 4 is Adam on ``−Σ_a bag_terms / global instances``.
-Validation/test log regression metrics (:func:`aggregate_records_metrics`): ``bag_nll`` (predictive
-``−log p(y_a | data)``), ``bag_mse``, ``bag_mae``, ``bag_r2``, ``bag_poisson_deviance`` (Poisson) and,
-when instance targets are known, ``instance_mse``/``instance_mae`` of the posterior mean rate
-``E[Ψ(f)]``. Records carry ``bag_prob`` = predicted ``E[y_a]`` and ``slice_probs`` = ``E[Ψ(f_i)]``.
+**Aggregate likelihoods** (VBAgg: :class:`~milgp.likelihoods.PoissonAggregateLikelihood`,
+:class:`~milgp.likelihoods.NormalAggregateLikelihood`, :class:`~milgp.likelihoods.ExponentialAggregateLikelihood`)
+get the :class:`~lightning_modules.aggregate_gp_head.AggregateGPHead`: bag labels are real-valued
+aggregates ``y_a``, instance populations ``w_i`` come from ``batch.instance_weights`` or the
+feature column ``population_column`` (default ones), instance labels, where known, are the
+individual targets. Step 2 is a step of :class:`~milgp.variational.aggregate_fit.AggregateSteps`:
+exact (ρ = 1) for Normal on the full batch, ELBO backtracking with an adaptive ρ (from ``rho0``,
+×1.5 after an accepted step, at most ``rho_max``; checkpointed as ``aggregate_rho``) for
+Poisson/Exponential, ``ρ_t = min(1, rho_max · RM(t))`` on minibatches; statistics and the ELBO
+the backtracking compares are all-reduced across DDP ranks. There are no locals (step 3).
+Validation/test log :func:`aggregate_records_metrics`; records carry ``bag_prob`` = predicted
+``E[y_a]`` and ``slice_probs`` = ``E[Ψ(f_i)]``.
 
 Standardisation statistics, inducing points (k-means++) and the initial lengthscale are set at the
 start of the first fit from the training features (through the initial extractor end-to-end) and
@@ -70,12 +65,12 @@ import contextlib
 import re
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_modules.bag_module_base import BagModuleBase, records_metrics
+from lightning_modules.aggregate_gp_head import AggregateGPHead, aggregate_records_metrics
+from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.bag_store import BagStore
 from lightning_modules.checkpoints import extractor_from_checkpoint
 from lightning_modules.distributed import all_gather_objects, all_reduce_sum, world_size
@@ -84,7 +79,6 @@ from lightning_modules.input_error import InputError
 from lightning_modules.module_config import module_config
 from milgp.data.bags import BagBatch, Bags, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
-from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
@@ -92,39 +86,6 @@ __all__ = ["GPMILModule", "aggregate_records_metrics"]
 
 _MODES = ("two_stage", "end_to_end")
 _DECISION_BAGS = ("auto", "train", "val")
-
-
-def aggregate_records_metrics(records: list[dict], poisson: bool = False) -> dict[str, float]:
-    """Regression metrics of aggregate-output records (see :class:`GPMILModule`).
-
-    Bag level: ``bag_nll`` (mean of the records' predictive ``bag_nll``), ``bag_mse``, ``bag_mae``,
-    ``bag_r2`` of ``E[y_a]`` (``bag_prob``) against ``y_a`` (``bag_label``), and with ``poisson``
-    the mean Poisson deviance ``2[y log(y/μ) − (y − μ)]`` at ``μ = E[y_a]``. Instance level, over the
-    records with known instance targets (``slice_labels``): ``instance_mse``, ``instance_mae`` of
-    the posterior mean rate (``slice_probs``)."""
-    if not records:
-        return {}
-    mu = np.array([r["bag_prob"] for r in records], dtype=float)
-    y = np.array([r["bag_label"] for r in records], dtype=float)
-    err = mu - y
-    out = {"bag_mse": float(np.mean(err**2)), "bag_mae": float(np.mean(np.abs(err)))}
-    ss = float(np.sum((y - y.mean()) ** 2))
-    out["bag_r2"] = 1.0 - float(np.sum(err**2)) / ss if ss > 0 else float("nan")
-    nll = np.array([r.get("bag_nll", np.nan) for r in records], dtype=float)
-    out["bag_nll"] = float(np.mean(nll))
-    if poisson:
-        m = np.maximum(mu, 1e-12)
-        term = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / m), 0.0)
-        out["bag_poisson_deviance"] = float(np.mean(2.0 * (term - (y - m))))
-    labelled = [r for r in records if r.get("slice_labels") is not None]
-    if labelled:
-        t = np.concatenate([np.asarray(r["slice_labels"], dtype=float) for r in labelled])
-        p = np.concatenate([np.asarray(r["slice_probs"], dtype=float) for r in labelled])
-        out["instance_mse"] = float(np.mean((p - t) ** 2))
-        out["instance_mae"] = float(np.mean(np.abs(p - t)))
-        out["instance_count"] = float(len(t))
-    out["bag_count"] = float(len(records))
-    return out
 
 
 class GPMILModule(BagModuleBase):
@@ -233,7 +194,7 @@ class GPMILModule(BagModuleBase):
         if not 0.0 < rho0 <= 1.0 or not 0.0 < rho_max <= 1.0:
             raise ValueError(f"rho0 and rho_max must lie in (0, 1], got {rho0} and {rho_max}")
         self.population_column = None if population_column is None else int(population_column)
-        self.gp = GPHead(
+        self.gp = (AggregateGPHead if aggregate else GPHead)(
             dim, num_inducing, likelihood, ard=ard, learn_inducing_locations=learn_inducing_locations,
             constant_mean=constant_mean, standardize=standardize, lengthscale=lengthscale,
             outputscale=outputscale, bag_rule=bag_rule, seed=seed, chunk_instances=chunk_instances,
@@ -256,9 +217,9 @@ class GPMILModule(BagModuleBase):
 
     @property
     def is_aggregate(self) -> bool:
-        """Whether the bag targets are real-valued aggregates (an aggregate likelihood): records then
+        """Whether the bag targets are real-valued aggregates (an aggregate head): records then
         hold predicted aggregates in ``bag_prob`` and rates in ``slice_probs``, not probabilities."""
-        return self.gp.is_aggregate
+        return self.gp.bag_label_kind == "aggregate"
 
     # -- features --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -298,13 +259,14 @@ class GPMILModule(BagModuleBase):
     @property
     def bag_label_kind(self) -> str:
         """``"binary"`` (MIL: bag labels 0/1) or ``"aggregate"`` (real-valued bag targets)."""
-        return "aggregate" if self.gp.is_aggregate else "binary"
+        return self.gp.bag_label_kind
 
     def describe(self) -> dict[str, Any]:
         out = {**super().describe(), "mode": self.mode, "likelihood": module_config(self.gp.likelihood),
                "num_inducing": self.gp.num_inducing}
-        if not self.gp.is_aggregate:
-            out["bag_decision"] = {**self.gp.decision_summary(), "fitted_on": self.decision_bags}
+        decision = self.gp.decision_summary()
+        if decision is not None:
+            out["bag_decision"] = {**decision, "fitted_on": self.decision_bags}
         return out
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -365,14 +327,11 @@ class GPMILModule(BagModuleBase):
         keys = sorted(per_bag)
         feats = torch.cat([per_bag[k][0] for k in keys])
         labels = torch.cat([torch.full((len(per_bag[k][0]),), per_bag[k][1], dtype=torch.float64) for k in keys])
-        if not self.gp.is_aggregate:
-            self.gp.initialize(feats, labels)
-            return
         targets = torch.tensor([per_bag[k][1] for k in keys], dtype=torch.float64)
         weights = torch.cat([torch.ones(len(per_bag[k][0]), dtype=torch.float64) if per_bag[k][2] is None else per_bag[k][2] for k in keys])
         bag_index = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor([len(per_bag[k][0]) for k in keys]))
         try:
-            self.gp.likelihood.check_data(targets, weights, Bags(bag_index, len(keys)))
+            self.gp.check_data(targets, weights, Bags(bag_index, len(keys)))
         except ValueError as err:  # name the bag by its id, not by its position in the sorted list
             msg = re.sub(r"^bag (\d+)", lambda m: f"training bag {keys[int(m.group(1))]!r}", str(err))
             raise ValueError(msg) from err
@@ -440,12 +399,12 @@ class GPMILModule(BagModuleBase):
             full = global_bags >= self.num_train_bags
             steps = self.gp.fit_steps(
                 z, batch.bags, batch.bag_labels, weights=w, locals_=self._get_locals(batch),
-                rho=float(self.aggregate_rho) if self.gp.is_aggregate else 1.0, rho_max=self.rho_max,
+                rho=float(self.aggregate_rho) if self.is_aggregate else 1.0, rho_max=self.rho_max,
                 reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
             )
             if full:
                 steps.sweep()
-                if self.gp.is_aggregate:  # the adaptive step size of the next full-batch step
+                if self.is_aggregate:  # the adaptive step size of the next full-batch step (checkpointed)
                     self.aggregate_rho.fill_(steps.rho)
             else:
                 steps.minibatch_step(None, self.schedule(int(self.natural_steps)), self.num_train_bags / global_bags)
@@ -525,7 +484,7 @@ class GPMILModule(BagModuleBase):
         return loss_value
 
     def on_train_epoch_end(self) -> None:
-        if not self._locals and not self.gp.is_aggregate:
+        if int(self.natural_steps) == 0:
             return
         # the training ELBO on this epoch's last batch is cheap only two-stage; log the kernel instead
         self.log("train/lengthscale", float(self.gp.gp.covar_module.base_kernel.lengthscale.detach().mean()))
@@ -555,7 +514,7 @@ class GPMILModule(BagModuleBase):
 
     def _fits_decision_on_validation(self) -> bool:
         trainer = self.trainer
-        return (self.decision_bags == "val" and not self.gp.is_aggregate and trainer.state.fn == "fit"
+        return (self.decision_bags == "val" and not self.is_aggregate and trainer.state.fn == "fit"
                 and not trainer.sanity_checking)
 
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
@@ -566,13 +525,12 @@ class GPMILModule(BagModuleBase):
         self._decision_store.add(batch, h)
 
     def stage_metrics(self, records: list[dict], stage: str) -> dict[str, float]:
-        """Regression metrics of predicted aggregates (:func:`aggregate_records_metrics`), or the
-        MIL ones; with ``decision_bags="val"`` the validation records first get the decision refitted
-        on them and ``bag_nll`` is the cross-fitted one (:meth:`_fit_decision_on_validation`)."""
-        if self.gp.is_aggregate:
-            return aggregate_records_metrics(records, poisson=isinstance(self.gp.likelihood, PoissonAggregateLikelihood))
+        """The head's metrics of the records (:meth:`GPHead.records_metrics`: the MIL ones, or
+        regression metrics of predicted aggregates); with ``decision_bags="val"`` the validation
+        records first get the decision refitted on them and ``bag_nll`` is the cross-fitted one
+        (:meth:`_fit_decision_on_validation`)."""
         heldout_nll = self._fit_decision_on_validation(records) if stage == "val" and self._fits_decision_on_validation() else None
-        metrics = records_metrics(records)
+        metrics = self.gp.records_metrics(records)
         if heldout_nll is not None:
             metrics["bag_nll"] = heldout_nll
         return metrics

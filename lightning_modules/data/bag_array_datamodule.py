@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 

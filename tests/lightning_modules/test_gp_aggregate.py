@@ -345,3 +345,18 @@ def test_ddp_aggregate_same_q_as_one_process(tmp_path: Path) -> None:
     for k in one["state"]:
         if one["state"][k].is_floating_point():
             torch.testing.assert_close(r0["state"][k], one["state"][k], rtol=1e-6, atol=1e-8, msg=k)
+
+
+def test_each_head_refuses_the_other_family_of_likelihood() -> None:
+    """The MIL head takes augmented MIL likelihoods and the aggregate head aggregate ones; the module
+    picks the head from its likelihood. If this fails, an aggregate likelihood would be trained with
+    the MIL head's closed-form steps (or the reverse) and fail deep inside a step, or silently."""
+    from lightning_modules.aggregate_gp_head import AggregateGPHead
+    from lightning_modules.gp_head import GPHead
+
+    with pytest.raises(TypeError, match="GPHead needs a likelihood of type AugmentedBagLikelihood, got PoissonAggregateLikelihood"):
+        GPHead(3, 4, PoissonAggregateLikelihood("exp"))
+    with pytest.raises(TypeError, match="AggregateGPHead needs a likelihood of type AggregateLikelihood, got MILBernoulliLikelihood"):
+        AggregateGPHead(3, 4, MILBernoulliLikelihood())
+    assert type(GPMILModule(feature_dim=3, likelihood=PoissonAggregateLikelihood("exp"), num_inducing=4).gp) is AggregateGPHead
+    assert type(GPMILModule(feature_dim=3, num_inducing=4).gp) is GPHead
