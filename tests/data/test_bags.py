@@ -192,3 +192,24 @@ def test_bags_counts_once_and_keeps_what_it_derives():
     sub = batch.select_bags(torch.tensor([2]))
     assert sub.bags is not batch.bags and sub.bags.sizes.tolist() == [3]
     assert batch.to(dtype=torch.float64).bags is not batch.bags
+
+
+def test_bags_keep_their_padding_and_groups_per_bound():
+    """The padding positions and the size-sorted groups of whole bags are computed once per
+    ``Bags`` (and per bound, for groups), and the groups partition the bags within the bounds. If
+    this fails, every padded pass or joint bag rule recomputes them, a cached grouping is served for
+    another bound, or a bag is split across groups (its block would be wrong)."""
+    index = torch.tensor([0, 1, 1, 2, 2, 2, 1, 3, 3, 3, 3, 3])
+    bags = Bags.from_index(index)
+    assert bags.padding is bags.padding and bags.padding.n_max == 5
+    x = torch.arange(12.0)
+    padded, mask = to_padded(x, bags, fill=-1.0)
+    assert padded[1].tolist() == [1.0, 2.0, 6.0, -1.0, -1.0] and mask.sum(1).tolist() == [1, 3, 3, 5]
+    small = bags.groups(chunk_instances=4)
+    assert bags.groups(chunk_instances=4) is small and bags.groups(chunk_instances=100) is not small
+    assert sorted(int(b) for g in small for b in g.bags) == [0, 1, 2, 3]
+    for g in small:
+        assert torch.equal(index[g.inst], g.bags[g.local])  # whole bags, their own instances
+        assert g.inst.numel() <= 4 or g.num_bags == 1
+    # B_g · n_max² ≤ 20: bags of sizes 1 and 3 share a group (2·9), a third bag of 3 would not (3·9)
+    assert [g.bags.tolist() for g in bags.groups(chunk_instances=100, block_budget=20)] == [[0, 1], [2], [3]]
