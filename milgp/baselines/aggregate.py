@@ -17,12 +17,12 @@ import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils.validation import check_is_fitted
 
+from milgp.estimators import VBAggRegressor, check_bag_weights, check_bags
+
 __all__ = ["BagPixelRegressor", "ConstantRateRegressor"]
 
 
 def _bags_and_weights(bags: Sequence[Any], weights: Sequence[Any] | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    from milgp.estimators import check_bag_weights, check_bags
-
     bags_np = check_bags(bags)
     return bags_np, check_bag_weights(weights, bags_np)
 
@@ -82,8 +82,6 @@ class BagPixelRegressor(RegressorMixin, BaseEstimator):
         return xbar, np.array([wb.sum() for wb in w])
 
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "BagPixelRegressor":
-        from milgp.estimators import VBAggRegressor
-
         xbar, pops = self.pseudo_individuals(bags, weights)
         self.model_ = VBAggRegressor(
             likelihood=self.likelihood,
