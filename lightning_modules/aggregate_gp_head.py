@@ -103,15 +103,11 @@ class AggregateGPHead(GPHead):
         ``(N,)`` (``None`` = ones), starting full-batch steps at the adaptive step size ``rho``;
         ``reduce`` and ``reduce_value`` sum statistics and data terms over DDP ranks (no locals)."""
         z = z.detach().to(torch.float64)
-        batch = BagBatch(z, bags.index, bag_labels.to(z), instance_weights=self._weights(weights, z))
+        batch = BagBatch(z, bags.index, bag_labels.to(z), instance_weights=None if weights is None else weights.to(z))
         return AggregateSteps(
             self.strategy, self.likelihood, batch, rho=rho, rho_max=rho_max, chunk_instances=self.chunk_instances,
             block_budget=self.block_budget, cache_entries=self.cache_entries, reduce=reduce, reduce_value=reduce_value,
         )
-
-    @staticmethod
-    def _weights(weights: Tensor | None, z: Tensor) -> Tensor:
-        return torch.ones_like(z[:, 0]) if weights is None else weights.to(z)
 
     @torch.no_grad()
     def predict(
@@ -125,8 +121,7 @@ class AggregateGPHead(GPHead):
         ``bag_nll``, the predictive ``−log p(y_a | data)``
         (:func:`~milgp.variational.aggregate_fit.bag_log_predictive`: exact for the Normal model,
         Monte Carlo over the joint ``q(f_b)`` with ``nll_samples`` draws for the others)."""
-        z = z.to(torch.float64)
-        lik, w = self.likelihood, self._weights(weights, z)
+        z, lik, w = z.to(torch.float64), self.likelihood, weights
         mean, var = self.moments(z)
         bag = predict_bag_moments(self.gp, lik, z, bags, w, self.chunk_instances, self.block_budget)
         fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"]}

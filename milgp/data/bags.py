@@ -103,11 +103,13 @@ def bag_layout(bags: "Bags") -> BagLayout:
 class Padding:
     """Where the instances of :class:`Bags` go in a dense ``(B, n_max)`` layout: ``order`` ``(N,)``
     the instances sorted (stably) by bag, ``bag`` and ``position`` ``(N,)`` the bag and slot of
-    each of them, and ``n_max`` the largest bag size."""
+    each of them, ``starts`` ``(B,)`` where each bag begins in ``order``, and ``n_max`` the largest
+    bag size."""
 
     order: Tensor
     bag: Tensor
     position: Tensor
+    starts: Tensor
     n_max: int
 
 
@@ -151,8 +153,9 @@ class Bags:
         sizes = self.sizes
         order = torch.argsort(self.index, stable=True)
         bag = self.index[order]
-        position = torch.arange(len(order), device=self.index.device) - (torch.cumsum(sizes, 0) - sizes)[bag]
-        return Padding(order, bag, position, int(sizes.max()) if sizes.numel() else 0)
+        starts = torch.cumsum(sizes, 0) - sizes
+        position = torch.arange(len(order), device=self.index.device) - starts[bag]
+        return Padding(order, bag, position, starts, int(sizes.max()) if sizes.numel() else 0)
 
     def groups(self, chunk_instances: int = 32768, block_budget: int | None = None) -> list["BagGroup"]:
         """All bags packed into groups of whole bags (:func:`make_bag_groups`); kept per bound."""
@@ -424,8 +427,7 @@ def make_bag_groups(
     """
     device = bags.index.device
     sizes = bags.sizes
-    perm = bags.padding.order
-    starts = torch.cumsum(sizes, 0) - sizes
+    perm, starts = bags.padding.order, bags.padding.starts
     chosen = torch.arange(bags.num_bags, device=device) if subset is None else torch.as_tensor(subset, device=device)
     chosen = chosen[torch.argsort(sizes[chosen], stable=True)]
     sizes_l = sizes[chosen].tolist()
