@@ -38,16 +38,21 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def check_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str, source: str) -> None:
     """Raise a one-line :class:`InputError` when ``state`` does not fit ``module`` (other tensor
-    shapes, missing or extra entries) instead of PyTorch's list of every mismatch."""
+    shapes, missing or extra entries) instead of PyTorch's list of every mismatch. Submodules whose
+    state is sized by what they hold (``resizes_on_load``, e.g. the per-bag locals) may differ in shape."""
     own = module.state_dict()
-    for key, value in own.items():
-        if key in state and isinstance(value, torch.Tensor) and tuple(state[key].shape) != tuple(value.shape):
-            differ = sum(1 for k, v in own.items() if k in state and isinstance(v, torch.Tensor) and tuple(state[k].shape) != tuple(v.shape))
-            raise InputError(
-                f"{source}: {what} does not match: {key} is {tuple(state[key].shape)} there and {tuple(value.shape)} here "
-                f"({differ} tensors differ); build the model from the checkpoint alone (load_from_checkpoint(path)) "
-                "or with the architecture it was trained with"
-            )
+    resizable = tuple(f"{name}." for name, m in module.named_modules() if name and getattr(m, "resizes_on_load", False))
+    differ = [
+        k for k, v in own.items()
+        if k in state and isinstance(v, torch.Tensor) and not k.startswith(resizable) and tuple(state[k].shape) != tuple(v.shape)
+    ]
+    if differ:
+        key = differ[0]
+        raise InputError(
+            f"{source}: {what} does not match: {key} is {tuple(state[key].shape)} there and {tuple(own[key].shape)} here "
+            f"({len(differ)} tensors differ); build the model from the checkpoint alone (load_from_checkpoint(path)) "
+            "or with the architecture it was trained with"
+        )
     missing = [k for k in own if k not in state]
     extra = [k for k in state if k not in own]
     if missing or extra:

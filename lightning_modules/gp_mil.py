@@ -80,6 +80,7 @@ from lightning_modules.module_config import module_config
 from milgp.data.bags import BagBatch, Bags, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.variational.bag_locals import BagLocals
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
 __all__ = ["GPMILModule", "aggregate_records_metrics"]
@@ -211,7 +212,7 @@ class GPMILModule(BagModuleBase):
         self.init_max_bags = init_max_bags
         self.standardize_momentum = standardize_momentum
         self.num_train_bags: int | None = None
-        self._locals: dict[str, Tensor] = {}
+        self.bag_locals = BagLocals()  # every training bag's locals (e.g. π), checkpointed
         self.decision_bags = ("train" if mode == "two_stage" else "val") if decision_bags == "auto" else decision_bags
         self._decision_store = BagStore()  # the held-out bags' features of the current epoch
 
@@ -337,30 +338,6 @@ class GPMILModule(BagModuleBase):
             raise ValueError(msg) from err
         self.gp.initialize(feats, labels, bag_targets=targets, instance_weights=weights)
 
-    # -- locals ----------------------------------------------------------------------------------
-    def _get_locals(self, batch: BagBatch) -> Tensor | None:
-        if not batch.bag_ids or not all(b in self._locals for b in batch.bag_ids):
-            return None
-        sizes = batch.bags.sizes.tolist()
-        parts = [self._locals[b] for b in batch.bag_ids]
-        if [len(p) for p in parts] != sizes:
-            return None
-        out = torch.empty(batch.num_instances, dtype=torch.float64, device=self.device)
-        order = torch.argsort(batch.bag_index, stable=True)
-        out[order] = torch.cat(parts).to(self.device)
-        return out
-
-    def _put_locals(self, batch: BagBatch, locals_: Any) -> None:
-        """Store the batch's per-bag locals (e.g. VGPMIL's π) by bag id, on CPU. Under DDP every
-        rank stores every rank's bags (all-gathered), so a bag that lands on another rank in a
-        later (shuffled) epoch continues from its current π instead of being re-initialised."""
-        if not batch.bag_ids or not isinstance(locals_, Tensor) or locals_.shape != (batch.num_instances,):
-            return
-        parts = [(bag_id, part.cpu().clone()) for bag_id, part in zip(batch.bag_ids, split_by_bag(locals_.detach(), batch.bag_index, batch.num_bags))]
-        if world_size() > 1:
-            parts = [pair for rank_parts in all_gather_objects(parts) for pair in rank_parts]
-        self._locals.update(parts)
-
     # -- training --------------------------------------------------------------------------------
     @staticmethod
     def _reduce(stats: NaturalStatistics) -> NaturalStatistics:
@@ -398,7 +375,7 @@ class GPMILModule(BagModuleBase):
             assert self.num_train_bags is not None
             full = global_bags >= self.num_train_bags
             steps = self.gp.fit_steps(
-                z, batch.bags, batch.bag_labels, weights=w, locals_=self._get_locals(batch),
+                z, batch.bags, batch.bag_labels, weights=w, locals_=self.bag_locals.gather(batch.bag_ids, batch.bags),
                 rho=float(self.aggregate_rho) if self.is_aggregate else 1.0, rho_max=self.rho_max,
                 reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
             )
@@ -409,7 +386,8 @@ class GPMILModule(BagModuleBase):
             else:
                 steps.minibatch_step(None, self.schedule(int(self.natural_steps)), self.num_train_bags / global_bags)
             self.natural_steps += 1
-            self._put_locals(batch, steps.locals)
+            # under DDP every rank keeps every rank's bags: a bag drawn on another rank later continues from its π
+            self.bag_locals.store(batch.bag_ids, batch.bags, steps.locals, all_gather_objects if world_size() > 1 else None)
             decide_here = self.decision_bags == "train" and steps.locals is not None
             if decide_here:
                 self._decision_store.add(batch, h)
@@ -459,7 +437,7 @@ class GPMILModule(BagModuleBase):
         ids, h, bag_index, labels = self._decision_store.gathered()
         self._decision_store.clear()
         h, bags = h.to(self.device), Bags(bag_index.to(self.device), len(ids))
-        locals_ = torch.cat([self._locals[b] for b in ids]).to(self.device)
+        locals_ = self.bag_locals.cat(ids).to(self.device)
         posterior = self.gp.leave_bag_out(self._standardize(h), bags, labels.to(self.device), locals_)
         self._adopt_decision(posterior, labels, "training")
 
@@ -558,11 +536,11 @@ class GPMILModule(BagModuleBase):
     # -- checkpoints -----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint["gp_locals"] = dict(self._locals)  # every rank holds every bag's locals (_put_locals)
         checkpoint["gp_num_train_bags"] = self.num_train_bags
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        self._locals = {k: v.to(torch.float64) for k, v in checkpoint.get("gp_locals", {}).items()}
+        if "gp_locals" in checkpoint:  # written before the locals were a module: move them into its state
+            checkpoint["state_dict"].update(BagLocals(checkpoint.pop("gp_locals")).state_dict(prefix="bag_locals."))
         self.num_train_bags = checkpoint.get("gp_num_train_bags")
 

@@ -31,7 +31,7 @@ class SaveState(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: GPMILModule) -> None:
         q = pl_module.gp.posterior()
         state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
-        torch.save({"m": q.m.cpu(), "S": q.S.cpu(), "state": state, "locals": dict(pl_module._locals), "steps": int(pl_module.natural_steps)},
+        torch.save({"m": q.m.cpu(), "S": q.S.cpu(), "state": state, "locals": {b: pl_module.bag_locals[b] for b in pl_module.bag_locals.ids()}, "steps": int(pl_module.natural_steps)},
                    os.path.join(self.out, f"{self.name}_rank{trainer.global_rank}.pt"))
 
 

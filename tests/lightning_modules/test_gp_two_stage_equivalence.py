@@ -40,4 +40,4 @@ def test_full_batch_epochs_equal_fit_closed_form() -> None:
     q_ref, q = ref.variational_strategy.whitened_posterior(), model.gp.posterior()
     torch.testing.assert_close(q.m, q_ref.m, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(q.S, q_ref.S, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(model._get_locals(batch.to("cpu")), result.locals, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(model.bag_locals.gather(batch.bag_ids, batch.to("cpu").bags), result.locals, rtol=1e-10, atol=1e-10)

@@ -9,6 +9,7 @@ import torch
 
 from lightning_modules import AttentionMILModule, BagArrayDataModule, GPMILModule, SmallCNN
 from lm_helpers import image_bags
+from milgp.variational.bag_locals import BagLocals
 
 
 def _make(kind: str):
@@ -49,14 +50,29 @@ def test_resume_continues_exactly(kind: str, shuffle: bool, tmp_path: Path) -> N
     loaded = torch.load(ckpt, weights_only=True)
     assert loaded["epoch"] == 1
     if kind == "gp_end_to_end":
-        assert len(loaded["gp_locals"]) == 6 and int(loaded["state_dict"]["natural_steps"]) == 6
+        assert loaded["state_dict"]["bag_locals.sizes"].numel() == 6 and int(loaded["state_dict"]["natural_steps"]) == 6
         assert bool(loaded["state_dict"]["gp.initialized"])
     resumed = _fit(kind, tmp_path / "b", 3, ckpt=str(ckpt), shuffle=shuffle)
     s1, s2 = straight.state_dict(), resumed.state_dict()
     assert s1.keys() == s2.keys()
+    for k in s1:  # the GP's per-bag locals too (bag_locals.ids / sizes / values)
+        torch.testing.assert_close(s1[k], s2[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_checkpoint_with_the_locals_outside_the_state_dict_still_resumes(tmp_path: Path) -> None:
+    """Checkpoints written before the per-bag locals were a module kept them as
+    ``checkpoint["gp_locals"]`` (a dict by bag id, no ``bag_locals.*`` entries): resuming from one must
+    continue exactly as from a current checkpoint, not fail to load or restart q(y)."""
+    straight = _fit("gp_end_to_end", tmp_path / "a", 3)
+    _fit("gp_end_to_end", tmp_path / "b", 2)
+    ckpt = torch.load(tmp_path / "b" / "ckpt" / "last.ckpt", weights_only=True)
+    state = ckpt["state_dict"]
+    store = BagLocals()
+    store.load_state_dict({k[len("bag_locals."):]: state.pop(k) for k in list(state) if k.startswith("bag_locals.")})
+    ckpt["gp_locals"] = {b: store[b] for b in store.ids()}
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    resumed = _fit("gp_end_to_end", tmp_path / "b", 3, ckpt=str(tmp_path / "old.ckpt"))
+    s1, s2 = straight.state_dict(), resumed.state_dict()
+    assert s1.keys() == s2.keys() and len(resumed.bag_locals) == 6
     for k in s1:
         torch.testing.assert_close(s1[k], s2[k], rtol=0, atol=0, msg=k)
-    if kind == "gp_end_to_end":
-        assert straight._locals.keys() == resumed._locals.keys()
-        for k in straight._locals:
-            torch.testing.assert_close(straight._locals[k], resumed._locals[k], rtol=0, atol=0)
