@@ -109,7 +109,7 @@ def evaluate(psi: str, num_inducing: int, seed: int, pca: int | None, test_size:
         "elbo": float(clf.elbo_),
         "outputscale": float(clf.model_.covar_module.outputscale.detach()),
         "lengthscale": float(ls.mean()),
-        "linear_kernel": float(clf.model_.kernel == "linear"),
+        "linear_kernel": float(clf.model_.kernel in ("linear", "affine")),
         "num_train_bags": len(tr),
         "num_test_bags": len(te),
     }

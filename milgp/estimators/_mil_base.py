@@ -37,7 +37,7 @@ from milgp.estimators._validation import FeatureScaler, check_bags, check_binary
 from milgp.inducing import kmeans_pp_inducing
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.shared_gram import SharedGram
-from milgp.models.sparse_gp import KERNELS, SparseGP
+from milgp.models.sparse_gp import SparseGP
 from milgp.prediction import (
     AUTO_BAG_RULES,
     AveragedFit,
@@ -103,8 +103,9 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def _kernel_candidates(self, dim: int) -> list[tuple[str, float, float]]:
         """``(kernel, lengthscale, outputscale)`` candidates from :data:`KERNEL_GRID`; ``kernel``,
         ``lengthscale`` or ``outputscale`` given fix that axis."""
-        if self.kernel != "auto" and self.kernel not in KERNELS:
-            raise ValueError(f"kernel must be 'auto' or one of {KERNELS}, got {self.kernel!r}")
+        kinds = tuple(dict.fromkeys(kind for kind, _, _ in self.kernel_grid))
+        if self.kernel != "auto" and self.kernel not in kinds:
+            raise ValueError(f"kernel must be 'auto' or one of {kinds}, got {self.kernel!r}")
         for name in ("lengthscale", "outputscale"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -113,7 +114,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         for kind, factor, scale in self.kernel_grid:
             if self.kernel not in ("auto", kind):
                 continue
-            ls = 1.0 if kind == "linear" else float(self.lengthscale) if self.lengthscale is not None else factor * math.sqrt(dim)
+            ls = 1.0 if kind != "rbf" else float(self.lengthscale) if self.lengthscale is not None else factor * math.sqrt(dim)
             candidate = (kind, ls, float(self.outputscale) if self.outputscale is not None else scale)
             if candidate not in out:
                 out.append(candidate)

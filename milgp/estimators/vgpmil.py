@@ -34,7 +34,8 @@ class VGPMILClassifier(MILClassifierBase):
             every candidate kernel and ``"single"`` at the most flexible ones, averaged, or the
             best one kept with ``average=False``), ``"max"`` (the largest other π, the reference
             code's), ``"single"`` (0: every instance of a positive bag is pushed up,
-            single-instance learning) or ``"exact"`` (the mean-field noisy-OR).
+            single-instance learning; at the linear kernel with an intercept, :meth:`_plan`) or
+            ``"exact"`` (the mean-field noisy-OR).
         damping: step of the ``"max"`` rule's parallel π update; 1 is the reference code's undamped
             update, which falls into 2-cycles and never converges on real data.
         bag_size_cap: ``"median"`` (default): instances of a bag longer than the median training bag
@@ -134,7 +135,10 @@ class VGPMILClassifier(MILClassifierBase):
         only at the most flexible kernels: the largest prior variance and, for RBF, the shortest
         lengthscale among the candidates. (At the smoother kernels its fits carried at most 1.4 %
         of the pseudo-BMA+ weight on every development set, at a quarter of the fit's cost;
-        docs/core.md, cause 9.)"""
+        docs/core.md, cause 9.) Its linear kernel has an intercept (``"affine"``,
+        ``s² (xᵀx'/D + 1)``): single-instance learning is logistic regression on instances
+        labelled with their bag's label, whose instance base rate a zero-mean linear latent on
+        z-scored features cannot represent (docs/core.md, cause 7)."""
         largest_variance = max(c[2] for c in candidates)
         shortest = min((c[1] for c in candidates if c[0] == "rbf"), default=math.inf)
 
@@ -142,7 +146,8 @@ class VGPMILClassifier(MILClassifierBase):
             kind, lengthscale, variance = candidate
             return variance == largest_variance and (kind != "rbf" or lengthscale == shortest)
 
-        return [(c, v) for c, v in super()._plan(candidates) if v != "single" or flexible(c)]
+        plan = [(c, v) for c, v in super()._plan(candidates) if v != "single" or flexible(c)]
+        return [(("affine", *c[1:]) if v == "single" and c[0] == "linear" else c, v) for c, v in plan]
 
     def _make_likelihood(self, variant: str | None = None) -> MILBernoulliLikelihood:
         return MILBernoulliLikelihood(psi=self.psi, H=self.H, max_rule=variant or self.max_rule, damping=self.damping)

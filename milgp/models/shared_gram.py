@@ -1,10 +1,10 @@
 """Whitened projections of several kernels from one pass over the inputs.
 
-A kernel search fits the same inducing points ``Z`` and inputs ``x`` under several kernels. Both
+A kernel search fits the same inducing points ``Z`` and inputs ``x`` under several kernels. The
 kernels of :class:`~milgp.models.sparse_gp.SparseGP` are functions of the inner products alone —
-RBF: ``s² exp(−(‖z‖² + ‖x‖² − 2zᵀx)/(2ℓ²))``, linear: ``s² zᵀx/D`` — so :class:`SharedGram`
-computes ``Z xᵀ`` (``2·M·N·D`` flops, the whole cost for wide features) once and derives every
-candidate's projection ``A = L⁻¹K_zx`` from it. The result is what
+RBF: ``s² exp(−(‖z‖² + ‖x‖² − 2zᵀx)/(2ℓ²))``, linear: ``s² zᵀx/D``, affine: ``s² (zᵀx/D + 1)`` —
+so :class:`SharedGram` computes ``Z xᵀ`` (``2·M·N·D`` flops, the whole cost for wide features)
+once and derives every candidate's projection ``A = L⁻¹K_zx`` from it. The result is what
 :meth:`ClosedFormStrategy.projection` computes for a model with that kernel (to rounding; tested).
 """
 from __future__ import annotations
@@ -33,6 +33,10 @@ class SharedGram:
     def _kernel(self, model: SparseGP) -> tuple[Tensor, Tensor, Tensor]:
         """``model``'s kernel at unit outputscale: ``K_zz`` ``(M, M)``, ``K_zx`` ``(M, N)``, ``k(x, x)`` ``(N,)``."""
         base = model.covar_module.base_kernel
+        if model.kernel == "affine":
+            linear, constant = base.kernels
+            v, c = linear.variance.detach().reshape(()), constant.constant.detach().reshape(())
+            return v * self.zz + c, v * self.zx + c, v * self.x_sq + c
         if model.kernel == "linear":
             v = base.variance.detach().reshape(())
             return v * self.zz, v * self.zx, v * self.x_sq

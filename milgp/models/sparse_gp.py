@@ -1,23 +1,24 @@
-"""Sparse variational GP head: an RBF or linear kernel on milgp's closed-form strategy.
+"""Sparse variational GP head: an RBF, linear or affine kernel on milgp's closed-form strategy.
 
 ``SparseGP`` is an ordinary :class:`gpytorch.models.ApproximateGP` (a scaled RBF kernel with
-optional ARD or a scaled linear kernel, zero or constant mean) whose variational strategy is
-:class:`~milgp.models.closed_form_strategy.ClosedFormStrategy`: GPyTorch's whitened strategy, so
-the model works with ``gpytorch.mlls.VariationalELBO`` and Adam or ``gpytorch.optim.NGD``, plus the
-projections and ``q(v)`` access of the closed-form natural steps
+optional ARD, or a scaled linear kernel with or without a constant term; zero or constant mean)
+whose variational strategy is :class:`~milgp.models.closed_form_strategy.ClosedFormStrategy`:
+GPyTorch's whitened strategy, so the model works with ``gpytorch.mlls.VariationalELBO`` and Adam or
+``gpytorch.optim.NGD``, plus the projections and ``q(v)`` access of the closed-form natural steps
 (``model.variational_strategy.projection(x)``, ``.whitened_posterior()``, ``.marginals(...)``, …).
 Any ``ApproximateGP`` built on that strategy is trained the same way; this one is the estimators'.
 """
 from __future__ import annotations
 
 import gpytorch
+import torch
 from torch import Tensor
 
 from milgp.models.closed_form_strategy import ClosedFormStrategy
 
 __all__ = ["KERNELS", "SparseGP"]
 
-KERNELS = ("rbf", "linear")
+KERNELS = ("rbf", "linear", "affine")
 
 
 class SparseGP(gpytorch.models.ApproximateGP):
@@ -31,8 +32,10 @@ class SparseGP(gpytorch.models.ApproximateGP):
         natural: use GPyTorch's ``NaturalVariationalDistribution`` (needed by ``gpytorch.optim.NGD``);
             otherwise ``CholeskyVariationalDistribution`` (Adam on ``m`` and ``chol(S)``).
         kernel: ``"rbf"``: ``s² exp(−‖x − x'‖²/(2ℓ²))``; ``"linear"``: ``s² xᵀx'/D`` (Bayesian linear
-            regression on the features, restricted to the span of the inducing points).
-        lengthscale, outputscale: initial kernel hyperparameters (``ℓ`` is unused by ``"linear"``).
+            regression on the features, restricted to the span of the inducing points);
+            ``"affine"``: ``s² (xᵀx'/D + 1)``, the same with an intercept of prior variance ``s²``.
+        lengthscale, outputscale: initial kernel hyperparameters (``ℓ`` is unused by ``"linear"``
+            and ``"affine"``).
     """
 
     def __init__(
@@ -63,16 +66,23 @@ class SparseGP(gpytorch.models.ApproximateGP):
         self.mean_module = gpytorch.means.ConstantMean() if constant_mean else gpytorch.means.ZeroMean()
         if kernel == "rbf":
             base = gpytorch.kernels.RBFKernel(ard_num_dims=dim if ard else None)
-        else:
-            base = gpytorch.kernels.LinearKernel()
-            base.raw_variance.requires_grad_(False)  # the scale is the outputscale's alone
+        else:  # the scale is the outputscale's alone: the linear variance and the constant are fixed
+            linear = gpytorch.kernels.LinearKernel()
+            linear.raw_variance.requires_grad_(False)
+            base = linear
+            if kernel == "affine":
+                constant = gpytorch.kernels.ConstantKernel()
+                constant.raw_constant.requires_grad_(False)
+                base = gpytorch.kernels.AdditiveKernel(linear, constant)
         self.kernel = kernel
         self.covar_module = gpytorch.kernels.ScaleKernel(base)
         self.to(inducing_points.dtype)  # before setting values: a float64 model gets them exactly
         if kernel == "rbf":
             base.lengthscale = lengthscale
         else:
-            base.variance = 1.0 / dim
+            linear.variance = 1.0 / dim
+            if kernel == "affine":
+                constant.constant = torch.tensor(1.0, dtype=inducing_points.dtype)
         self.covar_module.outputscale = outputscale
 
     def forward(self, x: Tensor) -> gpytorch.distributions.MultivariateNormal:

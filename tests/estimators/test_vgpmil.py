@@ -160,7 +160,7 @@ def test_a_fixed_kernel_runs_cavi_to_convergence():
 def test_auto_max_rule_fits_both_pi_rules_and_averages_them():
     """``max_rule="auto"`` (the default) must fit the largest-other-π rule at every candidate
     kernel and single-instance learning at the most flexible ones (variance 10: RBF at √D and
-    linear), the largest-other-π fit at the smoothest kernel first; the predicted bag probability
+    linear, the linear one with an intercept), the largest-other-π fit at the smoothest kernel first; the predicted bag probability
     is the weighted mean of the kept candidates' calibrated probabilities (weights summing to 1,
     heaviest first, the fitted ``model_`` the heaviest's), and ``average=False`` keeps the single
     candidate with the smallest out-of-bag NLL."""
@@ -169,7 +169,7 @@ def test_auto_max_rule_fits_both_pi_rules_and_averages_them():
     fits = [(s["likelihood"], s["kernel"], s["lengthscale"], s["outputscale"]) for s in clf.search_]
     root = np.sqrt(bags[0].shape[1])
     grid = [("rbf", root, 1.0), ("rbf", root, 10.0), ("rbf", 2 * root, 10.0), ("linear", None, 10.0)]
-    expected = [("max", *k) for k in grid] + [("single", *grid[1]), ("single", *grid[3])]
+    expected = [("max", *k) for k in grid] + [("single", *grid[1]), ("single", "affine", None, 10.0)]
     assert [(v, k, ls if ls is None else pytest.approx(ls), s) for v, k, ls, s in expected] == fits
     weights = [m.weight for m in clf.ensemble_.members]
     assert sum(weights) == pytest.approx(1.0) and weights == sorted(weights, reverse=True)

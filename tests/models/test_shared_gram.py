@@ -1,0 +1,42 @@
+"""Projections of several kernels from one Gram pass against each model's own projection, and the
+affine kernel against its formula."""
+import pytest
+import torch
+
+from milgp.models.shared_gram import SharedGram
+from milgp.models.sparse_gp import KERNELS, SparseGP
+
+
+def _data():
+    g = torch.Generator().manual_seed(3)
+    Z = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(30, 4, generator=g, dtype=torch.float64)
+    return Z, x
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_shared_projection_equals_the_models_own(kernel: str):
+    """If this failed, a kernel search would fit every candidate on another kernel's projection
+    than the one its model predicts with (a linear or affine candidate scored as something else)."""
+    Z, x = _data()
+    model = SparseGP(Z, kernel=kernel, lengthscale=1.7, outputscale=3.0)
+    L, proj = SharedGram(Z, x).projection(model)
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        L_ref = strategy.inducing_cholesky()
+        ref = strategy.projection(x, L_ref)
+    torch.testing.assert_close(L, L_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(proj.A, ref.A, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(proj.prior_var, ref.prior_var, rtol=1e-10, atol=1e-10)
+
+
+def test_affine_kernel_is_the_linear_kernel_plus_an_intercept_of_the_same_scale():
+    """``"affine"`` must be ``s² (xᵀx'/D + 1)``: a linear latent with an intercept of prior variance
+    s², its scale learned (if at all) through the outputscale alone."""
+    _, x = _data()
+    model = SparseGP(x[:5], kernel="affine", outputscale=2.5)
+    with torch.no_grad():
+        K = model.covar_module(x).to_dense()
+    torch.testing.assert_close(K, 2.5 * (x @ x.T / x.shape[1] + 1.0), rtol=1e-12, atol=1e-12)
+    trainable = {n for n, p in model.covar_module.named_parameters() if p.requires_grad}
+    assert trainable == {"raw_outputscale"}
