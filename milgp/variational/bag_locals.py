@@ -59,7 +59,7 @@ class BagLocals(nn.Module):
         if [len(p) for p in parts] != bags.sizes.tolist():
             return None
         out = torch.empty(bags.index.shape[0], dtype=torch.float64, device=bags.index.device)
-        out[torch.argsort(bags.index, stable=True)] = torch.cat(parts).to(out.device)
+        out[bags.padding.order] = torch.cat(parts).to(out.device)  # the instances sorted by bag
         return out
 
     def store(
