@@ -16,21 +16,21 @@ from torch import Tensor
 from lightning_modules.gp_head import GPHead
 from milgp.data.bags import BagBatch, Bags
 from milgp.likelihoods.aggregate import AggregateLikelihood
-from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.variational.aggregate_fit import AggregateSteps, bag_log_predictive, predict_bag_moments
 from milgp.variational.natural_update import NaturalStatistics
 
 __all__ = ["AggregateGPHead", "aggregate_records_metrics"]
 
 
-def aggregate_records_metrics(records: list[dict], poisson: bool = False) -> dict[str, float]:
+def aggregate_records_metrics(records: list[dict], likelihood: AggregateLikelihood | None = None) -> dict[str, float]:
     """Regression metrics of aggregate-output records.
 
     Bag level: ``bag_nll`` (mean of the records' predictive ``bag_nll``), ``bag_mse``, ``bag_mae``,
-    ``bag_r2`` of ``E[y_a]`` (``bag_prob``) against ``y_a`` (``bag_label``), and with ``poisson``
-    the mean Poisson deviance ``2[y log(y/μ) − (y − μ)]`` at ``μ = E[y_a]``. Instance level, over the
-    records with known instance targets (``slice_labels``): ``instance_mse``, ``instance_mae`` of
-    the posterior mean rate (``slice_probs``)."""
+    ``bag_r2`` of ``E[y_a]`` (``bag_prob``) against ``y_a`` (``bag_label``), and the metrics that
+    only ``likelihood``'s observation model defines (:meth:`AggregateLikelihood.bag_metrics`, e.g.
+    ``bag_poisson_deviance``). Instance level, over the records with known instance targets
+    (``slice_labels``): ``instance_mse``, ``instance_mae`` of the posterior mean rate
+    (``slice_probs``)."""
     if not records:
         return {}
     mu = np.array([r["bag_prob"] for r in records], dtype=float)
@@ -41,10 +41,8 @@ def aggregate_records_metrics(records: list[dict], poisson: bool = False) -> dic
     out["bag_r2"] = 1.0 - float(np.sum(err**2)) / ss if ss > 0 else float("nan")
     nll = np.array([r.get("bag_nll", np.nan) for r in records], dtype=float)
     out["bag_nll"] = float(np.mean(nll))
-    if poisson:
-        m = np.maximum(mu, 1e-12)
-        term = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / m), 0.0)
-        out["bag_poisson_deviance"] = float(np.mean(2.0 * (term - (y - m))))
+    if likelihood is not None:
+        out.update({f"bag_{name}": value for name, value in likelihood.bag_metrics(y, mu).items()})
     labelled = [r for r in records if r.get("slice_labels") is not None]
     if labelled:
         t = np.concatenate([np.asarray(r["slice_labels"], dtype=float) for r in labelled])
@@ -87,7 +85,7 @@ class AggregateGPHead(GPHead):
 
     def records_metrics(self, records: list[dict]) -> dict[str, float]:
         """Regression metrics of the records (:func:`aggregate_records_metrics`)."""
-        return aggregate_records_metrics(records, poisson=isinstance(self.likelihood, PoissonAggregateLikelihood))
+        return aggregate_records_metrics(records, self.likelihood)
 
     def decision_summary(self) -> None:
         """Aggregate heads make no bag decision."""

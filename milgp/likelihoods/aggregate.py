@@ -333,6 +333,12 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         ``η_a = Σ w_i Ψ(f_i)`` (law of total variance)."""
         return rate_mean, rate_var
 
+    def bag_metrics(self, y: np.ndarray, y_mean: np.ndarray) -> dict[str, float]:
+        """Metrics of predicted aggregates ``y_mean`` ``(B,)`` against the targets ``y`` ``(B,)``
+        that only this observation model defines (e.g. the Poisson deviance), named without the
+        ``bag_`` prefix; the squared and absolute errors are every model's and are not here."""
+        return {}
+
     # -- validation ---------------------------------------------------------------------------
     def check_data(self, y: Any, weights: Any, bags: Bags) -> None:
         """Validate targets ``(B,)`` and weights ``(N,)`` of ``bags``: ``ValueError`` naming the bag."""

@@ -84,6 +84,13 @@ class PoissonAggregateLikelihood(AggregateLikelihood):
         """``log Poisson(y_a | η_a) = y_a log η_a − η_a − log y_a!``."""
         return y * torch.log(rate) - rate - torch.lgamma(y + 1)
 
+    def bag_metrics(self, y: np.ndarray, y_mean: np.ndarray) -> dict[str, float]:
+        """``poisson_deviance``: the mean Poisson deviance ``2[y log(y/μ) − (y − μ)]`` at
+        ``μ = E[y_a]`` (``y log(y/μ) = 0`` at ``y = 0``)."""
+        mu = np.maximum(y_mean, 1e-12)
+        y_log = np.where(y > 0, y * np.log(np.where(y > 0, y, 1.0) / mu), 0.0)
+        return {"poisson_deviance": float(np.mean(2.0 * (y_log - (y - mu))))}
+
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> torch.distributions.Poisson:
         """Individual count with unit population: ``Poisson(Ψ(f))``."""
         return torch.distributions.Poisson(self.link(function_samples))

@@ -51,10 +51,10 @@ from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, Wh
 from milgp.variational.fit_loop import fit_loop
 from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics
+from milgp.variational.projection_cache import ProjectionCache
 
 __all__ = [
     "AggregateSteps",
-    "GroupCache",
     "aggregate_data_terms",
     "aggregate_elbo",
     "aggregate_natural_statistics",
@@ -111,45 +111,17 @@ def group_terms(
     return likelihood.bag_terms(y, w, mean, var, group.local_bags, blocks)
 
 
-class GroupCache:
-    """Per-group :class:`_Cached` while the hyperparameters are fixed, if it fits in
-    ``max_entries`` floats (else recomputed on the fly)."""
-
-    def __init__(self, model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, groups: list[BagGroup], max_entries: int):
-        self.model, self.likelihood, self.batch, self.groups = model, likelihood, batch, groups
-        M = model.variational_strategy.num_inducing
-        entries = sum(int(g.inst.numel()) * (M + 2) for g in groups)
-        if likelihood.needs_covariance:
-            for g in groups:
-                n_max = g.local_bags.padding.n_max
-                entries += g.num_bags * n_max * (n_max + M + 2)
-        self.enabled = entries <= max_entries
-        self.items: list[_Cached] | None = None
-
-    def invalidate(self) -> None:
-        self.items = None
-
-    def get(self) -> list[_Cached | None]:
-        if not self.enabled:
-            return [None] * len(self.groups)
-        if self.items is None:
-            with torch.no_grad():
-                L = self.model.variational_strategy.inducing_cholesky()
-                self.items = [_prepare(self.model, self.likelihood, self.batch, g, L, False) for g in self.groups]
-        return self.items
-
-
 def aggregate_elbo(
     model: ApproximateGP,
     likelihood: AggregateLikelihood,
     batch: BagBatch,
     groups: list[BagGroup],
     q: WhitenedPosterior | None = None,
-    cache: GroupCache | None = None,
+    cached: list[_Cached] | None = None,
 ) -> float:
     """The VBAgg objective: ``Σ_a bag_terms − KL(q(v) ‖ N(0, I))`` (float)."""
     q = model.variational_strategy.whitened_posterior() if q is None else q
-    return aggregate_data_terms(model, likelihood, batch, groups, q, cache) - float(q.kl_divergence())
+    return aggregate_data_terms(model, likelihood, batch, groups, q, cached) - float(q.kl_divergence())
 
 
 def aggregate_data_terms(
@@ -158,12 +130,13 @@ def aggregate_data_terms(
     batch: BagBatch,
     groups: list[BagGroup],
     q: WhitenedPosterior,
-    cache: GroupCache | None = None,
+    cached: list[_Cached] | None = None,
 ) -> float:
-    """``Σ_a bag_terms`` over the bags of ``groups`` under ``q`` (float; no KL)."""
+    """``Σ_a bag_terms`` over the bags of ``groups`` under ``q`` (float; no KL); ``cached``: the
+    groups' projections and blocks while the hyperparameters are fixed (``None``: computed here)."""
     with torch.no_grad():
-        L = model.variational_strategy.inducing_cholesky() if cache is None or not cache.enabled else None
-        items = cache.get() if cache is not None else [None] * len(groups)
+        L = model.variational_strategy.inducing_cholesky() if cached is None else None
+        items = cached if cached is not None else [None] * len(groups)
         return sum(float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum()) for g, c in zip(groups, items))
 
 
@@ -174,14 +147,14 @@ def aggregate_natural_statistics(
     groups: list[BagGroup],
     q: WhitenedPosterior,
     closed_form: bool = True,
-    cache: GroupCache | None = None,
+    cached: list[_Cached] | None = None,
 ) -> tuple[NaturalStatistics, float]:
     """Natural-gradient statistics ``(h, G)`` of the data term at ``q`` and the data term's value.
 
     Closed form when the likelihood offers it (Normal) and ``closed_form``; otherwise the
     autograd route of the module docstring.
     """
-    items = cache.get() if cache is not None else [None] * len(groups)
+    items = cached if cached is not None else [None] * len(groups)
     with torch.no_grad():
         L = model.variational_strategy.inducing_cholesky()
     if closed_form and is_conjugate(likelihood):
@@ -252,7 +225,19 @@ class AggregateSteps:
         self.budget = block_budget if likelihood.needs_covariance else None
         self.groups = batch.bags.groups(chunk_instances, self.budget)
         self.conjugate = is_conjugate(likelihood)
-        self.cache = GroupCache(self.model, likelihood, batch, self.groups, cache_entries)
+        # the groups' projections (one after the other) and blocks, kept while the hyperparameters
+        # are fixed when they fit in ``cache_entries`` floats
+        M = strategy.num_inducing
+        entries = batch.num_instances * (M + 2)
+        if likelihood.needs_covariance:
+            for g in self.groups:
+                n_max = g.local_bags.padding.n_max
+                entries += g.num_bags * n_max * (n_max + M + 2)
+        self.projector = None
+        if entries <= cache_entries:
+            x = batch.x[torch.cat([g.inst for g in self.groups])]
+            self.projector = ProjectionCache(strategy, x, [int(g.inst.numel()) for g in self.groups], math.inf)
+        self._cached: list[_Cached] | None = None
         self.sizes = batch.bags.sizes
         self.q = strategy.whitened_posterior()
         self.rho = 1.0 if self.conjugate else min(rho, rho_max)
@@ -260,17 +245,30 @@ class AggregateSteps:
         self.locals = None  # aggregate likelihoods have no locals
         self._minibatch: tuple[Tensor, list[BagGroup]] | None = None  # the last minibatch: bags, groups
 
+    def _cache(self) -> list[_Cached] | None:
+        """Every group's projection and (with ``needs_covariance``) block base, computed once per
+        hyperparameter setting; ``None`` when they do not fit the budget."""
+        if self.projector is not None and self._cached is None:
+            x, w = self.batch.x, _weights(self.batch)
+            with torch.no_grad():
+                self._cached = [
+                    _Cached(proj, block_base(self.model, x[g.inst], proj, g.local_bags, w[g.inst], kernel_grad=False)
+                            if self.likelihood.needs_covariance else None)
+                    for g, (_, proj) in zip(self.groups, self.projector.chunks())
+                ]
+        return self._cached
+
     def _groups_of(self, bags: Tensor) -> list[BagGroup]:
         return make_bag_groups(self.batch.bags, self.chunk_instances, self.budget, subset=bags)
 
-    def _step(self, groups: list[BagGroup], rho: float, scale: float, check: bool, cache: GroupCache | None) -> bool:
+    def _step(self, groups: list[BagGroup], rho: float, scale: float, check: bool, cached: list[_Cached] | None) -> bool:
         """One natural step on the bags of ``groups``: the statistics of
         :func:`aggregate_natural_statistics` (summed over ranks by ``reduce``; ``reduce_value`` sums
         the data term), then :meth:`WhitenedPosterior.try_natural_step` with ``ρ`` halved (while
         ``ρ ≥ 1e-6``) until the new precision is positive definite and, with ``check``, the batch's
         ELBO estimate ``scale · data − KL`` does not fall. Writes the new ``q(v)``; returns whether
         a step was taken."""
-        stats, data = aggregate_natural_statistics(self.model, self.likelihood, self.batch, groups, self.q, cache=cache)
+        stats, data = aggregate_natural_statistics(self.model, self.likelihood, self.batch, groups, self.q, cached=cached)
         if self.reduce is not None:
             stats = self.reduce(stats)
         if self.reduce_value is not None:
@@ -278,7 +276,7 @@ class AggregateSteps:
         self.elbo_estimate = before = scale * data - float(self.q.kl_divergence())
 
         def ascends(q_new: WhitenedPosterior) -> bool:
-            data_new = aggregate_data_terms(self.model, self.likelihood, self.batch, groups, q_new, cache)
+            data_new = aggregate_data_terms(self.model, self.likelihood, self.batch, groups, q_new, cached)
             if self.reduce_value is not None:  # the data term is a sum over ranks, KL is not
                 data_new = self.reduce_value(data_new)
             value = scale * data_new - float(q_new.kl_divergence())
@@ -301,7 +299,7 @@ class AggregateSteps:
     def sweep(self) -> None:
         """A full-batch step: exact for the conjugate model, otherwise backtracking from ρ, then a
         larger first try next time."""
-        if self._step(self.groups, 1.0 if self.conjugate else self.rho, 1.0, not self.conjugate, self.cache) and not self.conjugate:
+        if self._step(self.groups, 1.0 if self.conjugate else self.rho, 1.0, not self.conjugate, self._cache()) and not self.conjugate:
             self.rho = min(self.rho_max, self.rho * 1.5)
 
     def minibatch_step(self, bags: Tensor | None, rho: float, scale: float) -> None:
@@ -310,7 +308,7 @@ class AggregateSteps:
         non-conjugate step can overshoot), except for the conjugate model on all bags (exact)."""
         groups = self.groups if bags is None else self._groups_of(bags)
         exact = self.conjugate and scale == 1.0
-        self._step(groups, 1.0 if exact else min(1.0, self.rho_max * rho), scale, not exact, self.cache if bags is None else None)
+        self._step(groups, 1.0 if exact else min(1.0, self.rho_max * rho), scale, not exact, self._cache() if bags is None else None)
         self._minibatch = None if bags is None else (bags, groups)
 
     def hyper_objective(self, x: Tensor | None = None) -> Tensor:
@@ -337,10 +335,12 @@ class AggregateSteps:
         optimizer.step()
 
     def hyperparameters_changed(self) -> None:
-        self.cache.invalidate()
+        if self.projector is not None:
+            self.projector.invalidate()
+        self._cached = None
 
     def evaluate(self, with_objective: bool) -> tuple[float, float | None]:
-        elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self.cache)
+        elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self._cache())
         return elbo, (elbo if with_objective else None)  # the hyperparameters ascend the ELBO itself
 
     def finish(self, result: FitResult) -> None:

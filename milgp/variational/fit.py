@@ -16,8 +16,8 @@ Hyperparameter steps always use a random subset of at most ``hyper_max_instances
 (whole bags) so memory stays bounded for large N.
 
 The iterations are :func:`~milgp.variational.fit_loop.fit_loop`'s, shared with the aggregate-output
-fit; this module holds the steps of this family (:class:`ClosedFormSteps`) and their projection
-cache (:class:`ProjectionCache`).
+fit; this module holds the steps of this family (:class:`ClosedFormSteps`); their projections are kept
+by :class:`~milgp.variational.projection_cache.ProjectionCache`.
 """
 from __future__ import annotations
 
@@ -32,108 +32,11 @@ from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.variational.fit_loop import fit_loop
 from milgp.variational.fit_result import FitResult
-from milgp.variational.natural_update import NaturalStatistics, natural_statistics
+from milgp.variational.natural_update import NaturalStatistics
 from milgp.variational.overrelaxation import AdaptiveOverrelaxation
+from milgp.variational.projection_cache import DEFAULT_CACHE_BYTES, ProjectionCache
 
-__all__ = ["ClosedFormSteps", "ProjectionCache", "closed_form_elbo", "fit_closed_form"]
-
-
-DEFAULT_CACHE_BYTES = 2 * 1024**3
-"""Default budget of :class:`ProjectionCache`'s cache of ``A`` (``N·(M+2)`` floats; 2 GiB holds
-``N = 10⁶`` at ``M = 200`` in float64)."""
-
-
-class ProjectionCache:
-    """The whitened projection ``A = L⁻¹K_zx`` of a fixed set of inputs, chunked and cached.
-
-    ``A`` depends only on the inputs and the hyperparameters; it is computed once and reused by
-    every pass (statistics, moments, minibatches) until :meth:`invalidate` is called after a
-    hyperparameter step. It is kept (as ``Aᵀ`` ``(N, M)``, so that chunks of rows and minibatch
-    rows are contiguous) only when ``N·(M + 2)`` floats fit ``cache_bytes``; otherwise each pass
-    recomputes it chunk by chunk and no ``N×M`` matrix is held. ``L`` is factorised once per
-    hyperparameter setting either way. No gradients are recorded.
-    """
-
-    def __init__(self, strategy: ClosedFormStrategy, x: Tensor, chunk_size: int, cache_bytes: float):
-        self.strategy, self.x, self.chunk_size = strategy, x, max(1, int(chunk_size))
-        N, M = x.shape[0], strategy.num_inducing
-        self.cacheable = N * (M + 2) * x.element_size() <= cache_bytes
-        self.invalidate()
-
-    def invalidate(self) -> None:
-        self._L: Tensor | None = None
-        self._AT: Tensor | None = None
-        self._prior_var: Tensor | None = None
-        self._prior_mean: Tensor | None = None
-        self._residual: Tensor | None = None
-
-    def adopt(self, L: Tensor, proj: Projection) -> None:
-        """Use an already computed projection of all of this projector's inputs."""
-        proj = proj.with_residual()
-        self._L, self._AT, self._prior_var, self._prior_mean = L, proj.A.mT, proj.prior_var, proj.prior_mean
-        self._residual = proj.residual
-
-    @property
-    def cached(self) -> bool:
-        return self._AT is not None
-
-    def L(self) -> Tensor:
-        if self._L is None:
-            with torch.no_grad():
-                self._L = self.strategy.inducing_cholesky()
-        return self._L
-
-    def _fill(self) -> None:
-        x, N, M = self.x, self.x.shape[0], self.strategy.num_inducing
-        AT = x.new_empty((N, M))
-        prior_var, prior_mean = x.new_empty(N), x.new_empty(N)
-        with torch.no_grad():
-            L = self.L()
-            for s in range(0, N, self.chunk_size):
-                proj = self.strategy.projection(x[s : s + self.chunk_size], L)
-                AT[s : s + self.chunk_size] = proj.A.mT
-                prior_var[s : s + self.chunk_size] = proj.prior_var
-                prior_mean[s : s + self.chunk_size] = proj.prior_mean
-        self._AT, self._prior_var, self._prior_mean = AT, prior_var, prior_mean
-        self._residual = Projection(AT.mT, prior_var, prior_mean).with_residual().residual
-
-    def chunks(self):
-        """Yield ``(start, Projection)`` over all inputs in chunks of ``chunk_size``."""
-        N = self.x.shape[0]
-        if self._AT is None and self.cacheable:
-            self._fill()
-        for s in range(0, N, self.chunk_size):
-            e = min(N, s + self.chunk_size)
-            if self._AT is not None:
-                yield s, Projection(self._AT[s:e].mT, self._prior_var[s:e], self._prior_mean[s:e], self._residual[s:e])
-            else:  # callers run under torch.no_grad()
-                yield s, self.strategy.projection(self.x[s:e], self.L())
-
-    def moments(self, q: WhitenedPosterior) -> tuple[Tensor, Tensor]:
-        """``q(f)`` mean and variance ``(N,)`` of all inputs under ``q``, chunk by chunk."""
-        with torch.no_grad():
-            parts = [self.strategy.marginals(proj, q) for _, proj in self.chunks()]
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-    def statistics(self, b: Tensor, lam: Tensor) -> NaturalStatistics:
-        """Natural statistics of ``Σ_n b_n f_n − ½ λ_n f_n²`` over all inputs (``b``, ``λ`` ``(N,)``)."""
-        with torch.no_grad():
-            stats = None
-            for s, proj in self.chunks():
-                e = s + proj.A.shape[1]
-                part = natural_statistics(proj.A, b[s:e], lam[s:e], proj.prior_mean)
-                stats = part if stats is None else stats + part
-        return stats
-
-    def rows(self, idx: Tensor) -> Projection | None:
-        """The projection of instances ``idx`` from the cache (``None`` when nothing is cached)."""
-        if self._AT is None and self.cacheable:
-            self._fill()
-        if self._AT is None:
-            return None
-        return Projection(self._AT[idx].mT, self._prior_var[idx], self._prior_mean[idx], self._residual[idx])
+__all__ = ["ClosedFormSteps", "closed_form_elbo", "fit_closed_form"]
 
 
 def closed_form_elbo(

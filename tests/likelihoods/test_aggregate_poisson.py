@@ -229,3 +229,15 @@ def test_minibatch_steps_never_lower_the_objective_estimate(link):
     elbo = np.asarray(res.elbo)
     assert (np.diff(elbo) >= -1e-8 * np.abs(elbo[:-1])).all(), np.diff(elbo).min()
     assert elbo[-1] > elbo[0]
+
+
+def test_bag_metrics_give_the_poisson_deviance_of_scikit_learn():
+    """The Poisson model's own bag metric is the mean Poisson deviance (zero counts included). If
+    this fails, the aggregate head logs a ``bag_poisson_deviance`` that is not the deviance."""
+    from sklearn.metrics import mean_poisson_deviance
+
+    y = np.array([0.0, 1.0, 4.0, 2.0, 0.0, 7.0])
+    mu = np.array([0.3, 1.5, 3.2, 2.0, 1.1, 5.0])
+    metrics = PoissonAggregateLikelihood("exp").bag_metrics(y, mu)
+    assert set(metrics) == {"poisson_deviance"}
+    assert metrics["poisson_deviance"] == pytest.approx(mean_poisson_deviance(y, mu), rel=1e-12)

@@ -24,6 +24,7 @@ from milgp.likelihoods.noisy_or import positions_in_bag, update_instance_labels
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
 from milgp.variational import fit as fit_mod
+from milgp.variational.projection_cache import ProjectionCache
 from milgp.variational.fit import fit_closed_form
 
 
@@ -62,12 +63,12 @@ def test_chunked_statistics_and_moments_equal_unchunked():
     g = torch.Generator().manual_seed(3)
     b = torch.randn(N, generator=g, dtype=torch.float64)
     lam = torch.rand(N, generator=g, dtype=torch.float64)
-    whole = fit_mod.ProjectionCache(model.variational_strategy, batch.x, N, 0)
+    whole = ProjectionCache(model.variational_strategy, batch.x, N, 0)
     full = whole.statistics(b, lam)
     m_full, v_full = whole.moments(q)
     for chunk in (1, 7, 50):
         for budget in (0, 10**9):
-            proj = fit_mod.ProjectionCache(model.variational_strategy, batch.x, chunk, budget)
+            proj = ProjectionCache(model.variational_strategy, batch.x, chunk, budget)
             st = proj.statistics(b, lam)
             m, v = proj.moments(q)
             assert proj.cached == (budget > 0)
@@ -85,7 +86,7 @@ def test_statistics_match_direct_formula():
     lam = torch.linspace(0.01, 0.25, N, dtype=torch.float64)
     with torch.no_grad():
         A = model.variational_strategy.projection(batch.x).A
-    st = fit_mod.ProjectionCache(model.variational_strategy, batch.x, 13, 10**9).statistics(b, lam)
+    st = ProjectionCache(model.variational_strategy, batch.x, 13, 10**9).statistics(b, lam)
     torch.testing.assert_close(st.h, A @ b, rtol=0, atol=1e-12)
     torch.testing.assert_close(st.G, A @ torch.diag(lam) @ A.mT, rtol=0, atol=1e-12)
 
@@ -234,3 +235,51 @@ def test_joint_bag_sampling_matches_broadcast_formula():
     p_bag = -torch.expm1((torch.nn.functional.logsigmoid(-f) * mask[order]).sum(-1))
     torch.testing.assert_close(p[order], p_bag.mean(0), rtol=0, atol=1e-12)
     torch.testing.assert_close(s[order], p_bag.std(0), rtol=0, atol=1e-12)
+
+
+def test_chunks_of_given_sizes_equal_one_chunk():
+    """Chunks of uneven sizes (the aggregate fit's groups of whole bags) give the statistics and
+    moments of one chunk; sizes that do not add up to the inputs are refused. If this fails, a
+    chunk boundary loses or repeats instances."""
+    batch, Z = make_problem()
+    model = make_model(Z)
+    q = random_posterior(Z.shape[0])
+    N = batch.num_instances
+    g = torch.Generator().manual_seed(5)
+    b, lam = torch.randn(N, generator=g, dtype=torch.float64), torch.rand(N, generator=g, dtype=torch.float64)
+    whole = ProjectionCache(model.variational_strategy, batch.x, N, 0)
+    sizes = [1, 40, N - 41 - 17, 17]
+    for budget in (0, 10**9):
+        parts = ProjectionCache(model.variational_strategy, batch.x, sizes, budget)
+        assert [int(p.A.shape[1]) for _, p in parts.chunks()] == sizes
+        torch.testing.assert_close(parts.statistics(b, lam).G, whole.statistics(b, lam).G, rtol=1e-12, atol=1e-12)
+        for a, c in zip(parts.moments(q), whole.moments(q)):
+            torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=f"add up to {N - 1}, not to the {N} inputs"):
+        ProjectionCache(model.variational_strategy, batch.x, [N - 1], 0)
+
+
+@pytest.mark.parametrize("link", ["exp", "square"])
+def test_aggregate_fit_with_its_projections_kept_equals_recomputing_them(link):
+    """The aggregate fit keeps every group's projection and block base between passes while the
+    hyperparameters are fixed (``cache_entries`` large) or recomputes them in every pass (0): the
+    same fit, with hyperparameter steps in between. If this fails, the cache serves projections
+    of stale hyperparameters or of the wrong group."""
+    from milgp.likelihoods import PoissonAggregateLikelihood
+    from milgp.variational.aggregate_fit import fit_aggregate
+
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 12, size=30).tolist()
+    bag_index = bag_index_from_sizes(sizes)
+    x = torch.as_tensor(rng.normal(size=(len(bag_index), 2)))
+    y = torch.as_tensor(rng.poisson(2.0, size=len(sizes)).astype(np.float64))
+    Z = x[:8].clone()
+    runs = []
+    for entries in (0, 10**9):
+        model = SparseGP(Z.clone(), lengthscale=1.2, outputscale=0.5, constant_mean=True)
+        res = fit_aggregate(model, PoissonAggregateLikelihood(link), BagBatch(x, bag_index, y), max_iter=6,
+                            chunk_instances=40, block_budget=2_000, cache_entries=entries, lr=0.05)
+        runs.append((res.elbo, model.variational_strategy.whitened_posterior().m))
+    assert len(runs[0][0]) == 6
+    np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-10)
+    torch.testing.assert_close(runs[0][1], runs[1][1], rtol=1e-9, atol=1e-10)
