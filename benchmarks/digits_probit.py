@@ -50,7 +50,7 @@ def evaluate(name: str, seed: int, args) -> dict:
         num_inducing=args.inducing, random_state=seed, max_iter=args.max_iter, calibrate=False,
         kernel="rbf", lengthscale=float(np.sqrt(tr[0].shape[1])), outputscale=1.0,
     )
-    probit_rule = dict(bag_rule="orthant")
+    probit_rule = dict(bag_rule="orthant", single_instance=False)  # the MIL probit model alone
     if name == "probit-vi":
         clf = ProbitMILClassifier(inference="vi", **fixed, **probit_rule)
     elif name == "probit-gibbs":

@@ -1,8 +1,6 @@
 """ψ-VGPMIL bag classifier: VGPMIL and G-VGPMIL with closed-form natural updates."""
 from __future__ import annotations
 
-import math
-
 from milgp.estimators._mil_base import MILClassifierBase
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.psi import GSMDensity
@@ -34,7 +32,7 @@ class VGPMILClassifier(MILClassifierBase):
             every candidate kernel and ``"single"`` at the most flexible ones, averaged, or the
             best one kept with ``average=False``), ``"max"`` (the largest other π, the reference
             code's), ``"single"`` (0: every instance of a positive bag is pushed up,
-            single-instance learning; at the linear kernel with an intercept, :meth:`_plan`) or
+            single-instance learning; at the linear kernel with an intercept: :meth:`_plan`) or
             ``"exact"`` (the mean-field noisy-OR).
         damping: step of the ``"max"`` rule's parallel π update; 1 is the reference code's undamped
             update, which falls into 2-cycles and never converges on real data.
@@ -130,24 +128,8 @@ class VGPMILClassifier(MILClassifierBase):
             raise ValueError(f"max_rule must be 'auto', 'exact', 'max' or 'single', got {self.max_rule!r}")
         return (self.max_rule,)
 
-    def _plan(self, candidates: list[tuple[str, float, float]]) -> list[tuple[tuple[str, float, float], str]]:
-        """Every π rule at every candidate kernel, except that single-instance learning is fitted
-        only at the most flexible kernels: the largest prior variance and, for RBF, the shortest
-        lengthscale among the candidates. (At the smoother kernels its fits carried at most 1.4 %
-        of the pseudo-BMA+ weight on every development set, at a quarter of the fit's cost;
-        docs/core.md, cause 9.) Its linear kernel has an intercept (``"affine"``,
-        ``s² (xᵀx'/D + 1)``): single-instance learning is logistic regression on instances
-        labelled with their bag's label, whose instance base rate a zero-mean linear latent on
-        z-scored features cannot represent (docs/core.md, cause 7)."""
-        largest_variance = max(c[2] for c in candidates)
-        shortest = min((c[1] for c in candidates if c[0] == "rbf"), default=math.inf)
-
-        def flexible(candidate: tuple[str, float, float]) -> bool:
-            kind, lengthscale, variance = candidate
-            return variance == largest_variance and (kind != "rbf" or lengthscale == shortest)
-
-        plan = [(c, v) for c, v in super()._plan(candidates) if v != "single" or flexible(c)]
-        return [(("affine", *c[1:]) if v == "single" and c[0] == "linear" else c, v) for c, v in plan]
+    def _single_instance(self, variant: str) -> bool:
+        return variant == "single"
 
     def _make_likelihood(self, variant: str | None = None) -> MILBernoulliLikelihood:
         return MILBernoulliLikelihood(psi=self.psi, H=self.H, max_rule=variant or self.max_rule, damping=self.damping)

@@ -42,6 +42,13 @@ which is what :meth:`MILProbitLikelihood.hyperparameter_terms` returns (a lower 
 ``log p(Y)`` for every kernel; the gradient of (★) at ``ν = μ`` is the same by the envelope
 theorem). Every term is closed form; no quadrature.
 
+**Single-instance learning** (``single_instance=True``): every instance of a positive bag is a
+positive instance, ``p(Y_b = 1 | M_b) = Π_n 1[m_n > 0]`` — the probit model on instances labelled
+with their bag's label, i.e. the model above with every instance of a positive bag its own bag.
+Then ``Z_b = Π_n Φ(ν_n)`` and ``E[m_n] = ν_n + φ(ν_n)/Φ(ν_n)`` on positive bags; negative bags and
+everything else are unchanged. It is a candidate of :class:`milgp.estimators.ProbitMILClassifier`'s
+search beside the MIL model, as single-instance learning is of VGPMIL's.
+
 Predictions (Wang & Pinar 2021, §3.4): instance ``Φ(μ*/sqrt(1 + σ*²))``; bag ``1 − P(all m* < 0)`` with
 ``m*_b ~ N(μ*_b, Σ*_b + I)`` — an orthant probability (:mod:`milgp.likelihoods.orthant`) — or, for
 comparison, the same with the within-bag correlation ignored.
@@ -62,6 +69,7 @@ from milgp.likelihoods.truncated_normal import (
     log_expm1_ratio,
     log_hazard,
     log_neg_log_ndtr,
+    mean_above_zero,
     mean_below_zero,
 )
 
@@ -79,40 +87,54 @@ def _segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tens
 
 
 def bag_log_normaliser(
-    nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int
+    nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, single_instance: bool = False
 ) -> tuple[Tensor, Tensor]:
     """``(log Z_b, log P_b)`` per bag ``(B,)`` with ``P_b = Π_{i∈b} Φ(−ν_i)``, ``Z_b = P_b`` for negative
-    and ``1 − P_b`` for positive bags.
+    and ``1 − P_b`` for positive bags (``single_instance``: ``Π_{i∈b} Φ(ν_i)``).
 
     ``log(1 − P_b)`` is ``L_b + log(expm1(S_b)/S_b)`` with ``S_b = log P_b = −exp(L_b)`` and
     ``L_b = logsumexp_{i∈b} log(−log Φ(−ν_i))``: exact when ``P_b → 1`` (every ``ν_i ≪ 0``; then
     ``log Z_b → logsumexp_i log Φ(ν_i)``) as well as when ``P_b → 0``.
     """
     log_p = segment_sum(torch.special.log_ndtr(-nu), bag_index, num_bags)
-    L = _segment_logsumexp(log_neg_log_ndtr(-nu), bag_index, num_bags)
-    S = -torch.exp(L)
-    log_one_minus = L + log_expm1_ratio(S)
+    if single_instance:
+        log_positive = segment_sum(torch.special.log_ndtr(nu), bag_index, num_bags)
+    else:
+        L = _segment_logsumexp(log_neg_log_ndtr(-nu), bag_index, num_bags)
+        log_positive = L + log_expm1_ratio(-torch.exp(L))  # log(1 − P_b), S_b = −exp(L_b)
     positive = bag_labels.to(torch.bool)
-    return torch.where(positive, log_one_minus, log_p), log_p
+    return torch.where(positive, log_positive, log_p), log_p
 
 
-def expected_augmentation(nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int) -> Tensor:
+def expected_augmentation(
+    nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, single_instance: bool = False,
+    log_normaliser: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """``E_q[m_n]`` ``(N,)`` under the optimal ``q(M_b)`` with locals ``ν`` (Wang & Pinar 2021, Eqs. 21–24).
 
     Negative bags: ``ν − h(ν)`` (continued fraction for large ``ν``); positive bags:
-    ``ν_n + exp(log h(ν_n) + log P_b − log Z_b)``.
+    ``ν_n + exp(log h(ν_n) + log P_b − log Z_b)`` (``single_instance``: ``ν_n + h(−ν_n)``, each
+    instance truncated to ``m_n > 0``). ``log_normaliser``: :func:`bag_log_normaliser` of the same
+    arguments, when already computed.
     """
-    log_z, log_p = bag_log_normaliser(nu, bag_index, bag_labels, num_bags)
     positive = bag_labels.to(torch.bool)[bag_index]
+    if single_instance:
+        return torch.where(positive, mean_above_zero(nu), mean_below_zero(nu))
+    log_z, log_p = log_normaliser or bag_log_normaliser(nu, bag_index, bag_labels, num_bags)
     odds = log_p - log_z  # log(P_b / (1 − P_b)) on positive bags
-    pos_mean = nu + torch.exp(torch.where(positive, log_hazard(nu) + odds[bag_index], torch.full_like(nu, -math.inf)))
-    return torch.where(positive, pos_mean, mean_below_zero(nu))
+    log_h = log_hazard(nu)
+    pos_mean = nu + torch.exp(torch.where(positive, log_h + odds[bag_index], torch.full_like(nu, -math.inf)))
+    return torch.where(positive, pos_mean, mean_below_zero(nu, log_h))
 
 
 class MILProbitLikelihood(AugmentedBagLikelihood):
     """MIL-GP-Probit bag likelihood (Wang & Pinar 2021), see the module docstring for the equations.
 
     Persistent locals: ``ν`` ``(N,)``, the means of the Gaussian factors of ``q(M_b)``.
+
+    Args:
+        bag_size_cap: temper the instances of bags longer than this (``None``: every instance counts).
+        single_instance: every instance of a positive bag is a positive instance (module docstring).
 
     Example (plain GPyTorch)::
 
@@ -127,9 +149,10 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
     instance_link = ProbitLink()
     """``p(y = 1 | f) = Φ(f)`` and its moments under ``q(f)``."""
 
-    def __init__(self, bag_size_cap: float | None = None):
+    def __init__(self, bag_size_cap: float | None = None, single_instance: bool = False):
         super().__init__()
         self.bag_size_cap = check_bag_size_cap(bag_size_cap)
+        self.single_instance = bool(single_instance)
 
     # -- augmented-likelihood interface --------------------------------------------------------
     def init_locals(self, bags: Bags, bag_labels: Tensor, mean: Tensor) -> Tensor:
@@ -142,17 +165,22 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
 
     def _quadratic_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> tuple[Tensor, Tensor]:
         """``b = E_q[m]``, ``λ = 1``."""
-        em = expected_augmentation(locals_, bags.index, bag_labels, bags.num_bags)
+        em = expected_augmentation(locals_, bags.index, bag_labels, bags.num_bags, self.single_instance)
         return em, torch.ones_like(em)
 
     def elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         """Per-instance terms of (★): exact ELBO data part at locals ``ν``; differentiable in
-        ``mean``, ``var``."""
+        ``mean``, ``var``. At the optimal locals ``ν = μ`` (a fit's state after every update) and
+        without gradients, (★) is the collapsed bound, which needs no truncated moments."""
         nu = locals_
-        em = expected_augmentation(nu, bags.index, bag_labels, bags.num_bags)
-        log_z, _ = bag_log_normaliser(nu, bags.index, bag_labels, bags.num_bags)
+        normaliser = bag_log_normaliser(nu, bags.index, bag_labels, bags.num_bags, self.single_instance)
+        share = self._bag_share(normaliser[0], bags)
+        differentiable = torch.is_grad_enabled() and (mean.requires_grad or var.requires_grad or nu.requires_grad)
+        if not differentiable and torch.equal(nu, mean):
+            return share - self._tempered(0.5 * var, bags)
+        em = expected_augmentation(nu, bags.index, bag_labels, bags.num_bags, self.single_instance, normaliser)
         inst = self._tempered((mean - nu) * em + 0.5 * (nu * nu - mean * mean) - 0.5 * var, bags)
-        return inst + self._bag_share(log_z, bags)
+        return inst + share
 
     def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Tensor:
         """The collapsed bound ``Σ_b log Z_b(μ) − ½ Σ σ²`` (ELBO maximised over q(m)), per instance."""
@@ -160,7 +188,7 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
 
     def collapsed_elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
         """``(★)`` at ``ν = μ``: ``log Z_b(μ)`` shared over the bag minus ``½σ²_n``, ``(N,)``."""
-        log_z, _ = bag_log_normaliser(mean, bags.index, bag_labels, bags.num_bags)
+        log_z, _ = bag_log_normaliser(mean, bags.index, bag_labels, bags.num_bags, self.single_instance)
         return self._bag_share(log_z, bags) - self._tempered(0.5 * var, bags)
 
     # -- GPyTorch Likelihood API ----------------------------------------------------------------

@@ -163,9 +163,57 @@ def test_locals_are_optimal_and_elbo_equals_collapsed_bound():
     assert grad.abs().max() < 1e-10
     collapsed = lik.collapsed_elbo_terms(mean, var, batch.bags, batch.bag_labels).sum()
     assert abs(float(val) - float(collapsed)) < 1e-10
+    # without gradients at ν = μ, elbo_terms takes the collapsed form: the same value as (★) in full
+    with torch.no_grad():
+        at_optimum = lik.elbo_terms(mean, var, batch.bags, batch.bag_labels, mean.clone())
+    torch.testing.assert_close(at_optimum.sum(), val.detach(), rtol=1e-12, atol=1e-12)
     # moving ν away can only lower it
     worse = lik.elbo_terms(mean, var, batch.bags, batch.bag_labels, mean + 0.3).sum()
     assert float(worse) < float(val)
+
+
+def _every_positive_instance_its_own_bag(batch):
+    """The same instances with every instance of a positive bag alone in a positive bag."""
+    positive = batch.bag_labels.bool()[batch.bag_index]
+    keys = torch.where(positive, batch.bag_index.max() + 1 + torch.arange(len(positive)), batch.bag_index)
+    _, index = torch.unique(keys, return_inverse=True)
+    labels = torch.zeros(int(index.max()) + 1, dtype=torch.float64).index_reduce_(0, index, positive.double(), "amax")
+    return BagBatch(batch.x, index, labels)
+
+
+def test_single_instance_learning_is_the_probit_model_with_every_positive_instance_its_own_bag():
+    """Single-instance learning (``single_instance=True``) must be the MIL probit model on bags in
+    which every instance of a positive bag stands alone: the same E[m] (a normal truncated to
+    m > 0: scipy's truncnorm on positive bags), ELBO, collapsed bound and fit, with ν = μ still
+    the optimal locals. If this fails, the single-instance candidates of ProbitMILClassifier fit
+    some other model."""
+    batch, _ = make_problem(B=12, n=4, seed=5)
+    alone = _every_positive_instance_its_own_bag(batch)
+    assert alone.num_bags > batch.num_bags and int(batch.bag_labels.sum()) > 0
+    sil, mil = MILProbitLikelihood(single_instance=True), MILProbitLikelihood()
+    g = torch.Generator().manual_seed(1)
+    mean = torch.randn(batch.num_instances, dtype=torch.float64, generator=g) * 2
+    var = torch.rand(batch.num_instances, dtype=torch.float64, generator=g) + 0.1
+    nu = mean + 0.2 * torch.randn(batch.num_instances, dtype=torch.float64, generator=g)
+    em = expected_augmentation(nu, batch.bag_index, batch.bag_labels, batch.num_bags, single_instance=True)
+    positive = batch.bag_labels.bool()[batch.bag_index].numpy()
+    x = nu.numpy()
+    truncated = stats.truncnorm.mean(-x, np.inf, loc=x, scale=1.0)
+    np.testing.assert_allclose(em.numpy()[positive], truncated[positive], rtol=1e-10)
+    np.testing.assert_allclose(em.numpy(), expected_augmentation(nu, alone.bag_index, alone.bag_labels, alone.num_bags).numpy(), rtol=1e-12)
+    for method, args in (("elbo_terms", (nu,)), ("collapsed_elbo_terms", ())):
+        ours = getattr(sil, method)(mean, var, batch.bags, batch.bag_labels, *args).sum()
+        ref = getattr(mil, method)(mean, var, alone.bags, alone.bag_labels, *args).sum()
+        assert float(ours) == pytest.approx(float(ref), rel=1e-12)
+    at = mean.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(sil.elbo_terms(mean, var, batch.bags, batch.bag_labels, at).sum(), at)
+    assert grad.abs().max() < 1e-10
+    fits = []
+    for lik, b in ((sil, batch), (mil, alone)):
+        model = SparseGP(batch.x[::3].clone(), lengthscale=1.0, outputscale=2.0)
+        fits.append(fit_closed_form(model, lik, b, max_iter=15, tol=0, learn_hyperparameters=False).elbo)
+    np.testing.assert_allclose(fits[0], fits[1], rtol=1e-10)
+    assert (np.diff(fits[0]) >= -1e-9 * np.abs(np.array(fits[0][1:]))).all()
 
 
 def test_elbo_is_a_lower_bound_on_the_exact_log_marginal():
