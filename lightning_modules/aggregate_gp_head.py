@@ -59,6 +59,7 @@ class AggregateGPHead(GPHead):
     likelihood required. ``constant_mean=None`` means a constant mean here."""
 
     bag_label_kind: ClassVar[str] = "aggregate"
+    makes_decision: ClassVar[bool] = False
     likelihood_type: ClassVar[type] = AggregateLikelihood
     default_constant_mean: ClassVar[bool] = True
 

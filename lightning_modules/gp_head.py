@@ -92,6 +92,8 @@ class GPHead(nn.Module):
 
     bag_label_kind: ClassVar[str] = "binary"
     """What the bag labels are: ``"binary"`` (MIL) or ``"aggregate"`` (real-valued targets)."""
+    makes_decision: ClassVar[bool] = True
+    """Whether the head has a bag decision to fit on held-out bags (:meth:`fit_decision`)."""
     likelihood_type: ClassVar[type] = AugmentedBagLikelihood
     default_constant_mean: ClassVar[bool] = False
 

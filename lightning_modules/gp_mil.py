@@ -388,7 +388,7 @@ class GPMILModule(BagModuleBase):
             self.natural_steps += 1
             # under DDP every rank keeps every rank's bags: a bag drawn on another rank later continues from its π
             self.bag_locals.store(batch.bag_ids, batch.bags, steps.locals, all_gather_objects if world_size() > 1 else None)
-            decide_here = self.decision_bags == "train" and steps.locals is not None
+            decide_here = self.decision_bags == "train" and self.gp.makes_decision
             if decide_here:
                 self._decision_store.add(batch, h)
             if learn:
@@ -492,7 +492,7 @@ class GPMILModule(BagModuleBase):
 
     def _fits_decision_on_validation(self) -> bool:
         trainer = self.trainer
-        return (self.decision_bags == "val" and not self.is_aggregate and trainer.state.fn == "fit"
+        return (self.decision_bags == "val" and self.gp.makes_decision and trainer.state.fn == "fit"
                 and not trainer.sanity_checking)
 
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
