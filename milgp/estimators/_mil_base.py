@@ -148,8 +148,10 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
         plan = []
         for v in self._likelihood_variants():
-            single = self._single_instance(v)
-            plan += [(("affine", *c[1:]) if single and c[0] == "linear" else c, v) for c in candidates if not single or flexible(c)]
+            if not self._single_instance(v):
+                plan += [(c, v) for c in candidates]
+            else:
+                plan += [(("affine", *c[1:]) if c[0] == "linear" else c, v) for c in candidates if flexible(c)]
         return plan
 
     def _resolve_bag_size_cap(self, sizes: np.ndarray) -> float | None:

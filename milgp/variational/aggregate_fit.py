@@ -78,10 +78,14 @@ class _Cached:
     block: BlockBase | None
 
 
-def _prepare(model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, group: BagGroup, L: Tensor, grad_hyper: bool) -> _Cached:
+def _prepare(
+    model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, group: BagGroup, L: Tensor | None, grad_hyper: bool,
+    proj: Projection | None = None,
+) -> _Cached:
+    """``group``'s projection (``proj`` when already computed) and, with ``needs_covariance``, its block base."""
     x = batch.x[group.inst]
     with torch.set_grad_enabled(grad_hyper and torch.is_grad_enabled()):
-        proj = model.variational_strategy.projection(x, L)
+        proj = model.variational_strategy.projection(x, L) if proj is None else proj
         block = None
         if likelihood.needs_covariance:
             block = block_base(model, x, proj, group.local_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
@@ -249,11 +253,9 @@ class AggregateSteps:
         """Every group's projection and (with ``needs_covariance``) block base, computed once per
         hyperparameter setting; ``None`` when they do not fit the budget."""
         if self.projector is not None and self._cached is None:
-            x, w = self.batch.x, _weights(self.batch)
             with torch.no_grad():
                 self._cached = [
-                    _Cached(proj, block_base(self.model, x[g.inst], proj, g.local_bags, w[g.inst], kernel_grad=False)
-                            if self.likelihood.needs_covariance else None)
+                    _prepare(self.model, self.likelihood, self.batch, g, None, False, proj)
                     for g, (_, proj) in zip(self.groups, self.projector.chunks())
                 ]
         return self._cached

@@ -4,6 +4,7 @@ the passes of a fit while the hyperparameters are fixed: the one projection cach
 :class:`~milgp.variational.aggregate_fit.AggregateSteps` (chunks = groups of whole bags)."""
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Sequence
 
 import torch
@@ -25,7 +26,9 @@ class ProjectionCache:
     and cached.
 
     ``chunk_size`` is the number of instances per chunk, or the sizes of consecutive chunks (which
-    then add up to ``N``: e.g. groups of whole bags laid out one after the other). ``A`` depends only on the inputs and the hyperparameters; it is computed once and reused by
+    then add up to ``N``: e.g. groups of whole bags laid out one after the other).
+
+    ``A`` depends only on the inputs and the hyperparameters; it is computed once and reused by
     every pass (statistics, moments, minibatches) until :meth:`invalidate` is called after a
     hyperparameter step. It is kept (as ``Aᵀ`` ``(N, M)``, so that chunks of rows and minibatch
     rows are contiguous) only when ``N·(M + 2)`` floats fit ``cache_bytes``; otherwise each pass
@@ -40,10 +43,10 @@ class ProjectionCache:
             step = max(1, chunk_size)
             self.bounds = [(s, min(N, s + step)) for s in range(0, N, step)]
         else:
-            ends = torch.tensor(list(chunk_size)).cumsum(0).tolist()
-            if (ends[-1] if ends else 0) != N:
-                raise ValueError(f"the chunk sizes add up to {ends[-1] if ends else 0}, not to the {N} inputs")
-            self.bounds = list(zip([0] + ends[:-1], ends))
+            ends = list(itertools.accumulate(chunk_size, initial=0))
+            if ends[-1] != N:
+                raise ValueError(f"the chunk sizes add up to {ends[-1]}, not to the {N} inputs")
+            self.bounds = list(zip(ends[:-1], ends[1:]))
         self.cacheable = N * (M + 2) * x.element_size() <= cache_bytes
         self.invalidate()
 
