@@ -239,8 +239,8 @@ class AggregateSteps:
                 entries += g.num_bags * n_max * (n_max + M + 2)
         self.projector = None
         if entries <= cache_entries:
-            x = batch.x[torch.cat([g.inst for g in self.groups])]
-            self.projector = ProjectionCache(strategy, x, [int(g.inst.numel()) for g in self.groups], math.inf)
+            order = torch.cat([g.inst for g in self.groups])
+            self.projector = ProjectionCache(strategy, batch.x, [int(g.inst.numel()) for g in self.groups], math.inf, order=order)
         self._cached: list[_Cached] | None = None
         self.sizes = batch.bags.sizes
         self.q = strategy.whitened_posterior()

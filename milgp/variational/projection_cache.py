@@ -26,7 +26,8 @@ class ProjectionCache:
     and cached.
 
     ``chunk_size`` is the number of instances per chunk, or the sizes of consecutive chunks (which
-    then add up to ``N``: e.g. groups of whole bags laid out one after the other).
+    then add up to ``N``: e.g. groups of whole bags laid out one after the other). With ``order``
+    ``(N,)`` the inputs are taken in that order, ``x[order]``, chunk by chunk (no copy of ``x``).
 
     ``A`` depends only on the inputs and the hyperparameters; it is computed once and reused by
     every pass (statistics, moments, minibatches) until :meth:`invalidate` is called after a
@@ -36,8 +37,10 @@ class ProjectionCache:
     hyperparameter setting either way. No gradients are recorded.
     """
 
-    def __init__(self, strategy: ClosedFormStrategy, x: Tensor, chunk_size: int | Sequence[int], cache_bytes: float):
-        self.strategy, self.x = strategy, x
+    def __init__(
+        self, strategy: ClosedFormStrategy, x: Tensor, chunk_size: int | Sequence[int], cache_bytes: float, order: Tensor | None = None
+    ):
+        self.strategy, self.x, self.order = strategy, x, order
         N, M = x.shape[0], strategy.num_inducing
         if isinstance(chunk_size, int):
             step = max(1, chunk_size)
@@ -73,6 +76,10 @@ class ProjectionCache:
                 self._L = self.strategy.inducing_cholesky()
         return self._L
 
+    def _inputs(self, s: int, e: int) -> Tensor:
+        """The inputs of positions ``s:e`` (in ``order`` when given)."""
+        return self.x[s:e] if self.order is None else self.x[self.order[s:e]]
+
     def _fill(self) -> None:
         x, N, M = self.x, self.x.shape[0], self.strategy.num_inducing
         AT = x.new_empty((N, M))
@@ -80,7 +87,7 @@ class ProjectionCache:
         with torch.no_grad():
             L = self.L()
             for s, e in self.bounds:
-                proj = self.strategy.projection(x[s:e], L)
+                proj = self.strategy.projection(self._inputs(s, e), L)
                 AT[s:e], prior_var[s:e], prior_mean[s:e] = proj.A.mT, proj.prior_var, proj.prior_mean
         self._AT, self._prior_var, self._prior_mean = AT, prior_var, prior_mean
         self._residual = Projection(AT.mT, prior_var, prior_mean).with_residual().residual
@@ -93,7 +100,7 @@ class ProjectionCache:
             if self._AT is not None:
                 yield s, Projection(self._AT[s:e].mT, self._prior_var[s:e], self._prior_mean[s:e], self._residual[s:e])
             else:  # callers run under torch.no_grad()
-                yield s, self.strategy.projection(self.x[s:e], self.L())
+                yield s, self.strategy.projection(self._inputs(s, e), self.L())
 
     def moments(self, q: WhitenedPosterior) -> tuple[Tensor, Tensor]:
         """``q(f)`` mean and variance ``(N,)`` of all inputs under ``q``, chunk by chunk."""
@@ -114,7 +121,8 @@ class ProjectionCache:
         return stats
 
     def rows(self, idx: Tensor) -> Projection | None:
-        """The projection of instances ``idx`` from the cache (``None`` when nothing is cached)."""
+        """The projection of the inputs at positions ``idx`` (of ``x[order]`` with ``order``) from the
+        cache (``None`` when nothing is cached)."""
         if self._AT is None and self.cacheable:
             self._fill()
         if self._AT is None:
