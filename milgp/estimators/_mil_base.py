@@ -176,12 +176,12 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         return bool(self.average)
 
     def fit(self, bags: Sequence[Any], y: Any) -> "MILClassifierBase":
-        """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)`` in {0, 1}."""
+        """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
         bags_np = check_bags(bags)
         y_np = check_binary_bag_labels(y, len(bags_np))
         rules = self._rule_candidates()  # an unknown bag_rule is refused here, before any fitting
         self.n_features_in_ = bags_np[0].shape[1]
-        self.classes_ = np.array([0, 1])
+        self.classes_ = np.unique(np.asarray(y))  # the negative label (0, −1 or False), then the positive
         candidates = self._kernel_candidates(self.n_features_in_)
         batch, Z = self._prepare(bags_np, y_np)
         fits = self._search(batch, Z, candidates, rules)
@@ -317,8 +317,10 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         return np.stack([1 - p, p], 1)
 
     def predict(self, bags: Sequence[Any]) -> np.ndarray:
-        """Bag labels ``(B,)``: 1 where the calibrated positive-bag probability exceeds ½."""
-        return (self.predict_proba(bags)[:, 1] > 0.5).astype(int)
+        """Bag labels ``(B,)`` in the labels of the training set (:attr:`classes_`): the positive one
+        where the calibrated positive-bag probability exceeds ½."""
+        positive = self.predict_proba(bags)[:, 1] > 0.5
+        return self.classes_[positive.astype(int)]
 
     def _instance_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ensemble_.instance_moments(x)

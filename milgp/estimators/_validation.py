@@ -41,19 +41,24 @@ def check_bags(bags: Sequence[Any], name: str = "bags") -> list[np.ndarray]:
 
 
 def check_binary_bag_labels(y: Any, num_bags: int, require_both: bool = True) -> np.ndarray:
-    """Validate ``(B,)`` bag labels in {0, 1}."""
+    """Validate ``(B,)`` bag labels — 0/1, −1/+1 or booleans, the positive class 1 (``True``) — and
+    return them as floats in {0, 1}."""
     y = np.asarray(y)
     if y.ndim != 1:
         raise ValueError(f"y must be a 1-D array of bag labels, got shape {y.shape}")
     if len(y) != num_bags:
         raise ValueError(f"got {num_bags} bags but {len(y)} labels in y")
+    if y.dtype.kind not in "biuf":
+        raise ValueError(f"bag labels must be 0/1, -1/1 or booleans (1 = positive), got {y.dtype} labels such as {y[0].item()!r}")
     yf = y.astype(np.float64)
-    bad = np.nonzero(~np.isin(yf, (0.0, 1.0)))[0]
+    bad = np.nonzero(~np.isin(yf, (-1.0, 0.0, 1.0)))[0]
     if len(bad):
-        raise ValueError(f"bag {int(bad[0])} has label {y[bad[0]].item()!r}; bag labels must be 0 or 1")
+        raise ValueError(f"bag {int(bad[0])} has label {y[bad[0]].item()!r}; bag labels must be 0/1 or -1/1 (1 = positive)")
+    if (yf == -1.0).any() and (yf == 0.0).any():
+        raise ValueError(f"bag {int(np.nonzero(yf == 0.0)[0][0])} has label 0 and bag {int(np.nonzero(yf == -1.0)[0][0])} label -1: use 0/1 or -1/1")
     if require_both and len(np.unique(yf)) < 2:
-        raise ValueError(f"the training set has only bags of class {int(yf[0])}; MIL training needs positive and negative bags")
-    return yf
+        raise ValueError(f"the training set has only bags of class {y[0].item()!r}; MIL training needs positive and negative bags")
+    return (yf == 1.0).astype(np.float64)
 
 
 def check_bag_weights(weights: Any, bags: list[np.ndarray], name: str = "weights") -> list[np.ndarray]:

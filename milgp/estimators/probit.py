@@ -150,7 +150,7 @@ class ProbitMILClassifier(MILClassifierBase):
         return make_bag_rule(self.bag_rule)
 
     def fit(self, bags, y) -> "ProbitMILClassifier":
-        """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)`` in {0, 1}."""
+        """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
         if self.inference not in ("vi", "gibbs"):
             raise ValueError(f"inference must be 'vi' or 'gibbs', got {self.inference!r}")
         return super().fit(bags, y)

@@ -70,3 +70,27 @@ def test_fitting_and_predicting_leave_the_global_rng_alone():
         est.fit(bags, y)
         est.predict_bags(bags) if isinstance(est, VBAggRegressor) else est.predict(bags)
         assert torch.equal(torch.get_rng_state(), before), type(est).__name__
+
+
+def test_bag_labels_minus_one_one_and_booleans_are_the_same_fit():
+    """Bag labels −1/+1 (as many MIL files write them) or booleans must fit the same model as 0/1
+    and predict in the caller's labels; strings or a mix of 0 and −1 must be refused in one line
+    naming the problem (not a numpy conversion error, not a silent relabelling)."""
+    rng = np.random.default_rng(0)
+    bags = [rng.normal(size=(4, 2)) + (2.0 if b % 2 else 0.0) * np.eye(4, 2)[0] for b in range(12)]
+    y01 = np.array([b % 2 for b in range(12)])
+    kw = dict(num_inducing=6, max_iter=4, search_iter=2)
+    p01 = VGPMILClassifier(**kw).fit(bags, y01).predict_proba(bags)
+    for y in (2 * y01 - 1, y01.astype(bool)):
+        est = VGPMILClassifier(**kw).fit(bags, y)
+        np.testing.assert_array_equal(est.predict_proba(bags), p01)
+        assert est.classes_.tolist() == sorted(set(y.tolist()))
+        assert set(est.predict(bags).tolist()) <= set(y.tolist())
+    with pytest.raises(ValueError, match="must be 0/1, -1/1 or booleans.*'neg'"):
+        check_binary_bag_labels(np.array(["neg", "pos"]), 2)
+    with pytest.raises(ValueError, match="bag 1 has label 0 and bag 0 label -1"):
+        check_binary_bag_labels([-1, 0, 1], 3)
+    with pytest.raises(ValueError, match="bag 2 has label 2"):
+        check_binary_bag_labels([0, 1, 2], 3)
+    with pytest.raises(ValueError, match="only bags of class -1"):
+        check_binary_bag_labels([-1, -1], 2)
