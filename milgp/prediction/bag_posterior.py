@@ -69,10 +69,12 @@ class BagPosterior:
         x: Tensor,
         bags: Bags,
         block_budget: int | None = None,
+        marginals: tuple[Tensor, Tensor] | None = None,
     ) -> "BagPosterior":
-        """The predictive ``q(f*)`` of ``model`` at inputs ``x`` ``(N, D)`` (no gradients)."""
+        """The predictive ``q(f*)`` of ``model`` at inputs ``x`` ``(N, D)`` (no gradients);
+        ``marginals``: its mean and variance ``(N,)`` when already computed."""
         q = model.variational_strategy.whitened_posterior()
-        mean, var = model.variational_strategy.predict_marginals(x)
+        mean, var = model.variational_strategy.predict_marginals(x) if marginals is None else marginals
 
         def blocks(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
             return model.variational_strategy.bag_covariances(x[group.inst], group.local_bags, q)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from milgp.data.bags import Bags
 from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.models.shared_gram import predict_marginals
 from milgp.prediction.bag_decision import BagDecision
 from milgp.prediction.bag_posterior import BagPosterior
 
@@ -95,16 +96,24 @@ class ModelAverage:
     def bag_probability(self, x: Tensor, bags: Bags, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """Calibrated positive-bag probability and its std ``(B,)`` of the mixture at inputs ``x``
         ``(N, D)`` of the bags ``bags``."""
+        marginals = self._marginals(x)
         parts = []
         for m in self.members:
-            posterior = BagPosterior.from_model(m.model, x, bags)
+            posterior = BagPosterior.from_model(m.model, x, bags, marginals=marginals[id(m.model)])
             parts.append(m.decision(posterior, m.likelihood.instance_link, generator))
         return self._mix(parts)
 
     def instance_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Instance probability ``E[p(y=1|f*)]`` and its std ``(N,)`` of the mixture."""
-        parts = [m.likelihood.instance_link.moments(*m.model.variational_strategy.predict_marginals(x)) for m in self.members]
-        return self._mix(parts)
+        marginals = self._marginals(x)
+        return self._mix([m.likelihood.instance_link.moments(*marginals[id(m.model)]) for m in self.members])
+
+    def _marginals(self, x: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
+        """``q(f*)`` marginals at ``x`` of each distinct model, by ``id``: the members that are bag
+        rules of one fit share its model, and the fits of one kernel search share ``Z xᵀ``
+        (:func:`~milgp.models.shared_gram.predict_marginals`)."""
+        models = list({id(m.model): m.model for m in self.members}.values())
+        return {id(model): moments for model, moments in zip(models, predict_marginals(models, x))}
 
     def _mix(self, parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         w = [m.weight for m in self.members]
