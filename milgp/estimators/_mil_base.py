@@ -20,6 +20,10 @@ averaged with pseudo-BMA+ weights from their out-of-bag likelihoods
 candidate with the smallest out-of-bag negative log-likelihood. No hyperparameter is learned by
 gradient steps by default: on a few dozen bags that objective collapsed the kernel variance to a
 flat GP (ucsb_breast_cancer: outputscale 0.007–0.08, every bag p = 1.000; docs/core.md).
+
+**Instance probabilities.** Single-instance fits estimate the instance's bag label, so where they
+take part the averaged instance score is mapped to the MIL fits' instance probability by isotonic
+regression on the training instances (:class:`~milgp.prediction.InstanceCalibrator`).
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ from milgp.prediction import (
     BagCalibrator,
     BagDecision,
     BagRule,
+    InstanceCalibrator,
     ModelAverage,
     best_decision,
     make_bag_rule,
@@ -72,12 +77,15 @@ SHARED_GRAM_MAX_ENTRIES = 50_000_000
 
 class CandidateFit(NamedTuple):
     """One fitted candidate of the search: a model and likelihood at one kernel and π rule, the
-    fit's result, and one bag rule's decision scored on out-of-bag predictions."""
+    fit's result, one bag rule's decision scored on out-of-bag predictions, and whether the
+    likelihood is single-instance learning (its instance probability is that of the instance's
+    *bag* label, not of its own)."""
 
     model: SparseGP
     likelihood: AugmentedBagLikelihood
     fit: FitResult
     decision: BagDecision
+    single_instance: bool
 
 
 class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
@@ -195,6 +203,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             self.ensemble_ = ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in fits], batch.bag_labels, self.random_state)
         else:
             self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
+        self.instance_calibrator_ = self._instance_calibration(fits, batch)
         top = self.ensemble_.top
         self.model_, self.likelihood_, self.decision_ = top.model, top.likelihood, top.decision
         if not self.learn_hyperparameters:
@@ -202,6 +211,28 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         self.elbo_ = self.fit_result_.objective[-1]
         self._after_fit(batch)
         return self
+
+    def _instance_calibration(self, fits: list[CandidateFit], batch: BagBatch) -> InstanceCalibrator | None:
+        """The map from the averaged instance score to the MIL fits' instance probability
+        (:mod:`milgp.prediction.instance_calibration`), fitted on the training instances; ``None``
+        where no member of :attr:`ensemble_` is single-instance learning (its instance probabilities
+        are already the MIL fits') or no fit is a MIL fit. The MIL fits are weighted (or the best
+        kept) as the bag decision's candidates are."""
+        single = {id(c.model) for c in fits if c.single_instance}
+        mil = [c for c in fits if not c.single_instance]
+        if not mil or not any(id(m.model) in single for m in self.ensemble_.members):
+            return None
+        if self._averages() and len(mil) > 1:
+            target = ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in mil], batch.bag_labels, self.random_state)
+        else:
+            best = min(mil, key=lambda c: c.decision.heldout_nll)
+            target = ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
+        marginals = {id(c.model): c.fit.moments for c in fits}  # q(f) at the training instances, from the fits
+        if self.learn_hyperparameters:
+            marginals[id(self.ensemble_.top.model)] = self.fit_result_.moments
+        with torch.no_grad():
+            score = self.ensemble_.instance_moments(batch.x, marginals)[0]
+            return InstanceCalibrator().fit(score, target.instance_moments(batch.x, marginals)[0])
 
     def _prepare(self, bags_np: list[np.ndarray], y_np: np.ndarray) -> tuple[BagBatch, torch.Tensor]:
         """The bag-size cap, the standardisation and the inducing points (both weighted by the cap),
@@ -264,7 +295,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
                 {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale, "likelihood": variant,
                  "heldout_nll": best.heldout_nll, "rule": repr(best.rule), "iterations": result.iterations}
             )
-            fits.extend(CandidateFit(model, likelihood, result, d) for d in scored)
+            fits.extend(CandidateFit(model, likelihood, result, d, self._single_instance(variant)) for d in scored)
         return fits
 
     def _learn_hyperparameters(
@@ -323,11 +354,14 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         return self.classes_[positive.astype(int)]
 
     def _instance_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ensemble_.instance_moments(x)
+        p, s = self.ensemble_.instance_moments(x)
+        return (p, s) if self.instance_calibrator_ is None else self.instance_calibrator_(p, s)
 
     def predict_instance_proba(self, bags: Sequence[Any], return_std: bool = False) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-bag lists of instance probabilities ``(n_b,)`` (and their stds): the models' own
-        ``E[p(y=1|f*)]`` (not recalibrated), averaged with the candidates' weights."""
+        ``E[p(y=1|f*)]`` averaged with the candidates' weights, mapped to the MIL fits' instance
+        probability where single-instance fits take part (:attr:`instance_calibrator_`,
+        :meth:`_instance_calibration`)."""
         x, bag_struct = self._features(bags)
         with torch.no_grad():
             p, s = self._instance_moments(x)

@@ -1,4 +1,5 @@
-"""From the instance posterior to bag decisions: bag rules and bag-level calibration."""
+"""From the instance posterior to bag decisions: bag rules, bag-level calibration, averaging, and
+instance probabilities on the MIL fits' scale."""
 from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, best_decision, fit_bag_decision, score_bag_rules
 from milgp.prediction.bag_posterior import BagPosterior, JointBlocks
 from milgp.prediction.bag_rules import (
@@ -15,6 +16,7 @@ from milgp.prediction.bag_rules import (
     make_bag_rule,
 )
 from milgp.prediction.calibration import BagCalibrator
+from milgp.prediction.instance_calibration import InstanceCalibrator
 from milgp.prediction.model_average import AveragedFit, ModelAverage, pseudo_bma_plus_weights
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "BAG_RULES",
     "DEFAULT_BAG_RULE",
     "BagCalibrator",
+    "InstanceCalibrator",
     "BagPosterior",
     "BagRule",
     "JointBlocks",

@@ -103,9 +103,11 @@ class ModelAverage:
             parts.append(m.decision(posterior, m.likelihood.instance_link, generator))
         return self._mix(parts)
 
-    def instance_moments(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Instance probability ``E[p(y=1|f*)]`` and its std ``(N,)`` of the mixture."""
-        marginals = self._marginals(x)
+    def instance_moments(self, x: Tensor, marginals: dict[int, tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
+        """Instance probability ``E[p(y=1|f*)]`` and its std ``(N,)`` of the mixture at ``x``
+        ``(N, D)``; ``marginals``: each member model's ``q(f)`` mean and variance at ``x`` by
+        ``id``, where already computed (e.g. a fit's own at its training inputs)."""
+        marginals = self._marginals(x) if marginals is None else marginals
         return self._mix([m.likelihood.instance_link.moments(*marginals[id(m.model)]) for m in self.members])
 
     def _marginals(self, x: Tensor) -> dict[int, tuple[Tensor, Tensor]]:

@@ -1,0 +1,58 @@
+"""InstanceCalibrator: the isotonic map from an averaged instance score to the MIL fits' probability."""
+import numpy as np
+import pytest
+import torch
+
+from milgp.prediction import InstanceCalibrator
+
+
+def pool_adjacent_violators(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Independent float64 reference: the non-decreasing least-squares fit of ``y`` on ``x``
+    (ties in ``x`` pooled first), at the sorted unique ``x``."""
+    xs, inverse = np.unique(x, return_inverse=True)
+    sums, counts = np.bincount(inverse, y), np.bincount(inverse).astype(float)
+    blocks = []  # [sum, count, number of unique x]
+    for s, c in zip(sums, counts):
+        blocks.append([s, c, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s2, c2, k2 = blocks.pop()
+            blocks[-1] = [blocks[-1][0] + s2, blocks[-1][1] + c2, blocks[-1][2] + k2]
+    return np.concatenate([np.full(k, s / c) for s, c, k in blocks])
+
+
+def test_map_is_the_isotonic_least_squares_fit():
+    """At the training scores the map must equal the pool-adjacent-violators fit (a wrong fit would
+    not be E[target | score]) and be non-decreasing everywhere, constant beyond the scores' range."""
+    rng = np.random.default_rng(0)
+    s = rng.random(400).round(2)  # ties included
+    t = np.clip(s**2 + rng.normal(0, 0.15, 400), 0, 1)
+    cal = InstanceCalibrator().fit(torch.tensor(s), torch.tensor(t))
+    xs = np.unique(s)
+    np.testing.assert_allclose(cal.transform(torch.tensor(xs)).numpy(), pool_adjacent_violators(s, t), atol=1e-12)
+    grid = torch.linspace(-0.5, 1.5, 2001, dtype=torch.float64)
+    out = cal.transform(grid)
+    assert (out.diff() >= -1e-15).all()
+    assert out[0] == cal.transform(torch.tensor([xs[0]], dtype=torch.float64))[0]
+    assert out[-1] == cal.transform(torch.tensor([xs[-1]], dtype=torch.float64))[0]
+
+
+def test_increasing_target_is_a_fixed_point_and_std_passes_through_the_identity():
+    """A target that is already an increasing function of the score must be reproduced exactly;
+    with target = score the map is the identity, so a std inside [0, 1] must come back unchanged
+    (the std is carried as (p̃(s+σ) − p̃(s−σ))/2)."""
+    s = torch.linspace(0.0, 1.0, 101, dtype=torch.float64)
+    cal = InstanceCalibrator().fit(s, s.sqrt())
+    torch.testing.assert_close(cal.transform(s), s.sqrt(), rtol=0, atol=1e-12)
+    ident = InstanceCalibrator().fit(s, s)
+    p, sd = torch.tensor([0.3, 0.5, 0.8], dtype=torch.float64), torch.tensor([0.1, 0.2, 0.05], dtype=torch.float64)
+    p2, sd2 = ident(p, sd)
+    torch.testing.assert_close(p2, p, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sd2, sd, rtol=0, atol=1e-12)
+
+
+def test_constant_target_and_bad_input():
+    """A constant target gives a constant map (one knot); mismatched inputs are refused in one line."""
+    cal = InstanceCalibrator().fit(torch.rand(50, dtype=torch.float64), torch.full((50,), 0.2, dtype=torch.float64))
+    torch.testing.assert_close(cal.transform(torch.tensor([0.0, 0.5, 1.0])), torch.full((3,), 0.2))
+    with pytest.raises(ValueError, match="equal-length"):
+        InstanceCalibrator().fit(torch.rand(5), torch.rand(4))
