@@ -51,7 +51,8 @@ class InstanceCalibrator:
         s = score.clamp(knots[0], knots[-1])
         right = torch.searchsorted(knots, s.contiguous(), right=True).clamp(1, len(knots) - 1)
         x0, x1, y0, y1 = knots[right - 1], knots[right], values[right - 1], values[right]
-        return y0 + (s - x0) / (x1 - x0) * (y1 - y0)
+        width = x1 - x0  # knots distinct in float64 may coincide in the scores' dtype
+        return y0 + torch.where(width > 0, (s - x0) / width.clamp_min(torch.finfo(s.dtype).tiny), 0.0) * (y1 - y0)
 
     def __call__(self, score: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
         """Mapped probability and standard deviation ``(N,)`` from a score and its std ``(N,)``."""

@@ -50,6 +50,15 @@ def test_increasing_target_is_a_fixed_point_and_std_passes_through_the_identity(
     torch.testing.assert_close(sd2, sd, rtol=0, atol=1e-12)
 
 
+def test_float32_scores_with_knots_that_coincide_after_rounding():
+    """Knots 1e-9 apart in float64 are one value in float32: the map must still return finite,
+    non-decreasing probabilities for float32 scores (a 0/0 there gave NaN)."""
+    s = torch.tensor([0.3, 0.3 + 1e-9, 0.6, 0.9, 0.9 + 1e-9], dtype=torch.float64)
+    cal = InstanceCalibrator().fit(s, torch.tensor([0.1, 0.2, 0.5, 0.7, 0.8], dtype=torch.float64))
+    out = cal.transform(torch.tensor([0.2, 0.3, 0.45, 0.9, 0.95], dtype=torch.float32))
+    assert out.dtype == torch.float32 and torch.isfinite(out).all() and (out.diff() >= 0).all()
+
+
 def test_constant_target_and_bad_input():
     """A constant target gives a constant map (one knot); mismatched inputs are refused in one line."""
     cal = InstanceCalibrator().fit(torch.rand(50, dtype=torch.float64), torch.full((50,), 0.2, dtype=torch.float64))
