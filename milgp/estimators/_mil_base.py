@@ -134,8 +134,9 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     def _single_instance(self, variant: Any) -> bool:
         """Whether the likelihood variant is single-instance learning (every instance of a positive
-        bag labelled positive), which :meth:`_plan` fits at the most flexible kernels only."""
-        return False
+        bag labelled positive; the variant ``"single"`` of both classifiers), which :meth:`_plan`
+        fits at the most flexible kernels only."""
+        return variant == "single"
 
     def _plan(self, candidates: list[tuple[str, float, float]]) -> list[tuple[tuple[str, float, float], Any]]:
         """The ``(kernel, likelihood variant)`` pairs the search fits, in order (the first is fitted
@@ -199,10 +200,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             heldout = leave_bag_out_posterior(best.model, best.likelihood, batch, self.fit_result_.locals)
             scored = score_bag_rules(heldout, best.likelihood.instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
             self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, best_decision(scored), 1.0)])
-        elif self._averages() and len(fits) > 1:
-            self.ensemble_ = ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in fits], batch.bag_labels, self.random_state)
         else:
-            self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
+            self.ensemble_ = self._average(fits, batch.bag_labels)
         self.instance_calibrator_ = self._instance_calibration(fits, batch)
         top = self.ensemble_.top
         self.model_, self.likelihood_, self.decision_ = top.model, top.likelihood, top.decision
@@ -211,6 +210,14 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         self.elbo_ = self.fit_result_.objective[-1]
         self._after_fit(batch)
         return self
+
+    def _average(self, fits: list[CandidateFit], labels: torch.Tensor) -> ModelAverage:
+        """``fits`` averaged with pseudo-BMA+ weights (``average``, more than one candidate), or the
+        one with the smallest out-of-bag NLL."""
+        if self._averages() and len(fits) > 1:
+            return ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in fits], labels, self.random_state)
+        best = min(fits, key=lambda c: c.decision.heldout_nll)
+        return ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
 
     def _instance_calibration(self, fits: list[CandidateFit], batch: BagBatch) -> InstanceCalibrator | None:
         """The map from the averaged instance score to the MIL fits' instance probability
@@ -222,11 +229,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         mil = [c for c in fits if not c.single_instance]
         if not mil or not any(id(m.model) in single for m in self.ensemble_.members):
             return None
-        if self._averages() and len(mil) > 1:
-            target = ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in mil], batch.bag_labels, self.random_state)
-        else:
-            best = min(mil, key=lambda c: c.decision.heldout_nll)
-            target = ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
+        target = self._average(mil, batch.bag_labels)
         marginals = {id(c.model): c.fit.moments for c in fits}  # q(f) at the training instances, from the fits
         if self.learn_hyperparameters:
             marginals[id(self.ensemble_.top.model)] = self.fit_result_.moments

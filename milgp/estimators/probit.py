@@ -138,9 +138,6 @@ class ProbitMILClassifier(MILClassifierBase):
             return ("single",)
         return ("mil", "single") if self.single_instance == "auto" and self.inference == "vi" else ("mil",)
 
-    def _single_instance(self, variant: str) -> bool:
-        return variant == "single"
-
     def _make_likelihood(self, variant: str | None = None) -> MILProbitLikelihood:
         return MILProbitLikelihood(single_instance=variant == "single")
 

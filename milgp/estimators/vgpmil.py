@@ -129,8 +129,5 @@ class VGPMILClassifier(MILClassifierBase):
             raise ValueError(f"max_rule must be 'auto', 'exact', 'max' or 'single', got {self.max_rule!r}")
         return (self.max_rule,)
 
-    def _single_instance(self, variant: str) -> bool:
-        return variant == "single"
-
     def _make_likelihood(self, variant: str | None = None) -> MILBernoulliLikelihood:
         return MILBernoulliLikelihood(psi=self.psi, H=self.H, max_rule=variant or self.max_rule, damping=self.damping)
