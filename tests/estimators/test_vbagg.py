@@ -69,6 +69,27 @@ def test_predictions_shapes_quantiles_and_bag_moments(fitted):
             est.predict(x[:, 0])
 
 
+def test_predict_latent_is_the_posterior_of_f_behind_the_rate(fitted):
+    """``predict_latent`` returns q(f) at the instances: the rate ``predict`` reports must be its
+    closed-form mean, E[exp f] = exp(m + v/2) for the exp link and E[f²] = m² + v for the square
+    link; the median of ``predict_quantiles`` is exp m for the exp link and below the mean for the
+    square link (a scaled non-central χ², skewed right). A latent taken from elsewhere (other
+    inputs, the unstandardised features, the prior) would break these identities."""
+    models, bags, y, weights, x, lam = fitted
+    for link, est in models.items():
+        mean, var = est.predict_latent(x)
+        assert mean.shape == var.shape == (len(x),) and (var > 0).all()
+        expected = np.exp(mean + var / 2) if link == "exp" else mean**2 + var
+        np.testing.assert_allclose(est.predict(x), expected, rtol=1e-10)
+        median = est.predict_quantiles(x, 0.5)
+        if link == "exp":
+            np.testing.assert_allclose(median, np.exp(mean), rtol=1e-8)
+        else:
+            assert (median <= mean**2 + var + 1e-9).all()
+    with pytest.raises(ValueError, match="individual covariates"):
+        models["exp"].predict_latent(x[:, 0])
+
+
 def test_clone_and_params():
     """sklearn contract: clone gives an unfitted copy with the same parameters."""
     est = VBAggRegressor("normal", num_inducing=7, lr=0.1)
