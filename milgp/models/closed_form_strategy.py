@@ -37,9 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import gpytorch
-import numpy as np
 import torch
-from scipy.linalg import blas
 from torch import Tensor
 
 from milgp.data.bags import Bags, identity_padded, to_padded
@@ -48,9 +46,8 @@ from milgp.linalg import cholesky_inverse_from_precision, robust_cholesky
 
 __all__ = ["ClosedFormStrategy", "Projection", "WhitenedPosterior"]
 
-_BLAS_TRMM = {torch.float64: blas.dtrmm, torch.float32: blas.strmm}
-_MARGINAL_BLOCK = 2048
-"""Instances per triangular product in :meth:`ClosedFormStrategy.marginals` (an ``M × 2048`` block stays in cache)."""
+_MARGINAL_BLOCK = 512
+"""Instances per triangular solve in :meth:`ClosedFormStrategy.marginals` on the CPU (an ``M × 512`` block stays in cache)."""
 
 
 @dataclass
@@ -270,29 +267,26 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
     def marginals(proj: Projection, q: WhitenedPosterior) -> tuple[Tensor, Tensor]:
         """Marginals of ``q(f_n)``: mean ``(N,)`` and variance ``(N,)`` (clamped at 1e-10).
 
-        ``σ²_n = k_nn − ‖A_n‖² + A_nᵀSA_n``. Without gradients on the CPU, and with ``A`` the
-        transposed view of a row-major ``Aᵀ`` (the fit's cache), ``A_nᵀSA_n = ‖L_Sᵀ A_n‖²`` with
-        ``S = L_S L_Sᵀ`` is a BLAS triangular product (half the flops of the general product), taken over column blocks;
-        otherwise ``A_nᵀ(S − I)A_n`` by one matrix product.
+        ``σ²_n = k_nn − ‖A_n‖² + A_nᵀSA_n``. Without gradients, ``A_nᵀSA_n = ‖L_P⁻¹ A_n‖²`` with
+        ``L_P`` the Cholesky factor of the precision ``S⁻¹`` (a triangular solve: half the flops of
+        the general product), on the CPU over blocks of instances that stay in cache; with
+        gradients ``A_nᵀ(S − I)A_n`` by one matrix product.
         """
         A = proj.A
         mean = proj.prior_mean + A.mT @ q.m
-        differentiable = torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad)
-        if not differentiable and A.device.type == "cpu" and A.dtype in _BLAS_TRMM and A.mT.is_contiguous():
-            L_S = torch.linalg.cholesky_ex(q.S)[0].numpy()
-            A_np = A.numpy()
-            quad = np.empty(A_np.shape[1], dtype=A_np.dtype)
-            # column blocks keep L_Sᵀ A_block in cache for the squared column sums (no N×M temporaries)
-            for start in range(0, A_np.shape[1], _MARGINAL_BLOCK):
-                W = _BLAS_TRMM[A.dtype](1.0, L_S, A_np[:, start : start + _MARGINAL_BLOCK], side=0, lower=1, trans_a=1)
-                quad[start : start + _MARGINAL_BLOCK] = np.einsum("ij,ij->j", W, W)
-            var = proj.with_residual().residual + torch.from_numpy(quad)
+        if torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad):
+            # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
+            S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)
+            var = proj.prior_var + ((S_minus_I @ A) * A).sum(0)
             return mean, var.clamp_min(1e-10)
-        # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
-        S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)
-        SA = S_minus_I @ A
-        var = proj.prior_var + ((SA * A).sum(0) if differentiable else SA.mul_(A).sum(0))
-        return mean, var.clamp_min(1e-10)
+        L_P = q.chol_precision if q.chol_precision is not None else robust_cholesky(q.precision, what="q(v) precision")
+        N = A.shape[1]
+        block = _MARGINAL_BLOCK if A.device.type == "cpu" else max(N, 1)
+        quad = torch.empty(N, dtype=A.dtype, device=A.device)
+        for start in range(0, N, block):
+            W = torch.linalg.solve_triangular(L_P, A[:, start : start + block], upper=False)
+            quad[start : start + block] = W.square_().sum(0)
+        return mean, (proj.with_residual().residual + quad).clamp_min(1e-10)
 
     def predict_marginals(self, x: Tensor, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
         """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients."""

@@ -36,6 +36,10 @@ __all__ = [
 ]
 
 
+_GRAM_BLOCK = 1024
+"""Instances per product in :func:`weighted_gram` on the CPU (a scaled ``1024 × M`` block stays in cache)."""
+
+
 def natural_statistics(A: Tensor, linear: Tensor, precision: Tensor, prior_mean: Tensor | None = None) -> NaturalStatistics:
     """Statistics of ``Σ_n b_n f_n − ½ λ_n f_n²`` with ``f_n = mean_n + A_nᵀ v``.
 
@@ -60,18 +64,23 @@ def natural_statistics(A: Tensor, linear: Tensor, precision: Tensor, prior_mean:
 def weighted_gram(A: Tensor, w: Tensor) -> Tensor:
     """``(A diag(w)) (A diag(w))ᵀ`` ``(M, M)`` for ``A`` ``(M, N)``, ``w`` ``(N,)``, exactly symmetric.
 
-    On the CPU in float32/float64 this is one BLAS ``syrk`` (a symmetric rank-N update: half the
-    flops of the general product, and the fastest form of the dominant cost of a sweep); elsewhere
-    a matrix product.
+    On the CPU the product is accumulated over blocks of instances, each scaled by ``w`` into one
+    buffer that stays in cache (the scaled ``N × M`` matrix is never formed); elsewhere, or with
+    gradients, one matrix product.
     """
-    Yt = A.mT * w.unsqueeze(1)  # (N, M), in the memory layout of A
-    if Yt.device.type != "cpu" or Yt.dtype not in (torch.float64, torch.float32) or Yt.requires_grad:
+    Yt = A.mT
+    if A.device.type != "cpu" or A.requires_grad or w.requires_grad:
+        Yt = Yt * w.unsqueeze(1)
         G = Yt.mT @ Yt
-        return 0.5 * (G + G.mT)
-    # numpy runs ``Xᵀ X`` on two views of one buffer as a BLAS syrk and fills the lower triangle
-    # from the upper one: exactly symmetric, no copy in either memory layout of A
-    Yt_np = Yt.numpy()
-    return torch.from_numpy(Yt_np.T @ Yt_np)
+    else:
+        N, M = Yt.shape
+        G = torch.zeros(M, M, dtype=A.dtype)
+        buffer = torch.empty(min(_GRAM_BLOCK, N), M, dtype=A.dtype)
+        for start in range(0, N, _GRAM_BLOCK):
+            rows = buffer[: min(_GRAM_BLOCK, N - start)]
+            torch.mul(Yt[start : start + rows.shape[0]], w[start : start + rows.shape[0]].unsqueeze(1), out=rows)
+            G.addmm_(rows.mT, rows)
+    return 0.5 * (G + G.mT)
 
 
 class RobbinsMonro:

@@ -114,28 +114,33 @@ def test_hyperparameters_exclude_variational_parameters():
     assert hyp and not any(id(p) in var_ids for p in hyp)
 
 
-def test_marginals_blas_and_matrix_product_paths_agree():
-    """The variance ``k − ‖A‖² + AᵀSA`` by the BLAS triangular product (row-major ``Aᵀ`` views, no
-    gradient) and by the general matrix product (any other layout) must agree to 1e-12, in float64
-    and to 1e-5 in float32."""
-    from milgp.models.closed_form_strategy import Projection, WhitenedPosterior
+def test_marginals_triangular_solve_and_matrix_product_paths_agree():
+    """The variance ``k − ‖A‖² + AᵀSA`` by triangular solves with the precision's Cholesky factor
+    over blocks of instances (no gradient; a partial last block; either memory layout of ``A``;
+    the factor given or computed) and by the general matrix product (with gradients) must equal
+    an independent formula to 1e-12 in float64 and to 1e-5 in float32."""
+    from milgp.models.closed_form_strategy import _MARGINAL_BLOCK, Projection, WhitenedPosterior
 
     g = torch.Generator().manual_seed(0)
-    M, N = 7, 40
+    M, N = 7, 2 * _MARGINAL_BLOCK + 37
     AT = torch.randn(N, M, generator=g, dtype=torch.float64)
     X = torch.randn(M, M, generator=g, dtype=torch.float64)
     S = X @ X.mT / M + 0.1 * torch.eye(M, dtype=torch.float64)
-    q = WhitenedPosterior(m=torch.randn(M, generator=g, dtype=torch.float64), S=S, precision=torch.linalg.inv(S))
+    m = torch.randn(M, generator=g, dtype=torch.float64)
     prior_var = 1.0 + (AT * AT).sum(1)
+    expected_var, expected_mean = 1.0 + (AT * (AT @ S)).sum(1), AT @ m
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
-        qd = WhitenedPosterior(m=q.m.to(dtype), S=q.S.to(dtype), precision=q.precision.to(dtype))
-        view = Projection(A=AT.to(dtype).mT, prior_var=prior_var.to(dtype), prior_mean=torch.zeros(N, dtype=dtype))
-        dense = Projection(A=AT.to(dtype).mT.contiguous(), prior_var=view.prior_var, prior_mean=view.prior_mean)
-        m1, v1 = ClosedFormStrategy.marginals(view, qd)
-        m2, v2 = ClosedFormStrategy.marginals(dense, qd)
-        torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
-        torch.testing.assert_close(m1, m2, rtol=tol, atol=tol)
-        assert torch.allclose(v2.double(), 1.0 + (AT * (AT @ S)).sum(1), rtol=tol, atol=tol)
+        P = torch.linalg.inv(S).to(dtype)
+        posteriors = (
+            WhitenedPosterior(m=m.to(dtype), S=S.to(dtype), precision=P),
+            WhitenedPosterior.from_natural(P @ m.to(dtype), P),  # carries its precision's factor
+        )
+        for q in posteriors:
+            for A in (AT.to(dtype).mT, AT.to(dtype).mT.contiguous(), AT.to(dtype).mT.clone().requires_grad_(True)):
+                proj = Projection(A=A, prior_var=prior_var.to(dtype), prior_mean=torch.zeros(N, dtype=dtype))
+                mean, var = ClosedFormStrategy.marginals(proj, q)
+                torch.testing.assert_close(var.detach().double(), expected_var, rtol=tol, atol=tol)
+                torch.testing.assert_close(mean.detach().double(), expected_mean, rtol=tol, atol=tol)
 
 
 class UserGP(gpytorch.models.ApproximateGP):

@@ -298,6 +298,26 @@ def test_statistics_are_additive_over_chunks():
     torch.testing.assert_close(whole.h, A @ (b - lam * mu0))
 
 
+def test_weighted_gram_blas_blocks_equal_the_matrix_product():
+    """The CPU path of ``A diag(w)² Aᵀ`` (accumulated over blocks of instances, a partial last
+    block included) must equal the plain product in both memory layouts of ``A`` and both float
+    types, and be exactly symmetric; the gradient path must give the same numbers."""
+    from milgp.variational.natural_update import _GRAM_BLOCK, weighted_gram
+
+    g = torch.Generator().manual_seed(0)
+    M, N = 9, 2 * _GRAM_BLOCK + 37
+    AT = torch.randn(N, M, generator=g, dtype=torch.float64)
+    w = torch.rand(N, generator=g, dtype=torch.float64)
+    expected = (AT * w.unsqueeze(1) ** 2).mT @ AT
+    for dtype, tol in ((torch.float64, 1e-11), (torch.float32, 1e-3)):
+        for A in (AT.to(dtype).mT, AT.to(dtype).mT.contiguous()):
+            G = weighted_gram(A, w.to(dtype))
+            assert G.dtype == dtype and torch.equal(G, G.mT)
+            torch.testing.assert_close(G.double(), expected, rtol=tol, atol=tol)
+    A_grad = AT.mT.clone().requires_grad_(True)
+    torch.testing.assert_close(weighted_gram(A_grad, w).detach(), expected, rtol=1e-11, atol=1e-11)
+
+
 def test_robbins_monro_schedule():
     """ρ_t = (t+τ)^−κ, first step 1 with τ=1, and κ outside (0.5, 1] rejected."""
     rm = RobbinsMonro(tau=1.0, kappa=0.6)
