@@ -222,15 +222,16 @@ def split_by_bag(values: Tensor, bag_index: Tensor, num_bags: int | None = None)
     return list(torch.split(values[order], sizes.tolist()))
 
 
-def to_padded(x: Tensor, bags: Bags, fill: float = 0.0) -> tuple[Tensor, Tensor]:
+def to_padded(x: Tensor, bags: Bags, fill: float = 0.0, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Dense ``(B, N_max, ...)`` tensor and boolean mask ``(B, N_max)`` (``True`` = real instance)
-    of the instances ``x`` ``(N, ...)`` of ``bags``.
+    of the instances ``x`` ``(N, ...)`` of ``bags``, or of ``x[rows]`` (one gather, no copy of
+    ``x[rows]``) when ``rows`` ``(N,)`` picks them from a larger ``x``.
 
     Instances keep their order within each bag. Only for operators that need dense input.
     """
     pad = bags.padding
     padded = x.new_full((bags.num_bags, pad.n_max) + tuple(x.shape[1:]), fill)
-    padded[pad.bag, pad.position] = x[pad.order]
+    padded[pad.bag, pad.position] = x[pad.order if rows is None else rows[pad.order]]
     mask = torch.zeros(bags.num_bags, pad.n_max, dtype=torch.bool, device=x.device)
     mask[pad.bag, pad.position] = True
     return padded, mask

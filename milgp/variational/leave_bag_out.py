@@ -79,18 +79,16 @@ def leave_bag_out_posterior(
     eta, P = stats.targets()
     target = WhitenedPosterior.from_natural(eta, P)
     m, S = target.m, target.S
-    SAT = AT @ S  # (N, M): rows (S A_n)ᵀ
 
     def cavity_v(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
         """Padded cavity mean ``(B_g, n)`` and covariance ``(B_g, n, n)`` of ``A_bᵀ v``, and the mask."""
         inst, bags = group.inst, group.local_bags
-        A_pad, mask = to_padded(AT[inst], bags)  # padding rows are zero
-        lam_pad, _ = to_padded(lam[inst], bags)
-        beta_pad, _ = to_padded(beta[inst], bags)
+        A_pad, mask = to_padded(AT, bags, rows=inst)  # padding rows are zero
+        lam_pad, _ = to_padded(lam, bags, rows=inst)
+        beta_pad, _ = to_padded(beta, bags, rows=inst)
         n = mask.shape[1]
         if n <= M:
-            SA_pad, _ = to_padded(SAT[inst], bags)
-            C = A_pad @ SA_pad.mT
+            C = A_pad @ (A_pad @ S).mT
             C = 0.5 * (C + C.mT)
             r = lam_pad.sqrt()
             eye_n = torch.eye(n, dtype=x.dtype, device=x.device)
@@ -115,8 +113,8 @@ def leave_bag_out_posterior(
 
     def blocks(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
         _, cov_v, _ = cavity_v(group)
-        A_pad, _ = to_padded(AT[group.inst], group.local_bags)
-        mean_pad, _ = to_padded(cav_mean[group.inst], group.local_bags)
+        A_pad, _ = to_padded(AT, group.local_bags, rows=group.inst)
+        mean_pad, _ = to_padded(cav_mean, group.local_bags, rows=group.inst)
         cov, mask = model.variational_strategy.block_covariances(x[group.inst], group.local_bags, A_pad, cov_v)
         return mean_pad, cov, mask
 

@@ -59,6 +59,17 @@ def test_padded_round_trip_and_mask():
     assert bi2.tolist() == bag_index.tolist()
 
 
+def test_padded_rows_of_a_larger_tensor_equal_padding_the_gathered_rows():
+    """``to_padded(x, bags, rows=idx)`` pads ``x[idx]`` with one gather: it must equal padding the
+    gathered rows, for rows in any order and a bag index that interleaves the bags."""
+    x = torch.randn(10, 3, generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([7, 2, 9, 0, 4, 5])
+    bags = Bags.from_index(torch.tensor([1, 0, 1, 2, 0, 1]))
+    padded, mask = to_padded(x, bags, fill=-1.0, rows=rows)
+    expected, expected_mask = to_padded(x[rows], bags, fill=-1.0)
+    assert torch.equal(padded, expected) and torch.equal(mask, expected_mask)
+
+
 def test_segment_reductions_and_sizes():
     """segment_sum/segment_max/bag_sizes agree with per-bag Python reductions."""
     values = torch.tensor([1.0, -2.0, 3.0, 0.5, 4.0])
