@@ -65,9 +65,14 @@ class LogisticLink(InstanceLink):
         return torch.nn.functional.logsigmoid(-f)
 
     def moments(self, mean: Tensor, var: Tensor, num_points: int = 40) -> tuple[Tensor, Tensor]:
-        p = gauss_hermite_expectation(torch.sigmoid, mean, var, num_points)
-        p2 = gauss_hermite_expectation(lambda f: torch.sigmoid(f) ** 2, mean, var, num_points)
+        p, p2 = gauss_hermite_expectation(_sigmoid_and_square, mean, var, num_points)
         return p, (p2 - p * p).clamp_min(0).sqrt()
+
+
+def _sigmoid_and_square(f: Tensor) -> Tensor:
+    """``(σ(f), σ(f)²)`` stacked ``(2, ...)``: both moments from one evaluation of the sigmoid."""
+    s = torch.sigmoid(f)
+    return torch.stack((s, s * s))
 
 
 @lru_cache(maxsize=4)

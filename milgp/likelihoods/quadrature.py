@@ -20,7 +20,8 @@ def _nodes(num_points: int) -> tuple[np.ndarray, np.ndarray]:
 def gauss_hermite_expectation(fn: Callable[[Tensor], Tensor], mean: Tensor, var: Tensor, num_points: int = 40) -> Tensor:
     """``E[fn(f)]`` for ``f ~ N(mean, var)`` elementwise, ``(N,)``, by Gauss–Hermite quadrature.
 
-    ``fn`` maps ``(N, Q)`` values to ``(N, Q)``; 40 nodes integrate smooth functions such as the
+    ``fn`` maps ``(N, Q)`` values to ``(N, Q)`` (or to ``(K, N, Q)``, several functions at once:
+    the result is then ``(K, N)``); 40 nodes integrate smooth functions such as the
     logistic function to well below 1e-6 for the variances that occur in practice.
     """
     nodes, weights = _nodes(num_points)
