@@ -23,7 +23,9 @@ step itself is :meth:`milgp.models.ClosedFormStrategy.natural_step` (on a model'
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+from scipy.linalg import blas
 from torch import Tensor
 
 from milgp.likelihoods.natural_statistics import NaturalStatistics
@@ -37,7 +39,7 @@ __all__ = [
 
 
 _GRAM_BLOCK = 1024
-"""Instances per product in :func:`weighted_gram` on the CPU (a scaled ``1024 × M`` block stays in cache)."""
+"""Instances per ``syrk`` in :func:`weighted_gram` in float64 (a scaled ``1024 × M`` block stays in cache)."""
 
 
 def natural_statistics(A: Tensor, linear: Tensor, precision: Tensor, prior_mean: Tensor | None = None) -> NaturalStatistics:
@@ -64,23 +66,30 @@ def natural_statistics(A: Tensor, linear: Tensor, precision: Tensor, prior_mean:
 def weighted_gram(A: Tensor, w: Tensor) -> Tensor:
     """``(A diag(w)) (A diag(w))ᵀ`` ``(M, M)`` for ``A`` ``(M, N)``, ``w`` ``(N,)``, exactly symmetric.
 
-    On the CPU the product is accumulated over blocks of instances, each scaled by ``w`` into one
-    buffer that stays in cache (the scaled ``N × M`` matrix is never formed); elsewhere, or with
-    gradients, one matrix product.
+    On the CPU this is a BLAS ``syrk`` (a symmetric rank-N update: half the flops of the general
+    product). In float64 with more than :data:`_GRAM_BLOCK` instances it is accumulated over blocks,
+    each scaled by ``w`` into one buffer that stays in cache, so the scaled ``N × M`` matrix is
+    never formed (100,000 × 200: 104 ms against 162 ms); otherwise NumPy's ``Xᵀ X`` on two views of
+    the scaled matrix runs it (faster for float32 and small ``N``). Elsewhere, or with gradients,
+    one matrix product.
     """
-    Yt = A.mT
-    if A.device.type != "cpu" or A.requires_grad or w.requires_grad:
-        Yt = Yt * w.unsqueeze(1)
+    if A.device.type != "cpu" or A.dtype not in (torch.float64, torch.float32) or A.requires_grad or w.requires_grad:
+        Yt = A.mT * w.unsqueeze(1)
         G = Yt.mT @ Yt
-    else:
-        N, M = Yt.shape
-        G = torch.zeros(M, M, dtype=A.dtype)
-        buffer = torch.empty(min(_GRAM_BLOCK, N), M, dtype=A.dtype)
-        for start in range(0, N, _GRAM_BLOCK):
-            rows = buffer[: min(_GRAM_BLOCK, N - start)]
-            torch.mul(Yt[start : start + rows.shape[0]], w[start : start + rows.shape[0]].unsqueeze(1), out=rows)
-            G.addmm_(rows.mT, rows)
-    return 0.5 * (G + G.mT)
+        return 0.5 * (G + G.mT)
+    At, w_np = A.mT.numpy(), w.numpy()
+    N, M = At.shape
+    if A.dtype != torch.float64 or N <= _GRAM_BLOCK:
+        Yt = At * w_np[:, None]
+        return torch.from_numpy(Yt.T @ Yt)  # a syrk; NumPy fills the lower triangle from the upper
+    buffer = np.empty((_GRAM_BLOCK, M))  # its transpose is (M, block), Fortran order
+    G = np.zeros((M, M), order="F")
+    for start in range(0, N, _GRAM_BLOCK):
+        rows = buffer[: min(_GRAM_BLOCK, N - start)]
+        np.multiply(At[start : start + rows.shape[0]], w_np[start : start + rows.shape[0], None], out=rows)
+        G = blas.dsyrk(1.0, rows.T, beta=1.0, c=G, trans=0, lower=0, overwrite_c=1)  # upper triangle += Yᵀ Y
+    upper = np.triu(G)
+    return torch.from_numpy(upper + np.triu(upper, 1).T)
 
 
 class RobbinsMonro:

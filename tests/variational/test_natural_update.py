@@ -298,24 +298,25 @@ def test_statistics_are_additive_over_chunks():
     torch.testing.assert_close(whole.h, A @ (b - lam * mu0))
 
 
-def test_weighted_gram_blas_blocks_equal_the_matrix_product():
-    """The CPU path of ``A diag(w)² Aᵀ`` (accumulated over blocks of instances, a partial last
-    block included) must equal the plain product in both memory layouts of ``A`` and both float
-    types, and be exactly symmetric; the gradient path must give the same numbers."""
+def test_weighted_gram_cpu_paths_equal_the_matrix_product():
+    """``A diag(w)² Aᵀ`` on the CPU — one ``syrk`` (float32, few instances) or accumulated over
+    blocks of instances (float64, a partial last block included) — must equal the plain product in
+    both memory layouts of ``A`` and be exactly symmetric; the gradient path must agree too."""
     from milgp.variational.natural_update import _GRAM_BLOCK, weighted_gram
 
     g = torch.Generator().manual_seed(0)
-    M, N = 9, 2 * _GRAM_BLOCK + 37
-    AT = torch.randn(N, M, generator=g, dtype=torch.float64)
-    w = torch.rand(N, generator=g, dtype=torch.float64)
-    expected = (AT * w.unsqueeze(1) ** 2).mT @ AT
-    for dtype, tol in ((torch.float64, 1e-11), (torch.float32, 1e-3)):
-        for A in (AT.to(dtype).mT, AT.to(dtype).mT.contiguous()):
-            G = weighted_gram(A, w.to(dtype))
-            assert G.dtype == dtype and torch.equal(G, G.mT)
-            torch.testing.assert_close(G.double(), expected, rtol=tol, atol=tol)
-    A_grad = AT.mT.clone().requires_grad_(True)
-    torch.testing.assert_close(weighted_gram(A_grad, w).detach(), expected, rtol=1e-11, atol=1e-11)
+    M = 9
+    for N in (37, 2 * _GRAM_BLOCK + 37):
+        AT = torch.randn(N, M, generator=g, dtype=torch.float64)
+        w = torch.rand(N, generator=g, dtype=torch.float64)
+        expected = (AT * w.unsqueeze(1) ** 2).mT @ AT
+        for dtype, tol in ((torch.float64, 1e-11), (torch.float32, 1e-3)):
+            for A in (AT.to(dtype).mT, AT.to(dtype).mT.contiguous()):
+                G = weighted_gram(A, w.to(dtype))
+                assert G.dtype == dtype and torch.equal(G, G.mT)
+                torch.testing.assert_close(G.double(), expected, rtol=tol, atol=tol)
+        A_grad = AT.mT.clone().requires_grad_(True)
+        torch.testing.assert_close(weighted_gram(A_grad, w).detach(), expected, rtol=1e-11, atol=1e-11)
 
 
 def test_robbins_monro_schedule():
