@@ -273,20 +273,20 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
         gradients ``A_nᵀ(S − I)A_n`` by one matrix product.
         """
         A = proj.A
-        mean = proj.prior_mean + A.mT @ q.m
-        if torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad):
+        if torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad or q.m.requires_grad):
             # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
             S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)
             var = proj.prior_var + ((S_minus_I @ A) * A).sum(0)
-            return mean, var.clamp_min(1e-10)
+            return proj.prior_mean + A.mT @ q.m, var.clamp_min(1e-10)
         L_P = q.chol_precision if q.chol_precision is not None else robust_cholesky(q.precision, what="q(v) precision")
         N = A.shape[1]
         block = _MARGINAL_BLOCK if A.device.type == "cpu" else max(N, 1)
-        quad = torch.empty(N, dtype=A.dtype, device=A.device)
-        for start in range(0, N, block):
-            W = torch.linalg.solve_triangular(L_P, A[:, start : start + block], upper=False)
-            quad[start : start + block] = W.square_().sum(0)
-        return mean, (proj.with_residual().residual + quad).clamp_min(1e-10)
+        mean, quad = torch.empty(N, dtype=A.dtype, device=A.device), torch.empty(N, dtype=A.dtype, device=A.device)
+        for start in range(0, N, block):  # the mean from each block while it is in cache
+            A_block = A[:, start : start + block]
+            mean[start : start + block] = A_block.mT @ q.m
+            quad[start : start + block] = torch.linalg.solve_triangular(L_P, A_block, upper=False).square_().sum(0)
+        return proj.prior_mean + mean, (proj.with_residual().residual + quad).clamp_min(1e-10)
 
     def predict_marginals(self, x: Tensor, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
         """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients."""

@@ -298,12 +298,17 @@ def test_statistics_are_additive_over_chunks():
     torch.testing.assert_close(whole.h, A @ (b - lam * mu0))
 
 
-def test_weighted_gram_cpu_paths_equal_the_matrix_product():
-    """``A diag(w)² Aᵀ`` on the CPU — one ``syrk`` (float32, few instances) or accumulated over
-    blocks of instances (float64, a partial last block included) — must equal the plain product in
-    both memory layouts of ``A`` and be exactly symmetric; the gradient path must agree too."""
+@pytest.mark.parametrize("blocked", [False, True])
+def test_weighted_gram_cpu_paths_equal_the_matrix_product(blocked, monkeypatch):
+    """``A diag(w)² Aᵀ`` on the CPU — one ``syrk`` on the scaled matrix, or (float64, large
+    matrices; forced here) a ``syrk`` accumulated over blocks of instances, a partial last block
+    included — must equal the plain product in both memory layouts of ``A`` and be exactly
+    symmetric; the gradient path must agree too."""
+    from milgp.variational import natural_update
     from milgp.variational.natural_update import _GRAM_BLOCK, weighted_gram
 
+    if blocked:
+        monkeypatch.setattr(natural_update, "_GRAM_BLOCKED_BYTES", 0)
     g = torch.Generator().manual_seed(0)
     M = 9
     for N in (37, 2 * _GRAM_BLOCK + 37):
