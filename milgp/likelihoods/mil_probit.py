@@ -67,9 +67,9 @@ from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import (
     log_expm1_ratio,
+    hazard_excess,
     log_hazard,
     log_neg_log_ndtr,
-    mean_above_zero,
     mean_below_zero,
 )
 
@@ -77,6 +77,7 @@ __all__ = [
     "MILProbitLikelihood",
     "bag_log_normaliser",
     "expected_augmentation",
+    "instance_log_cdf",
 ]
 
 
@@ -86,43 +87,57 @@ def _segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tens
     return torch.log(segment_sum(torch.exp(values - top[bag_index]), bag_index, num_bags)) + top
 
 
+def instance_log_cdf(nu: Tensor, bag_index: Tensor, bag_labels: Tensor, single_instance: bool = False) -> Tensor:
+    """``log Φ(−ν_n)`` ``(N,)``: the log-probability that ``m_n ~ N(ν_n, 1)`` is negative; with
+    ``single_instance``, ``log Φ(ν_n)`` (that it is positive) on the instances of positive bags.
+    :func:`bag_log_normaliser` and :func:`expected_augmentation` are both built from it."""
+    if single_instance:
+        return torch.special.log_ndtr(torch.where(bag_labels.to(torch.bool)[bag_index], nu, -nu))
+    return torch.special.log_ndtr(-nu)
+
+
 def bag_log_normaliser(
-    nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, single_instance: bool = False
-) -> tuple[Tensor, Tensor]:
-    """``(log Z_b, log P_b)`` per bag ``(B,)`` with ``P_b = Π_{i∈b} Φ(−ν_i)``, ``Z_b = P_b`` for negative
-    and ``1 − P_b`` for positive bags (``single_instance``: ``Π_{i∈b} Φ(ν_i)``).
+    nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, single_instance: bool = False,
+    log_cdf: Tensor | None = None,
+) -> Tensor:
+    """``log Z_b`` ``(B,)``: ``Z_b = P_b = Π_{i∈b} Φ(−ν_i)`` for negative and ``1 − P_b`` for positive
+    bags (``single_instance``: ``Π_{i∈b} Φ(ν_i)``). ``log_cdf``: :func:`instance_log_cdf` of the same
+    arguments, when already computed.
 
     ``log(1 − P_b)`` is ``L_b + log(expm1(S_b)/S_b)`` with ``S_b = log P_b = −exp(L_b)`` and
     ``L_b = logsumexp_{i∈b} log(−log Φ(−ν_i))``: exact when ``P_b → 1`` (every ``ν_i ≪ 0``; then
     ``log Z_b → logsumexp_i log Φ(ν_i)``) as well as when ``P_b → 0``.
     """
-    log_p = segment_sum(torch.special.log_ndtr(-nu), bag_index, num_bags)
+    log_cdf = instance_log_cdf(nu, bag_index, bag_labels, single_instance) if log_cdf is None else log_cdf
+    log_p = segment_sum(log_cdf, bag_index, num_bags)  # single-instance: log Z_b itself
     if single_instance:
-        log_positive = segment_sum(torch.special.log_ndtr(nu), bag_index, num_bags)
-    else:
-        L = _segment_logsumexp(log_neg_log_ndtr(-nu), bag_index, num_bags)
-        log_positive = L + log_expm1_ratio(-torch.exp(L))  # log(1 − P_b), S_b = −exp(L_b)
-    positive = bag_labels.to(torch.bool)
-    return torch.where(positive, log_positive, log_p), log_p
+        return log_p
+    L = _segment_logsumexp(log_neg_log_ndtr(-nu, log_cdf), bag_index, num_bags)
+    log_positive = L + log_expm1_ratio(-torch.exp(L))  # log(1 − P_b), S_b = −exp(L_b)
+    return torch.where(bag_labels.to(torch.bool), log_positive, log_p)
 
 
 def expected_augmentation(
     nu: Tensor, bag_index: Tensor, bag_labels: Tensor, num_bags: int, single_instance: bool = False,
-    log_normaliser: tuple[Tensor, Tensor] | None = None,
+    log_z: Tensor | None = None, log_cdf: Tensor | None = None,
 ) -> Tensor:
     """``E_q[m_n]`` ``(N,)`` under the optimal ``q(M_b)`` with locals ``ν`` (Wang & Pinar 2021, Eqs. 21–24).
 
     Negative bags: ``ν − h(ν)`` (continued fraction for large ``ν``); positive bags:
     ``ν_n + exp(log h(ν_n) + log P_b − log Z_b)`` (``single_instance``: ``ν_n + h(−ν_n)``, each
-    instance truncated to ``m_n > 0``). ``log_normaliser``: :func:`bag_log_normaliser` of the same
-    arguments, when already computed.
+    instance truncated to ``m_n > 0``). ``log_z``, ``log_cdf``: :func:`bag_log_normaliser` and
+    :func:`instance_log_cdf` of the same arguments, when already computed.
     """
     positive = bag_labels.to(torch.bool)[bag_index]
-    if single_instance:
-        return torch.where(positive, mean_above_zero(nu), mean_below_zero(nu))
-    log_z, log_p = log_normaliser or bag_log_normaliser(nu, bag_index, bag_labels, num_bags)
-    odds = log_p - log_z  # log(P_b / (1 − P_b)) on positive bags
-    log_h = log_hazard(nu)
+    log_cdf = instance_log_cdf(nu, bag_index, bag_labels, single_instance) if log_cdf is None else log_cdf
+    if single_instance:  # m_n ~ N(ν_n, 1) truncated to the side of its bag's label: s·(h(x) − x), x = −s·ν
+        sign = torch.where(positive, torch.ones_like(nu), -torch.ones_like(nu))
+        x = -sign * nu
+        return sign * hazard_excess(x, log_hazard(x, log_cdf))
+    if log_z is None:
+        log_z = bag_log_normaliser(nu, bag_index, bag_labels, num_bags, log_cdf=log_cdf)
+    odds = segment_sum(log_cdf, bag_index, num_bags) - log_z  # log(P_b / (1 − P_b)) on positive bags
+    log_h = log_hazard(nu, log_cdf)
     pos_mean = nu + torch.exp(torch.where(positive, log_h + odds[bag_index], torch.full_like(nu, -math.inf)))
     return torch.where(positive, pos_mean, mean_below_zero(nu, log_h))
 
@@ -173,12 +188,13 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
         ``mean``, ``var``. At the optimal locals ``ν = μ`` (a fit's state after every update) and
         without gradients, (★) is the collapsed bound, which needs no truncated moments."""
         nu = locals_
-        normaliser = bag_log_normaliser(nu, bags.index, bag_labels, bags.num_bags, self.single_instance)
-        share = self._bag_share(normaliser[0], bags)
+        log_cdf = instance_log_cdf(nu, bags.index, bag_labels, self.single_instance)
+        log_z = bag_log_normaliser(nu, bags.index, bag_labels, bags.num_bags, self.single_instance, log_cdf)
+        share = self._bag_share(log_z, bags)
         differentiable = torch.is_grad_enabled() and (mean.requires_grad or var.requires_grad or nu.requires_grad)
         if not differentiable and torch.equal(nu, mean):
             return share - self._tempered(0.5 * var, bags)
-        em = expected_augmentation(nu, bags.index, bag_labels, bags.num_bags, self.single_instance, normaliser)
+        em = expected_augmentation(nu, bags.index, bag_labels, bags.num_bags, self.single_instance, log_z, log_cdf)
         inst = self._tempered((mean - nu) * em + 0.5 * (nu * nu - mean * mean) - 0.5 * var, bags)
         return inst + share
 
@@ -188,7 +204,7 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
 
     def collapsed_elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
         """``(★)`` at ``ν = μ``: ``log Z_b(μ)`` shared over the bag minus ``½σ²_n``, ``(N,)``."""
-        log_z, _ = bag_log_normaliser(mean, bags.index, bag_labels, bags.num_bags, self.single_instance)
+        log_z = bag_log_normaliser(mean, bags.index, bag_labels, bags.num_bags, self.single_instance)
         return self._bag_share(log_z, bags) - self._tempered(0.5 * var, bags)
 
     # -- GPyTorch Likelihood API ----------------------------------------------------------------

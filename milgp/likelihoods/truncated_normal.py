@@ -64,12 +64,14 @@ def _cf_threshold(dtype: torch.dtype) -> float:
     return _CF_THRESHOLD if dtype == torch.float64 else _CF_THRESHOLD_LOW_PRECISION
 
 
-def log_hazard(x: Tensor) -> Tensor:
-    """``log(φ(x) / Φ(−x))``: the log inverse Mills ratio (hazard of the standard normal)."""
+def log_hazard(x: Tensor, log_cdf_neg: Tensor | None = None) -> Tensor:
+    """``log(φ(x) / Φ(−x))``: the log inverse Mills ratio (hazard of the standard normal)
+    (``log_cdf_neg``: ``log Φ(−x)``, when already computed; only its entries at ``x < 0`` are read)."""
     neg = x < 0
     x_neg = torch.where(neg, x, torch.zeros_like(x))
     x_pos = torch.where(neg, torch.zeros_like(x), x)
-    left = -0.5 * x_neg * x_neg - _HALF_LOG_2PI - torch.special.log_ndtr(-x_neg)
+    log_tail = torch.special.log_ndtr(-x_neg) if log_cdf_neg is None else log_cdf_neg
+    left = -0.5 * x_neg * x_neg - _HALF_LOG_2PI - log_tail
     right = _LOG_SQRT_2_OVER_PI - torch.log(torch.special.erfcx(x_pos * _SQRT_HALF))
     return torch.where(neg, left, right)
 
@@ -145,25 +147,26 @@ def log1mexp(x: Tensor) -> Tensor:
     return torch.where(near, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
 
 
-def log_neg_log_ndtr(x: Tensor) -> Tensor:
-    """``log(−log Φ(x))``, finite for every finite ``x``.
+def log_neg_log_ndtr(x: Tensor, log_cdf: Tensor | None = None) -> Tensor:
+    """``log(−log Φ(x))``, finite for every finite ``x`` (``log_cdf``: ``log Φ(x)``, when already
+    computed; only its entries at ``x < 3`` are read).
 
     For ``x ≥ 3`` uses ``−log Φ(x) = −log1p(−q)``, ``q = Φ(−x) = exp(log_ndtr(−x)) ≤ 1.35e-3``,
     written as ``log q + log1p(q/2 + q²/3 + q³/4 + q⁴/5 + q⁵/6)`` (the series of
-    ``log(−log1p(−q)/q)``; truncation error ``< q⁶/7 < 1e-17`` relative). There is no division, so
-    it stays exact when ``q`` underflows the difference ``1 − Φ(x)`` (``x ≈ 8.3`` in float64,
-    ``≈ 5.4`` in float32) and when ``q`` itself underflows to 0 (``x ≈ 38`` in float64, ``≈ 14`` in
-    float32 — the result is then ``log q`` exactly), in every floating dtype.
+    ``log(−log1p(−q)/q)``; truncation error ``< q⁶/7 < 1e-17`` relative), on those entries alone.
+    There is no division, so it stays exact when ``q`` underflows the difference ``1 − Φ(x)``
+    (``x ≈ 8.3`` in float64, ``≈ 5.4`` in float32) and when ``q`` itself underflows to 0 (``x ≈ 38``
+    in float64, ``≈ 14`` in float32 — the result is then ``log q`` exactly), in every floating dtype.
     """
     big = x >= 3.0
-    x_big = torch.where(big, x, torch.full_like(x, 3.0))
-    x_small = torch.where(big, torch.zeros_like(x), x)
-    log_q = torch.special.log_ndtr(-x_big)
-    q = torch.exp(log_q)  # may underflow to 0: harmless below
-    series = q * (0.5 + q * (1.0 / 3.0 + q * (0.25 + q * (0.2 + q / 6.0))))
-    far = log_q + torch.log1p(series)
-    near = torch.log(-torch.special.log_ndtr(x_small))
-    return torch.where(big, far, near)
+    log_cdf = torch.special.log_ndtr(torch.where(big, torch.zeros_like(x), x)) if log_cdf is None else log_cdf
+    out = torch.log(-torch.where(big, torch.full_like(x, -1.0), log_cdf))
+    if bool(big.any()):
+        log_q = torch.special.log_ndtr(-x[big])
+        q = torch.exp(log_q)  # may underflow to 0: harmless below
+        series = q * (0.5 + q * (1.0 / 3.0 + q * (0.25 + q * (0.2 + q / 6.0))))
+        out = out.masked_scatter(big, log_q + torch.log1p(series))
+    return out
 
 
 def log_expm1_ratio(s: Tensor) -> Tensor:

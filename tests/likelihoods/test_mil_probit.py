@@ -89,7 +89,7 @@ def test_positive_bag_extremes_against_mpmath(nus):
     bi = torch.zeros(len(nus), dtype=torch.long)
     y = torch.ones(1, dtype=torch.float64)
     em = expected_augmentation(nu, bi, y, 1)
-    log_z, _ = bag_log_normaliser(nu, bi, y, 1)
+    log_z = bag_log_normaliser(nu, bi, y, 1)
     assert torch.isfinite(em).all() and torch.isfinite(log_z).all()
     for i in range(len(nus)):
         ref_m, ref_z = _mp_positive(nus, i)
@@ -103,7 +103,7 @@ def test_negative_bag_extremes():
     bi = torch.tensor([0, 0, 1, 1])
     y = torch.zeros(2, dtype=torch.float64)
     em = expected_augmentation(nu, bi, y, 2)
-    log_z, _ = bag_log_normaliser(nu, bi, y, 2)
+    log_z = bag_log_normaliser(nu, bi, y, 2)
     for v, e in zip(nu.tolist(), em.tolist()):
         m = mp.mpf(v)
         assert abs(e - float(m - mp.npdf(m) / mp.ncdf(-m))) <= 1e-12 * max(1, abs(e))
@@ -125,14 +125,14 @@ def test_float32_bags_are_finite_and_agree_with_float64():
     y64 = (torch.arange(B) % 2 == 0).double()
     y64[1] = 1.0
     nu32, y32 = nu64.float(), y64.float()
-    lz32, lp32 = bag_log_normaliser(nu32, bi, y32, B)
+    lz32 = bag_log_normaliser(nu32, bi, y32, B)
     em32 = expected_augmentation(nu32, bi, y32, B)
     assert lz32.dtype == em32.dtype == torch.float32
-    assert torch.isfinite(lz32).all() and torch.isfinite(lp32).all() and torch.isfinite(em32).all()
-    lz64, lp64 = bag_log_normaliser(nu64, bi, y64, B)
+    assert torch.isfinite(lz32).all() and torch.isfinite(em32).all()
+    lz64 = bag_log_normaliser(nu64, bi, y64, B)
     em64 = expected_augmentation(nu64, bi, y64, B)
     rel = lambda a, b: float(((a.double() - b).abs() / b.abs().clamp_min(1.0)).max())  # noqa: E731
-    assert rel(lz32, lz64) < 2e-6 and rel(lp32, lp64) < 2e-6
+    assert rel(lz32, lz64) < 2e-6
     assert rel(em32, em64) < 5e-6
     # the all-far-negative positive bag (Π Φ(−ν) rounds to 1): log Z → log(Σ Φ(ν_i)) exactly
     assert float(lz32[1]) == pytest.approx(float(lz64[1]), rel=1e-6)

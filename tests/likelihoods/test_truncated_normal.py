@@ -71,6 +71,20 @@ def test_log_hazard_and_log_neg_log_ndtr_match_mpmath():
         assert abs(b - float(rb)) <= 1e-13 * max(1.0, abs(float(rb)))
 
 
+def test_log_pieces_reuse_a_given_log_cdf_exactly_and_keep_gradients_finite():
+    """If this fails, ``log_hazard(x, log Φ(−x))`` or ``log_neg_log_ndtr(x, log Φ(x))`` (the forms the
+    probit normaliser and E[m] share one ``log_ndtr`` through) read the given values where the
+    other branch applies, so they differ from the functions computing it themselves, or the unused
+    branch (``log Φ(x) = 0`` far right) leaks a NaN gradient."""
+    for dtype in (torch.float64, torch.float32):
+        x = torch.tensor(np.concatenate([GRID, [-300.0, 300.0]]), dtype=dtype, requires_grad=True)
+        assert torch.equal(log_hazard(x, torch.special.log_ndtr(-x)), log_hazard(x))
+        given = log_neg_log_ndtr(x, torch.special.log_ndtr(x))
+        assert torch.equal(given, log_neg_log_ndtr(x))
+        (grad,) = torch.autograd.grad(given.sum() + log_hazard(x, torch.special.log_ndtr(-x)).sum(), x)
+        assert torch.isfinite(grad).all()
+
+
 def test_float32_is_finite_and_agrees_with_float64():
     """If this fails, a float32 model (``dtype="float32"``) gets NaN/inf or loses more than float32
     precision in the truncated-normal pieces for some μ ∈ [−30, 30]. In particular
