@@ -5,7 +5,7 @@
 Every ``*.csv`` in ``--data-dir`` is one data set (one row per instance, no header: column 0 the
 bag's label, column 1 the bag id, the rest the features — the layout of the ``mil`` package's
 copies of the classic benchmarks). Each is judged by stratified 5-fold cross-validation over bags,
-repeated with ``--seeds`` shuffles (``StratifiedKFold(FOLDS, shuffle=True, random_state=seed)``,
+repeated with ``--seeds`` shuffles (``StratifiedKFold(5, shuffle=True, random_state=seed)``,
 estimator ``random_state = fold``), one torch thread.
 
 Rows:
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for path in files:
         bags, y = load_mil_csv(path)
         print(f"\n### {path.stem} — {len(bags)} bags ({int(y.sum())} positive), {sum(map(len, bags))} instances, "
-              f"{bags[0].shape[1]} features; 5-fold CV × {len(seeds)} seed(s)\n", flush=True)
+              f"{bags[0].shape[1]} features; {FOLDS}-fold CV × {len(seeds)} seed(s)\n", flush=True)
         rows = evaluate(bags, y, seeds, args.models)
         print(markdown_table(rows, ["model", "bag AUC", "worst fold", "accuracy", "bag NLL", "ECE", "ECE floor", "fit CPU-s", "× reference", "Δ AUC vs best baseline"]), flush=True)
         results[path.stem] = rows

@@ -66,8 +66,8 @@ from milgp.data.bags import Bags, segment_max, segment_sum
 from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import (
-    log_expm1_ratio,
     hazard_excess,
+    log_expm1_ratio,
     log_hazard,
     log_neg_log_ndtr,
     mean_below_zero,
