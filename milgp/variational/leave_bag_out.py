@@ -80,9 +80,10 @@ def leave_bag_out_posterior(
     target = WhitenedPosterior.from_natural(eta, P)
     m, S = target.m, target.S
 
-    def cavity_v(group: BagGroup) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Padded cavity mean ``(B_g, n)`` and covariance ``(B_g, n, n)`` of ``A_bᵀ v``, the mask and
-        the padded projections ``A_pad`` ``(B_g, n, M)``."""
+    def cavity_v(group: BagGroup, full: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Padded cavity mean ``(B_g, n)`` and covariance ``(B_g, n, n)`` of ``A_bᵀ v`` (``full=False``:
+        its diagonal ``(B_g, n)`` alone, never forming an ``n × n`` matrix for a long bag), the mask
+        and the padded projections ``A_pad`` ``(B_g, n, M)``."""
         inst, bags = group.inst, group.local_bags
         A_pad, mask = to_padded(AT, bags, rows=inst)  # padding rows are zero
         lam_pad, _ = to_padded(lam, bags, rows=inst)
@@ -97,23 +98,24 @@ def leave_bag_out_posterior(
             V = torch.linalg.solve_triangular(L, r.unsqueeze(-1) * C, upper=False)  # (B_g, n, n)
             u = (A_pad @ m.unsqueeze(-1)).squeeze(-1) - (C @ beta_pad.unsqueeze(-1)).squeeze(-1)
             w = torch.linalg.solve_triangular(L, (r * u).unsqueeze(-1), upper=False)  # L⁻¹Λ^{½}u
-            return u + (V.mT @ w).squeeze(-1), C + V.mT @ V, mask, A_pad
+            cov = C + V.mT @ V if full else torch.diagonal(C, dim1=-2, dim2=-1) + V.square().sum(-2)
+            return u + (V.mT @ w).squeeze(-1), cov, mask, A_pad
         G = A_pad.mT @ (A_pad * lam_pad.unsqueeze(-1))
         h = (A_pad.mT @ beta_pad.unsqueeze(-1)).squeeze(-1)
         L_c = torch.linalg.cholesky(P - 0.5 * (G + G.mT))
         m_c = torch.cholesky_solve((eta - h).unsqueeze(-1), L_c).squeeze(-1)
         W = torch.linalg.solve_triangular(L_c, A_pad.mT, upper=False)  # (B_g, M, n)
-        return (A_pad @ m_c.unsqueeze(-1)).squeeze(-1), W.mT @ W, mask, A_pad
+        return (A_pad @ m_c.unsqueeze(-1)).squeeze(-1), W.mT @ W if full else W.square().sum(-2), mask, A_pad
 
     cav_mean, cav_var = torch.empty_like(mean), torch.empty_like(var)
     residual = proj.residual
     for g in batch.bags.groups(max(1, block_budget // M), block_budget):
-        mean_v, cov_v, mask, _ = cavity_v(g)
+        mean_v, var_v, mask, _ = cavity_v(g, full=False)
         cav_mean[g.inst] = proj.prior_mean[g.inst] + mean_v[mask]
-        cav_var[g.inst] = residual[g.inst] + torch.diagonal(cov_v, dim1=-2, dim2=-1)[mask]
+        cav_var[g.inst] = residual[g.inst] + var_v[mask]
 
     def blocks(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
-        _, cov_v, _, A_pad = cavity_v(group)
+        _, cov_v, _, A_pad = cavity_v(group, full=True)
         mean_pad, _ = to_padded(cav_mean, group.local_bags, rows=group.inst)
         cov, mask = model.variational_strategy.block_covariances(x[group.inst], group.local_bags, A_pad, cov_v)
         return mean_pad, cov, mask
