@@ -430,17 +430,21 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         v = var.detach().cpu().double().clamp_min(1e-300).numpy()
         return self.link.quantile(mu, v, q)
 
+    def rate_covariance(self, mean_r: Tensor, var_r: Tensor, mean_c: Tensor, var_c: Tensor, cov_rc: Tensor) -> Tensor:
+        """``Cov[Ψ(f_r), Ψ(f_c)]`` ``(..., n_r, n_c)`` for jointly Gaussian ``f`` with marginal means
+        and variances ``(..., n_r)``, ``(..., n_c)`` and cross-covariance ``cov_rc``."""
+        if isinstance(self.link, ExpLink):
+            e_r, e_c = torch.exp(mean_r + 0.5 * var_r), torch.exp(mean_c + 0.5 * var_c)
+            return e_r.unsqueeze(-1) * e_c.unsqueeze(-2) * torch.expm1(cov_rc)
+        return self.link.covariance(mean_r.unsqueeze(-1), mean_c.unsqueeze(-2), cov_rc)
+
     def bag_rate_moments(self, blocks: PaddedBlocks) -> tuple[Tensor, Tensor]:
         """Mean and variance ``(B,)`` of the bag aggregate ``η_a = Σ w_i Ψ(f_i)`` under the joint
         ``q(f_b)`` (full within-bag covariance)."""
         w = blocks.weights
         var_diag = torch.diagonal(blocks.cov, dim1=-2, dim2=-1)
-        if isinstance(self.link, ExpLink):
-            e = torch.exp(blocks.mean + 0.5 * var_diag) * blocks.mask
-            cov = e.unsqueeze(-1) * e.unsqueeze(-2) * torch.expm1(blocks.cov)
-        else:
-            mu = blocks.mean * blocks.mask
-            cov = self.link.covariance(mu.unsqueeze(-1), mu.unsqueeze(-2), blocks.cov)
+        mu, var = blocks.mean * blocks.mask, var_diag * blocks.mask  # padding: finite, weight 0
+        cov = self.rate_covariance(mu, var, mu, var, blocks.cov)
         mean = (w * self.link.mean(blocks.mean, var_diag)).sum(-1)
         variance = (w.unsqueeze(-1) * cov * w.unsqueeze(-2)).sum((-1, -2))
         return mean, variance.clamp_min(0)

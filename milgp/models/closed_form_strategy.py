@@ -313,6 +313,15 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
         cov, mask = self.block_covariances(x, bags, A_pad, A_pad @ q.S @ A_pad.mT)
         return mean_pad, cov, mask
 
+    def cross_covariance(self, x1: Tensor, x2: Tensor, A1: Tensor, A2: Tensor, q: WhitenedPosterior) -> Tensor:
+        """``Cov_q[f(x1), f(x2)] = K(x1, x2) − A1ᵀA2 + A1ᵀ S A2`` ``(n1, n2)`` for the projections
+        ``A1`` ``(M, n1)``, ``A2`` ``(M, n2)`` of the inputs (no jitter: a block off the diagonal).
+        The kernel is the model's own prior covariance at the stacked inputs, evaluated on that
+        block alone: any kernel, and no ``(n1 + n2)²`` matrix."""
+        n1 = x1.shape[0]
+        K = self.model.forward(torch.cat([x1, x2])).lazy_covariance_matrix[:n1, n1:].to_dense()
+        return K + A1.mT @ (q.S @ A2 - A2)
+
     def residual_blocks(self, x: Tensor, bags: Bags, A_pad: Tensor, kernel_grad: bool = True) -> tuple[Tensor, Tensor]:
         """The within-bag prior covariance the inducing points do not explain,
         ``K_bb + jitter·I − A_bᵀA_b`` ``(B, N_max, N_max)`` (padded entries unspecified), and the

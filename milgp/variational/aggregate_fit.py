@@ -45,7 +45,7 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.data.bags import BagBatch, BagGroup, Bags, make_bag_groups, segment_sum
-from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, PaddedBlocks, bag_blocks, block_base, blocks_from_base, whitened_marginals
+from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
 from milgp.variational.fit_loop import fit_loop
@@ -405,18 +405,37 @@ def fit_aggregate(
     )
 
 
-def _predictive_blocks(
-    model: ApproximateGP, x: Tensor, bags: Bags, weights: Tensor, chunk_instances: int, block_budget: int
-) -> Iterator[tuple[BagGroup, PaddedBlocks]]:
-    """The joint ``q(f_b)`` of every bag, group by group of similar-sized bags within the memory
-    bounds: ``(group, padded blocks)`` under the model's current ``q(v)``, without gradients."""
-    strategy = ClosedFormStrategy.of(model)
-    q = strategy.whitened_posterior()
-    with torch.no_grad():
-        L = strategy.inducing_cholesky()
-        for g in bags.groups(chunk_instances, block_budget):
-            xg = x[g.inst]
-            yield g, bag_blocks(model, xg, strategy.projection(xg, L), g.local_bags, q.m, q.S, weights[g.inst], kernel_grad=False)
+def _predictive_groups(
+    strategy: ClosedFormStrategy, x: Tensor, bags: Bags, weights: Tensor, chunk_instances: int, block_budget: int
+) -> Iterator[tuple[BagGroup, Tensor, Tensor, Projection]]:
+    """The bags group by group of similar-sized bags within the memory bounds: ``(group, its
+    inputs, its weights, their projection)``."""
+    L = strategy.inducing_cholesky()
+    for g in bags.groups(chunk_instances, block_budget):
+        xg = x[g.inst]
+        yield g, xg, weights[g.inst], strategy.projection(xg, L)
+
+
+def _long_bag_rate_moments(
+    strategy: ClosedFormStrategy, likelihood: AggregateLikelihood, x: Tensor, w: Tensor, proj: Projection,
+    q: WhitenedPosterior, tile: int,
+) -> tuple[Tensor, Tensor]:
+    """Mean and variance of ``η = Σ w_i Ψ(f_i)`` over one bag's instances ``x`` ``(n, D)``, its
+    covariance taken in ``tile × tile`` pieces (the upper triangle of tiles, each used once and
+    dropped): ``O(n²)`` time, ``O(n · tile)`` memory, the same sums as the dense block."""
+    mean, var = strategy.marginals(proj, q)
+    rate_var = x.new_zeros(())
+    starts = range(0, x.shape[0], tile)
+    for i, r0 in enumerate(starts):
+        r = slice(r0, r0 + tile)
+        for c0 in starts[i:]:
+            c = slice(c0, c0 + tile)
+            cov = strategy.cross_covariance(x[r], x[c], proj.A[:, r], proj.A[:, c], q)
+            if c0 == r0:
+                cov.diagonal().copy_(var[r])  # the marginal variances, jitter included
+            part = w[r] @ likelihood.rate_covariance(mean[r], var[r], mean[c], var[c], cov) @ w[c]
+            rate_var = rate_var + (part if c0 == r0 else 2 * part)
+    return (w * likelihood.link.mean(mean, var)).sum(), rate_var.clamp_min(0)
 
 
 def predict_bag_moments(
@@ -433,14 +452,21 @@ def predict_bag_moments(
 
     Returns ``rate_mean``/``rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` (full within-bag covariance) and
     ``y_mean``/``y_var`` of the observed aggregate (:meth:`AggregateLikelihood.observation_moments`).
+    Bags are taken in groups within ``chunk_instances`` and ``block_budget``; a bag whose ``n²``
+    exceeds ``block_budget`` is summed tile by tile, never as one ``n × n`` block.
     """
     weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
     bag_index, num_bags = bags.index, bags.num_bags
     rate_mean = x.new_zeros(num_bags)
     rate_var = x.new_zeros(num_bags)
+    strategy = ClosedFormStrategy.of(model)
+    q = strategy.whitened_posterior()
     with torch.no_grad():
-        for g, blocks in _predictive_blocks(model, x, bags, weights, chunk_instances, block_budget):
-            mu, var = likelihood.bag_rate_moments(blocks)
+        for g, xg, wg, proj in _predictive_groups(strategy, x, bags, weights, chunk_instances, block_budget):
+            if g.num_bags == 1 and xg.shape[0] ** 2 > block_budget:  # one bag longer than a dense block allows
+                mu, var = _long_bag_rate_moments(strategy, likelihood, xg, wg, proj, q, math.isqrt(block_budget))
+            else:
+                mu, var = likelihood.bag_rate_moments(bag_blocks(model, xg, proj, g.local_bags, q.m, q.S, wg, kernel_grad=False))
             rate_mean[g.bags] = mu
             rate_var[g.bags] = var
         w_sum = segment_sum(weights, bag_index, num_bags)
@@ -478,8 +504,11 @@ def bag_log_predictive(
         return -0.5 * (math.log(2 * math.pi) + torch.log(var_y) + (y - moments["y_mean"]) ** 2 / var_y)
     w_sq = segment_sum(weights * weights, bags.index, bags.num_bags)
     out = x.new_empty(bags.num_bags)
+    strategy = ClosedFormStrategy.of(model)
+    q = strategy.whitened_posterior()
     with torch.no_grad():
-        for g, blocks in _predictive_blocks(model, x, bags, weights, chunk_instances, block_budget):
+        for g, xg, wg, proj in _predictive_groups(strategy, x, bags, weights, chunk_instances, block_budget):
+            blocks = bag_blocks(model, xg, proj, g.local_bags, q.m, q.S, wg, kernel_grad=False)
             chol = robust_cholesky(blocks.cov, what="within-bag covariance of q(f_b)")
             B_g, n = blocks.mean.shape
             per = max(1, 4_000_000 // max(1, B_g * n * n))  # draws per pass: bounded memory

@@ -10,7 +10,8 @@ import torch
 from milgp.data.bags import Bags, bag_index_from_sizes
 from milgp.likelihoods import ExponentialAggregateLikelihood, NormalAggregateLikelihood, PoissonAggregateLikelihood
 from milgp.models import SparseGP, WhitenedPosterior
-from milgp.variational.aggregate_fit import bag_log_predictive
+from milgp.variational import aggregate_fit
+from milgp.variational.aggregate_fit import bag_log_predictive, predict_bag_moments
 
 
 def _model_and_bags() -> tuple[SparseGP, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,3 +91,47 @@ def test_normal_log_prob_given_rate_averaged_over_draws_equals_the_exact_predict
     w_sq = torch.zeros(4, dtype=torch.float64).index_add_(0, bag_index, weights**2)
     lp = likelihood.log_prob_given_rate(y, rate, w_sq)
     torch.testing.assert_close(exact, torch.logsumexp(lp, 0) - math.log(len(f)), rtol=0, atol=0.01)
+
+
+@pytest.mark.parametrize(
+    "likelihood",
+    [PoissonAggregateLikelihood(), PoissonAggregateLikelihood("square"), NormalAggregateLikelihood(noise=0.3)],
+    ids=["exp", "square", "identity"],
+)
+def test_a_bag_too_long_for_one_block_is_summed_in_tiles(likelihood, monkeypatch) -> None:
+    """A bag whose n² exceeds ``block_budget`` must give the same predictive moments of
+    ``η = Σ w_i Ψ(f_i)`` as the dense block — and as the closed forms on GPyTorch's own joint
+    predictive covariance — without ever forming its n × n block. If the tiles missed the
+    off-diagonal pairs, counted them once, put anything but the marginal variances on the diagonal, dropped the partial last
+    tile, or the long bag still went through the dense path, this fails."""
+    model, _, _, _ = _model_and_bags()
+    g = torch.Generator().manual_seed(3)
+    sizes = [3, 1, 45, 2]
+    bag_index = bag_index_from_sizes(sizes)
+    x = torch.randn(len(bag_index), 2, generator=g, dtype=torch.float64)
+    weights = 0.5 + torch.rand(len(bag_index), generator=g, dtype=torch.float64)
+    bags, likelihood = Bags(bag_index, 4), likelihood.to(torch.float64)
+    dense = predict_bag_moments(model, likelihood, x, bags, weights, block_budget=10_000)
+    widths = []
+    real_bag_blocks = aggregate_fit.bag_blocks
+    monkeypatch.setattr(aggregate_fit, "bag_blocks", lambda m, xg, *a, **k: widths.append(len(xg)) or real_bag_blocks(m, xg, *a, **k))
+    tiled = predict_bag_moments(model, likelihood, x, bags, weights, block_budget=144)  # tiles of 12: 12, 12, 12, 9
+    assert widths and max(widths) < 45
+    for key in ("rate_mean", "rate_var", "y_mean", "y_var"):
+        torch.testing.assert_close(tiled[key], dense[key], rtol=1e-11, atol=0)
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    for b in range(4):
+        sel = bag_index == b
+        mu, cov, w = out.mean[sel], out.covariance_matrix[sel][:, sel], weights[sel]
+        var = cov.diagonal()
+        if likelihood.link.name == "exp":
+            e = torch.exp(mu + 0.5 * var)
+            ref_mean, ref_cov = (w * e).sum(), e[:, None] * e[None, :] * torch.expm1(cov)
+        elif likelihood.link.name == "square":
+            ref_mean, ref_cov = (w * (mu**2 + var)).sum(), 2 * cov**2 + 4 * mu[:, None] * mu[None, :] * cov
+        else:
+            ref_mean, ref_cov = (w * mu).sum(), cov
+        torch.testing.assert_close(tiled["rate_mean"][b], ref_mean, rtol=1e-8, atol=1e-10)
+        torch.testing.assert_close(tiled["rate_var"][b], w @ ref_cov @ w, rtol=1e-8, atol=1e-10)
