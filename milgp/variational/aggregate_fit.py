@@ -246,6 +246,7 @@ class AggregateSteps:
         self.q = strategy.whitened_posterior()
         self.rho = 1.0 if self.conjugate else min(rho, rho_max)
         self.step_size, self.elbo_estimate = 0.0, math.nan
+        self.elbo: float | None = None  # the ELBO of the current state, when a step computed it
         self.locals = None  # aggregate likelihoods have no locals
         self._minibatch: tuple[Tensor, list[BagGroup]] | None = None  # the last minibatch: bags, groups
 
@@ -276,15 +277,16 @@ class AggregateSteps:
         if self.reduce_value is not None:
             data = self.reduce_value(data)
         self.elbo_estimate = before = scale * data - float(self.q.kl_divergence())
+        checked: list[float] = []
 
         def ascends(q_new: WhitenedPosterior) -> bool:
             data_new = aggregate_data_terms(self.model, self.likelihood, self.batch, groups, q_new, cached)
             if self.reduce_value is not None:  # the data term is a sum over ranks, KL is not
                 data_new = self.reduce_value(data_new)
-            value = scale * data_new - float(q_new.kl_divergence())
-            return math.isfinite(value) and value >= before - 1e-9 * abs(before)
+            checked.append(scale * data_new - float(q_new.kl_divergence()))
+            return math.isfinite(checked[-1]) and checked[-1] >= before - 1e-9 * abs(before)
 
-        self.rho, q_new = float(rho), None
+        self.rho, q_new, self.elbo = float(rho), None, None
         with torch.no_grad():
             while self.rho >= 1e-6:
                 q_new = self.q.try_natural_step(stats, self.rho, scale)
@@ -296,6 +298,8 @@ class AggregateSteps:
         if q_new is not None:
             self.q = q_new
             self.strategy.set_whitened_posterior(q_new)
+            if checked and scale == 1.0 and groups is self.groups and self.reduce_value is None:
+                self.elbo = checked[-1]  # the whole batch's ELBO at the new q(v): evaluate() reuses it
         return q_new is not None
 
     def sweep(self) -> None:
@@ -339,11 +343,12 @@ class AggregateSteps:
     def hyperparameters_changed(self) -> None:
         if self.projector is not None:
             self.projector.invalidate()
-        self._cached = None
+        self._cached, self.elbo = None, None
 
     def evaluate(self, with_objective: bool) -> tuple[float, float | None]:
-        elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self._cache())
-        return elbo, (elbo if with_objective else None)  # the hyperparameters ascend the ELBO itself
+        if self.elbo is None:
+            self.elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self._cache())
+        return self.elbo, (self.elbo if with_objective else None)  # the hyperparameters ascend the ELBO itself
 
     def finish(self, result: FitResult) -> None:
         result.rho = self.rho

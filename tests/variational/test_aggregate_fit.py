@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from milgp.data.bags import Bags, bag_index_from_sizes
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes
 from milgp.likelihoods import ExponentialAggregateLikelihood, NormalAggregateLikelihood, PoissonAggregateLikelihood
 from milgp.models import SparseGP, WhitenedPosterior
 from milgp.variational import aggregate_fit
-from milgp.variational.aggregate_fit import bag_log_predictive, predict_bag_moments
+from milgp.variational.aggregate_fit import bag_log_predictive, fit_aggregate, predict_bag_moments
 
 
 def _model_and_bags() -> tuple[SparseGP, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,3 +135,25 @@ def test_a_bag_too_long_for_one_block_is_summed_in_tiles(likelihood, monkeypatch
             ref_mean, ref_cov = (w * mu).sum(), cov
         torch.testing.assert_close(tiled["rate_mean"][b], ref_mean, rtol=1e-8, atol=1e-10)
         torch.testing.assert_close(tiled["rate_var"][b], w @ ref_cov @ w, rtol=1e-8, atol=1e-10)
+
+
+def test_the_elbo_trace_is_the_elbo_of_each_accepted_state() -> None:
+    """Each entry of a non-conjugate fit's ELBO trace (reused from the step's own ascent check, not
+    recomputed) must be exactly the ELBO of the q(v) the step left — with and without hyperparameter
+    steps between. A value kept from a rejected trial step, or kept after the hyperparameters moved,
+    fails here."""
+    for learn in (False, True):
+        model, x, bag_index, weights = _model_and_bags()
+        likelihood = PoissonAggregateLikelihood().to(torch.float64)
+        batch = BagBatch(x, bag_index, torch.tensor([3.0, 0.0, 7.0, 2.0], dtype=torch.float64), instance_weights=weights)
+        trace = []
+
+        def record(it: int, elbo: float) -> None:
+            groups = batch.bags.groups()
+            trace.append((elbo, aggregate_fit.aggregate_elbo(model, likelihood, batch, groups)))
+
+        # ρ up to 4: some trial steps overshoot and are halved (3 of 6 here)
+        fit_aggregate(model, likelihood, batch, max_iter=6, tol=0.0, learn_hyperparameters=learn, rho0=1.0, rho_max=4.0, callback=record)
+        assert len(trace) == 6
+        for reported, recomputed in trace:
+            assert reported == pytest.approx(recomputed, rel=1e-12, abs=1e-12)
