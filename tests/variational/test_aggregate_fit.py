@@ -102,8 +102,9 @@ def test_a_bag_too_long_for_one_block_is_summed_in_tiles(likelihood, monkeypatch
     """A bag whose n² exceeds ``block_budget`` must give the same predictive moments of
     ``η = Σ w_i Ψ(f_i)`` as the dense block — and as the closed forms on GPyTorch's own joint
     predictive covariance — without ever forming its n × n block. If the tiles missed the
-    off-diagonal pairs, counted them once, put anything but the marginal variances on the diagonal, dropped the partial last
-    tile, or the long bag still went through the dense path, this fails."""
+    off-diagonal pairs, counted them once, put anything but the marginal variances on the
+    diagonal, dropped the partial last tile, or the long bag still went through the dense path,
+    this fails."""
     model, _, _, _ = _model_and_bags()
     g = torch.Generator().manual_seed(3)
     sizes = [3, 1, 45, 2]
@@ -149,8 +150,7 @@ def test_the_elbo_trace_is_the_elbo_of_each_accepted_state() -> None:
         trace = []
 
         def record(it: int, elbo: float) -> None:
-            groups = batch.bags.groups()
-            trace.append((elbo, aggregate_fit.aggregate_elbo(model, likelihood, batch, groups)))
+            trace.append((elbo, aggregate_fit.aggregate_elbo(model, likelihood, batch, batch.bags.groups())))
 
         # ρ up to 4: some trial steps overshoot and are halved (3 of 6 here)
         fit_aggregate(model, likelihood, batch, max_iter=6, tol=0.0, learn_hyperparameters=learn, rho0=1.0, rho_max=4.0, callback=record)
