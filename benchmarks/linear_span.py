@@ -1,0 +1,87 @@
+"""How much a linear model loses when its weights are confined to the span of M inducing points.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.linear_span --data-dir ../shared/data/mil [--seeds 3]
+
+A sparse GP with a linear kernel and M inducing points ``Z`` is a linear model whose weights lie in
+``span(Z)``. This script measures that restriction on its own, with the benchmark's strongest
+instance baseline: logistic regression on z-scored instances labelled with their bag's label, the
+bag probability the mean instance probability (``benchmarks.real_mil``'s "logistic regression +
+mean pooling" row), fitted on the instances projected onto an orthonormal basis of ``span(Z)``.
+``Z``: the estimators' k-means++ seeds (``milgp.inducing.kmeans_pp_inducing``, split between
+positive- and negative-bag instances), a uniform draw of training instances, or the top principal
+directions; the full span for comparison, at several penalties ``C``. Same folds as
+``benchmarks.real_mil`` (``StratifiedKFold(5, shuffle=True, random_state=seed)``); prints the bag
+AUC mean (worst fold) and writes ``benchmarks/results/linear_span.json``.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import StratifiedKFold
+from sklearn.preprocessing import StandardScaler
+
+from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
+from benchmarks.real_mil import load_mil_csv
+from milgp.inducing import kmeans_pp_inducing
+
+SIZES = (100, 300)
+PENALTIES = (0.01, 0.1, 1.0, 10.0)
+
+
+def span_basis(kind: str, m: int, x: np.ndarray, instance_labels: np.ndarray, seed: int) -> np.ndarray:
+    """``(D, k)`` orthonormal basis of the span of ``m`` points of the z-scored instances ``x``."""
+    if kind == "principal directions":
+        return np.linalg.svd(x, full_matrices=False)[2][:m].T
+    if kind == "k-means++ seeds":
+        z = kmeans_pp_inducing(x, instance_labels, m, seed=seed)
+    else:
+        z = x[np.random.default_rng(seed).choice(len(x), min(m, len(x)), replace=False)]
+    return np.linalg.qr(z.T)[0]
+
+
+def bag_auc(bags: list[np.ndarray], y: np.ndarray, train: np.ndarray, test: np.ndarray, c: float, basis: str | None, m: int, seed: int) -> float:
+    x = np.concatenate([bags[i] for i in train])
+    t = np.repeat(y[train], [len(bags[i]) for i in train])
+    scaler = StandardScaler().fit(x)
+    xs = scaler.transform(x)
+    p = np.eye(x.shape[1]) if basis is None else span_basis(basis, m, xs, t, seed)
+    model = LogisticRegression(C=c, max_iter=3000).fit(xs @ p, t)
+    scores = [model.predict_proba(scaler.transform(bags[i]) @ p)[:, 1].mean() for i in test]
+    return float(roc_auc_score(y[test], scores))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--seeds", type=int, default=3)
+    add_thread_arg(parser)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    variants = [("full span", None, 0, c) for c in PENALTIES] + [
+        (f"{kind}, M = {m}", kind, m, 1.0)
+        for kind in ("k-means++ seeds", "uniform draw", "principal directions") for m in SIZES
+    ]
+    rows, results = [], {}
+    for path in sorted(args.data_dir.glob("*.csv")):
+        bags, y = load_mil_csv(path)
+        folds = [
+            (seed, k, train, test)
+            for seed in range(args.seeds)
+            for k, (train, test) in enumerate(StratifiedKFold(5, shuffle=True, random_state=seed).split(np.zeros(len(y)), y))
+        ]
+        for name, basis, m, c in variants:
+            aucs = [bag_auc(bags, y, train, test, c, basis, m, k) for _, k, train, test in folds]
+            label = name if basis is not None else f"{name}, C = {c:g}"
+            rows.append({"data": path.stem, "weights in": label, "bag AUC": float(np.mean(aucs)), "worst fold": float(np.min(aucs))})
+            results.setdefault(path.stem, {})[label] = aucs
+            print(f"{path.stem}: {label}: {np.mean(aucs):.3f} ({np.min(aucs):.3f})", flush=True)
+    print(markdown_table(rows))
+    write_json("linear_span", {"seeds": args.seeds, "data_dir": str(args.data_dir), "fold_auc": results})
+
+
+if __name__ == "__main__":
+    main()
