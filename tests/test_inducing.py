@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from milgp.inducing import kmeans_pp_inducing, median_lengthscale
+from milgp.inducing import distinct_rows, kmeans_pp_inducing, median_lengthscale
 
 
 def test_split_between_positive_and_negative_bag_instances():
@@ -31,6 +31,22 @@ def test_more_inducing_points_than_distinct_instances_are_made_distinct():
     Z = kmeans_pp_inducing(x, np.zeros(12), 6)
     assert Z.shape == (6, 3)
     assert len(np.unique(Z.round(12), axis=0)) == 6
+
+
+def test_distinct_rows_counts_exact_copies_only():
+    """The count of distinct rows equals ``np.unique``'s: copies scattered through the array are
+    counted once (0.0 and -0.0 are equal), rows one ulp apart (in any single coordinate) twice. A count that merged near
+    copies, or missed copies that are not neighbours in the input, would fail."""
+    rng = np.random.default_rng(4)
+    base = rng.normal(size=(50, 300))
+    near, column = base[:10].copy(), rng.integers(300, size=10)
+    near[np.arange(10), column] = np.nextafter(near[np.arange(10), column], np.inf)
+    x = np.concatenate([base, base[rng.integers(50, size=120)], near])
+    x = x[rng.permutation(len(x))]
+    assert distinct_rows(x) == len(np.unique(x, axis=0)) == 60
+    assert distinct_rows(np.repeat(np.eye(3), 4, axis=0)) == 3
+    assert distinct_rows(np.array([[0.0, 1.0], [-0.0, 1.0]])) == 1  # equal values, different bits
+    assert distinct_rows(x[:1]) == 1 and distinct_rows(x[:0]) == 0
 
 
 def test_deterministic_given_seed_and_rejects_bad_m():

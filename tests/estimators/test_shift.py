@@ -54,7 +54,9 @@ def test_one_huge_training_bag_leaves_the_other_bags_unchanged():
     digits it is real extra evidence: the AUC on held-out bags may rise but must not fall by more
     than 0.02 (it fell from 0.93 to 0.48 when every instance counted fully and the noisy-OR ranked
     by length), and the huge bag itself is predicted negative with a real uncertainty. Made of one
-    training bag re-sliced 1000× finer it carries no new information: the AUC stays within 0.02."""
+    training bag re-sliced 1000× finer it carries no new information: the AUC stays within 0.02.
+    One draw of the inducing points alone moves this AUC by up to ±0.015 (M = 40), so each AUC is
+    the mean over five ``random_state``s: the comparison is of the bag's effect, not of two draws."""
     train, y_train = digit_bags(40, 10, seed=3)
     test, y_test = digit_bags(100, 10, seed=4)
     digits = load_digits()
@@ -66,8 +68,8 @@ def test_one_huge_training_bag_leaves_the_other_bags_unchanged():
     resliced = np.repeat(negative_bag, 1000, axis=0) + 0.05 * spread * rng.standard_normal((10_000, x.shape[1]))
 
     def held_out_auc(bags, labels):
-        clf = VGPMILClassifier(random_state=0, **FAST).fit(bags, labels)
-        return roc_auc_score(y_test, clf.predict_proba(test)[:, 1]), clf
+        fits = [VGPMILClassifier(random_state=seed, **FAST).fit(bags, labels) for seed in range(5)]
+        return np.mean([roc_auc_score(y_test, clf.predict_proba(test)[:, 1]) for clf in fits]), fits[0]
 
     auc, _ = held_out_auc(train, y_train)
     auc_new, with_new = held_out_auc(train + [new_negatives], np.r_[y_train, 0])
