@@ -35,8 +35,8 @@ def test_more_inducing_points_than_distinct_instances_are_made_distinct():
 
 def test_distinct_rows_counts_exact_copies_only():
     """The count of distinct rows equals ``np.unique``'s: copies scattered through the array are
-    counted once (0.0 and -0.0 are equal), rows one ulp apart (in any single coordinate) twice. A count that merged near
-    copies, or missed copies that are not neighbours in the input, would fail."""
+    counted once (0.0 and -0.0 are equal), rows one ulp apart in a single coordinate twice. A count
+    that merged near copies, or missed copies that are not neighbours in the input, would fail."""
     rng = np.random.default_rng(4)
     base = rng.normal(size=(50, 300))
     near, column = base[:10].copy(), rng.integers(300, size=10)
