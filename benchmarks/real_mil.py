@@ -63,12 +63,18 @@ def load_mil_csv(path: Path) -> tuple[list[np.ndarray], np.ndarray]:
 
 
 class LogisticPooling:
-    """Logistic regression on z-scored instances labelled with their bag's label; the bag
-    probability is the largest (``pool="max"``) or the mean (``pool="mean"``) instance probability;
-    or logistic regression on the bags' mean instances (``pool="embedding"``)."""
+    """Logistic regression (penalty ``C``) on z-scored instances labelled with their bag's label; the
+    bag probability is the largest (``pool="max"``) or the mean (``pool="mean"``) instance
+    probability; or logistic regression on the bags' mean instances (``pool="embedding"``).
+    ``basis`` maps the z-scored training rows and their labels to a ``(D, k)`` basis onto which
+    every row is projected first (``benchmarks.linear_span``); ``None``: the features as they are."""
 
-    def __init__(self, pool: str):
-        self.pool = pool
+    def __init__(self, pool: str, C: float = 1.0, basis: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None):
+        self.pool, self.C, self.basis = pool, C, basis
+
+    def _features(self, x: np.ndarray) -> np.ndarray:
+        z = self.scaler_.transform(x)
+        return z if self.basis_ is None else z @ self.basis_
 
     def fit(self, bags: list[np.ndarray], y: np.ndarray) -> "LogisticPooling":
         if self.pool == "embedding":
@@ -76,15 +82,16 @@ class LogisticPooling:
         else:
             x, t = np.concatenate(bags), np.repeat(y, [len(b) for b in bags])
         self.scaler_ = StandardScaler().fit(x)
-        self.model_ = LogisticRegression(max_iter=2000).fit(self.scaler_.transform(x), t)
+        self.basis_ = None if self.basis is None else self.basis(self.scaler_.transform(x), t)
+        self.model_ = LogisticRegression(C=self.C, max_iter=2000).fit(self._features(x), t)
         return self
 
     def predict_proba(self, bags: list[np.ndarray]) -> np.ndarray:
         if self.pool == "embedding":
-            p = self.model_.predict_proba(self.scaler_.transform(np.stack([b.mean(0) for b in bags])))[:, 1]
+            p = self.model_.predict_proba(self._features(np.stack([b.mean(0) for b in bags])))[:, 1]
         else:
             pool = np.max if self.pool == "max" else np.mean
-            p = np.array([pool(self.model_.predict_proba(self.scaler_.transform(b))[:, 1]) for b in bags])
+            p = np.array([pool(self.model_.predict_proba(self._features(b))[:, 1]) for b in bags])
         return np.stack([1 - p, p], 1)
 
 
