@@ -141,7 +141,7 @@ class WhitenedPosterior:
             return None
         S = torch.cholesky_inverse(L_P)
         S = 0.5 * (S + S.mT)
-        return WhitenedPosterior(m=S @ eta1, S=S, precision=P)
+        return WhitenedPosterior(m=S @ eta1, S=S, precision=P, chol_precision=L_P)
 
 
 class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):

@@ -128,26 +128,29 @@ class ClosedFormSteps:
         stats = self.projector.statistics(lin, lam)
         if self.reduce is not None:
             stats = self.reduce(stats)
-        plain = q.natural_step(stats, rho=rho, scale=scale)
-        step, indefinite, elbo = plain, False, None
+        over = None
         if relax is not None and relax.omega > 1.0:  # past the optimum
-            step = q.try_natural_step(stats, relax.omega, 1.0)
-            if step is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
-                step, indefinite = plain, True
+            over = q.try_natural_step(stats, relax.omega, 1.0)
+            if over is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
                 relax.reject()
-        mean, var, locals_ = self._moments_and_locals(step)
-        if step is not plain:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
+        elif relax is not None:
+            relax.accept()
+        elbo = None
+        if over is not None:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
+            mean, var, locals_ = self._moments_and_locals(over)
             with torch.no_grad():
-                elbo = float(self._data_terms(mean, var, locals_).sum() - step.kl_divergence())
+                elbo = float(self._data_terms(mean, var, locals_).sum() - over.kl_divergence())
             if self.elbo is not None and not elbo >= self.elbo:
                 relax.reject()
                 self.rejected_steps += 1
-                step, elbo = plain, None
-                mean, var, locals_ = self._moments_and_locals(step)
+                over, elbo = None, None
             else:
                 relax.accept()
-        elif relax is not None and not indefinite:
-            relax.accept()
+        if over is None:  # the plain step, factorised only when it is taken
+            step = q.natural_step(stats, rho=rho, scale=scale)
+            mean, var, locals_ = self._moments_and_locals(step)
+        else:
+            step = over
         self.q, self.mean, self.var, self.locals, self.elbo = step, mean, var, locals_, elbo
         self.moments_current, self.step_size = True, rho
         self.strategy.set_whitened_posterior(step)

@@ -27,7 +27,8 @@ def test_overrelaxed_step_extrapolates_the_natural_parameters():
     """``ρ = 2.5`` in :meth:`WhitenedPosterior.try_natural_step` must give the natural parameters ``η + 2.5(η̂ − η)``,
     ``P + 2.5(P̂ − P)`` computed here by hand (and ``ρ = 1`` the optimum itself); a different
     result means the step extrapolates the mean or the covariance instead of the natural
-    parameters."""
+    parameters. The step also keeps the Cholesky factor of its precision (the moments and the KL
+    reuse it): a factor of another matrix would give wrong variances and KL."""
     q = _posterior([0.3, -1.0], [[2.0, 0.3], [0.3, 1.5]])
     target = _posterior([0.8, -0.2], [[2.6, 0.5], [0.5, 2.0]])
     stats = _statistics_of(target)
@@ -39,6 +40,8 @@ def test_overrelaxed_step_extrapolates_the_natural_parameters():
     torch.testing.assert_close(out.precision, P, rtol=1e-14, atol=1e-14)
     torch.testing.assert_close(out.m, torch.linalg.solve(P, eta), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out.S, torch.linalg.inv(P), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.chol_precision @ out.chol_precision.mT, P, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.kl_divergence(), 0.5 * (torch.trace(out.S) + out.m @ out.m - 2 + torch.logdet(P)))
 
 
 def test_overrelaxed_step_refuses_an_indefinite_precision():
