@@ -83,14 +83,13 @@ class ProjectionCache:
     def _fill(self) -> None:
         x, N, M = self.x, self.x.shape[0], self.strategy.num_inducing
         AT = x.new_empty((N, M))
-        prior_var, prior_mean = x.new_empty(N), x.new_empty(N)
+        prior_var, prior_mean, residual = x.new_empty(N), x.new_empty(N), x.new_empty(N)
         with torch.no_grad():
             L = self.L()
-            for s, e in self.bounds:
-                proj = self.strategy.projection(self._inputs(s, e), L)
-                AT[s:e], prior_var[s:e], prior_mean[s:e] = proj.A.mT, proj.prior_var, proj.prior_mean
-        self._AT, self._prior_var, self._prior_mean = AT, prior_var, prior_mean
-        self._residual = Projection(AT.mT, prior_var, prior_mean).with_residual().residual
+            for s, e in self.bounds:  # the residual chunk by chunk: no second N × M temporary
+                proj = self.strategy.projection(self._inputs(s, e), L).with_residual()
+                AT[s:e], prior_var[s:e], prior_mean[s:e], residual[s:e] = proj.A.mT, proj.prior_var, proj.prior_mean, proj.residual
+        self._AT, self._prior_var, self._prior_mean, self._residual = AT, prior_var, prior_mean, residual
 
     def chunks(self) -> Iterator[tuple[int, Projection]]:
         """Yield ``(start, Projection)`` of every chunk in turn."""
