@@ -21,10 +21,9 @@ from pathlib import Path
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
-from sklearn.model_selection import StratifiedKFold
 
 from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
-from benchmarks.real_mil import LogisticPooling, load_mil_csv
+from benchmarks.real_mil import LogisticPooling, cv_folds, load_mil_csv
 from milgp.inducing import kmeans_pp_inducing
 
 SIZES = (100, 300)
@@ -67,7 +66,7 @@ def main() -> None:
         folds = [
             (seed, k, train, test)
             for seed in range(args.seeds)
-            for k, (train, test) in enumerate(StratifiedKFold(5, shuffle=True, random_state=seed).split(np.zeros(len(y)), y))
+            for k, (train, test) in enumerate(cv_folds(y, seed))
         ]
         for name, basis, m, c in variants:
             aucs = [bag_auc(bags, y, train, test, c, basis, m, k) for _, k, train, test in folds]

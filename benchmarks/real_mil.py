@@ -129,13 +129,18 @@ def paired_difference(auc: np.ndarray, baseline: np.ndarray) -> tuple[float, flo
     return float(d.mean()), se, int((d > 0).sum())
 
 
+def cv_folds(y: np.ndarray, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The benchmark's ``(train, test)`` bag indices of shuffle ``seed``: stratified ``FOLDS``-fold CV."""
+    return list(StratifiedKFold(FOLDS, shuffle=True, random_state=seed).split(np.zeros(len(y)), y))
+
+
 def evaluate(bags: list[np.ndarray], y: np.ndarray, seeds: list[int], models: list[str]) -> list[dict[str, Any]]:
     """Cross-validated rows for one data set."""
     dim = bags[0].shape[1]
     per_model = {m: {"auc": [], "acc": [], "nll": [], "ece": [], "ece_floor": [], "cpu": [], "ratio": []} for m in models}
     for seed in seeds:
         oof = {m: np.zeros(len(y)) for m in models}
-        for fold, (tr, te) in enumerate(StratifiedKFold(FOLDS, shuffle=True, random_state=seed).split(np.zeros(len(y)), y)):
+        for fold, (tr, te) in enumerate(cv_folds(y, seed)):
             btr, bte = [bags[i] for i in tr], [bags[i] for i in te]
             cpu = {}
             for m in models:

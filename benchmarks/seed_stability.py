@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
-from sklearn.model_selection import StratifiedKFold
 
 from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
-from benchmarks.real_mil import load_mil_csv
+from benchmarks.real_mil import cv_folds, load_mil_csv
 from milgp.estimators import VGPMILClassifier
 
 
@@ -41,7 +40,7 @@ def main() -> None:
         folds = [
             (k, train, test)
             for seed in range(args.seeds)
-            for k, (train, test) in enumerate(StratifiedKFold(5, shuffle=True, random_state=seed).split(np.zeros(len(y)), y))
+            for k, (train, test) in enumerate(cv_folds(y, seed))
         ]
         auc = np.zeros((len(offsets), len(folds)))
         for i, offset in enumerate(offsets):
