@@ -8,7 +8,7 @@ import resource
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,44 +23,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # -- data -------------------------------------------------------------------------------------
-def digits_bags(bag_size: int = 10, positive_digits: Sequence[int] = (2, 9), seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
-    """sklearn ``load_digits`` bags: a bag is positive when it holds a 2 or a 9; balanced classes.
+def digits_bags(seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
+    """The bags of ``benchmarks/digits_mil.py`` (sklearn ``load_digits``, bags of 10, positive when
+    they hold a 2 or a 9, balanced classes): ``(bags, labels)`` with float64 labels."""
+    from benchmarks.digits_mil import make_bags
 
-    Uses ``benchmarks/digits_mil.py``'s builder when another engineer has written it.
-    """
-    try:  # pragma: no cover - depends on a file another engineer owns
-        from benchmarks import digits_mil  # type: ignore
-
-        for name in ("make_digits_bags", "digits_bags", "build_bags", "make_bags"):
-            fn = getattr(digits_mil, name, None)
-            if callable(fn):
-                out = fn(seed=seed)
-                bags, labels = out[0], out[1]
-                return [np.asarray(b, dtype=np.float64) for b in bags], np.asarray(labels, dtype=np.float64)
-    except Exception:
-        pass
-    from sklearn.datasets import load_digits
-
-    rng = np.random.default_rng(seed)
-    data = load_digits()
-    x, y = data.data.astype(np.float64), data.target
-    pos_mask = np.isin(y, positive_digits)
-    pos_idx, neg_idx = rng.permutation(np.nonzero(pos_mask)[0]), rng.permutation(np.nonzero(~pos_mask)[0])
-    # positive bags: 1-3 positives + negatives; negative bags: negatives only; equal numbers
-    n_bags = min(len(pos_idx) // 2, len(neg_idx) // bag_size)
-    n_pos_bags = n_bags // 2
-    bags, labels = [], []
-    pi, ni = 0, 0
-    for b in range(2 * n_pos_bags):
-        positive = b % 2 == 0
-        k = int(rng.integers(1, 4)) if positive else 0
-        if pi + k > len(pos_idx) or ni + bag_size - k > len(neg_idx):
-            break
-        members = np.concatenate([pos_idx[pi : pi + k], neg_idx[ni : ni + bag_size - k]])
-        pi, ni = pi + k, ni + bag_size - k
-        bags.append(x[rng.permutation(members)])
-        labels.append(1.0 if positive else 0.0)
-    return bags, np.asarray(labels)
+    bags, labels, _ = make_bags(seed=seed)
+    return [np.asarray(b, dtype=np.float64) for b in bags], np.asarray(labels, dtype=np.float64)
 
 
 def standardise(x: np.ndarray) -> np.ndarray:
