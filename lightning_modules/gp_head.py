@@ -16,10 +16,10 @@ head for aggregate outputs) with what a trainer needs around them:
   and keys on both heads); bag probabilities go through the head's **bag decision**: a bag rule
   (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its score
   (:class:`milgp.prediction.BagCalibrator`), chosen and fitted on held-out bags by
-  :meth:`GPHead.fit_decision` (with ``bag_rule="auto"`` the rule is chosen among the
-  length-invariant :data:`milgp.prediction.AUTO_BAG_RULES` by held-out NLL) and stored in the
-  head's state dict (``decision_rule`` and the ``calibrator`` buffers), so a checkpoint alone
-  predicts exactly as the trained head did.
+  :meth:`GPHead.fit_decision` (with ``bag_rule="auto"`` the rule is chosen among
+  :func:`milgp.prediction.auto_bag_rules`, whose scores do not grow with bag length, by held-out
+  NLL) and stored in the head's state dict (``decision_rule``, ``decision_reference_length`` and
+  the ``calibrator`` buffers), so a checkpoint alone predicts exactly as the trained head did.
 
 Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
 """
@@ -48,6 +48,9 @@ from milgp.prediction import (
     BagCalibrator,
     BagDecision,
     BagPosterior,
+    BagRule,
+    MaxRule,
+    auto_bag_rules,
     fit_bag_decision,
     make_bag_rule,
 )
@@ -139,6 +142,8 @@ class GPHead(nn.Module):
         self.register_buffer("initialized", torch.tensor(False))
         # the bag decision: index into RULE_NAMES of the fitted rule (-1: none fitted) and its calibration
         self.register_buffer("decision_rule", torch.tensor(-1, dtype=torch.long))
+        # the fitted max rule's reference length (MaxRule(reference_length); 0: the plain max)
+        self.register_buffer("decision_reference_length", torch.tensor(0.0, dtype=torch.float64))
         self.calibrator = BagCalibrator()
         self.feature_dim = feature_dim
         self.num_inducing = num_inducing
@@ -288,8 +293,10 @@ class GPHead(nn.Module):
         Raises:
             ValueError: the bags hold one class only (calibration needs both).
         """
-        names = AUTO_BAG_RULES if self.bag_rule == "auto" else (self.bag_rule,)
-        rules = [make_bag_rule(n) for n in names]
+        if self.bag_rule == "auto":
+            names, rules = AUTO_BAG_RULES, list(auto_bag_rules(posterior.bags.sizes))
+        else:
+            names, rules = (self.bag_rule,), [make_bag_rule(self.bag_rule)]
         decision = fit_bag_decision(posterior, self.likelihood.instance_link, labels, rules, self.generator(posterior.mean.device))
         chosen = next(n for n, r in zip(names, rules) if r is decision.rule)
         return chosen, decision
@@ -298,12 +305,25 @@ class GPHead(nn.Module):
     def set_decision(self, rule_name: str, decision: BagDecision) -> None:
         """Predict from now on with ``rule_name`` calibrated by ``decision.calibrator``."""
         self.decision_rule.fill_(RULE_NAMES.index(rule_name))
+        reference = decision.rule.reference_length if isinstance(decision.rule, MaxRule) else None
+        self.decision_reference_length.fill_(reference or 0.0)
         self.calibrator.load_state_dict(decision.calibrator.state_dict())
+
+    def decision_rule_object(self) -> BagRule:
+        """The :class:`~milgp.prediction.BagRule` of :attr:`rule_name` (the max with its fitted
+        reference length)."""
+        reference = float(self.decision_reference_length)
+        return MaxRule(reference) if self.rule_name == "max" and reference > 0 else make_bag_rule(self.rule_name)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the max rule had a reference length hold the plain max
+        state_dict.setdefault(prefix + "decision_reference_length", torch.tensor(0.0, dtype=torch.float64))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
     def decide(self, posterior: BagPosterior) -> tuple[Tensor, Tensor]:
         """Calibrated bag probabilities and their stds ``(B,)`` by the head's decision."""
-        p, std = make_bag_rule(self.rule_name)(posterior, self.likelihood.instance_link, self.generator(posterior.mean.device))
+        p, std = self.decision_rule_object()(posterior, self.likelihood.instance_link, self.generator(posterior.mean.device))
         p_cal, std_cal = self.calibrator(p, std)
         return p_cal, std_cal
 
@@ -343,9 +363,11 @@ class GPHead(nn.Module):
         return records_metrics(records)
 
     def decision_summary(self) -> dict[str, Any] | None:
-        """What the head decides with, for reports: rule, whether calibrated, Platt slope and intercept."""
-        return {"bag_rule": self.rule_name, "configured_bag_rule": self.bag_rule, "calibrated": self.calibrated,
-                "calibration_slope": float(self.calibrator.slope), "calibration_intercept": float(self.calibrator.intercept)}
+        """What the head decides with, for reports: rule (``repr`` of its object: the max with its
+        reference length), whether calibrated, Platt slope and intercept."""
+        return {"bag_rule": self.rule_name, "rule": repr(self.decision_rule_object()), "configured_bag_rule": self.bag_rule,
+                "calibrated": self.calibrated, "calibration_slope": float(self.calibrator.slope),
+                "calibration_intercept": float(self.calibrator.intercept)}
 
     # -- training steps and predictions ---------------------------------------------------------
     def fit_steps(

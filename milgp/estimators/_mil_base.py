@@ -43,13 +43,13 @@ from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.shared_gram import SharedGram
 from milgp.models.sparse_gp import SparseGP
 from milgp.prediction import (
-    AUTO_BAG_RULES,
     AveragedFit,
     BagCalibrator,
     BagDecision,
     BagRule,
     InstanceCalibrator,
     ModelAverage,
+    auto_bag_rules,
     best_decision,
     make_bag_rule,
     score_bag_rules,
@@ -172,9 +172,11 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             return None if cap is None else float(cap)
         raise ValueError(f"bag_size_cap must be 'median', None or a number >= 1, got {cap!r}")
 
-    def _rule_candidates(self) -> Sequence[str | BagRule]:
+    def _rule_candidates(self, sizes: np.ndarray) -> Sequence[str | BagRule]:
+        """The bag rules to score on the training bags of ``sizes`` instances (``"auto"``:
+        :func:`~milgp.prediction.bag_decision.auto_bag_rules`)."""
         if isinstance(self.bag_rule, str) and self.bag_rule == "auto":
-            return AUTO_BAG_RULES
+            return auto_bag_rules(torch.as_tensor(sizes))
         return (self._bag_rule_object(),)
 
     def _bag_rule_object(self) -> BagRule:
@@ -188,7 +190,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
         bags_np = check_bags(bags)
         y_np = check_binary_bag_labels(y, len(bags_np))
-        rules = self._rule_candidates()  # an unknown bag_rule is refused here, before any fitting
+        rules = self._rule_candidates(np.array([len(b) for b in bags_np]))  # an unknown bag_rule is refused here, before any fitting
         self.n_features_in_ = bags_np[0].shape[1]
         self.classes_ = np.unique(np.asarray(y))  # the negative label (0, −1 or False), then the positive
         candidates = self._kernel_candidates(self.n_features_in_)

@@ -40,8 +40,10 @@ class VGPMILClassifier(MILClassifierBase):
             are tempered so that the bag carries the evidence of a median bag, in the likelihood,
             the standardisation and the inducing points (one bag of 10,000 instances no longer
             outweighs the others); a number; ``None``: every instance counts fully (the paper).
-        bag_rule: ``"auto"`` (chosen among max, top-quarter mean and mean by out-of-bag NLL), a
-            :mod:`milgp.prediction.bag_rules` name or a :class:`~milgp.prediction.BagRule`.
+        bag_rule: ``"auto"`` (chosen among the max at the resolution of the longest training bag,
+            top-quarter mean and mean by out-of-bag NLL; :func:`~milgp.prediction.auto_bag_rules`),
+            a :mod:`milgp.prediction.bag_rules` name (``"max"``: the plain max) or a
+            :class:`~milgp.prediction.BagRule`.
         calibrate: map the rule's score to a calibrated probability (Platt scaling fitted on
             leave-one-bag-out predictions of the training bags); ``False``: the raw rule output.
         average: average the calibrated bag probabilities of every (π rule, kernel, bag rule)

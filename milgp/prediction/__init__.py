@@ -1,6 +1,6 @@
 """From the instance posterior to bag decisions: bag rules, bag-level calibration, averaging, and
 instance probabilities on the MIL fits' scale."""
-from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, best_decision, fit_bag_decision, score_bag_rules
+from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, auto_bag_rules, best_decision, fit_bag_decision, score_bag_rules
 from milgp.prediction.bag_posterior import BagPosterior, JointBlocks
 from milgp.prediction.bag_rules import (
     BAG_RULES,
@@ -21,6 +21,7 @@ from milgp.prediction.model_average import AveragedFit, ModelAverage, pseudo_bma
 
 __all__ = [
     "AUTO_BAG_RULES",
+    "auto_bag_rules",
     "BagDecision",
     "best_decision",
     "fit_bag_decision",

@@ -4,10 +4,13 @@
 cavities of the training bags, :func:`milgp.variational.leave_bag_out.leave_bag_out_posterior`, or
 a validation set's predictive), fits a :class:`~milgp.prediction.calibration.BagCalibrator` to
 each, and keeps the rule with the smallest held-out negative log-likelihood of the calibrated
-probabilities. The default candidates are the rules that do not change when a scan is re-sliced
-more finely or its instances are duplicated (max, mean of the top quarter, mean), so the choice
-made on training bags carries over to test bags 5–10× longer; the noisy-OR compounds with bag
-length and is therefore not a default candidate (it can be passed explicitly).
+probabilities. The default candidates (:func:`auto_bag_rules`) are rules whose score does not
+grow with the number of instances: the mean of the top quarter and the mean of the bag hold
+when a scan is re-sliced more finely or its instances are duplicated, and the max is taken at the
+resolution of the longest held-out bag (:class:`~milgp.prediction.bag_rules.MaxRule` with a
+``reference_length``), so the choice made on training bags carries over to test bags 5–10×
+longer. The noisy-OR compounds with bag length and is therefore not a default candidate (it can
+be passed explicitly).
 """
 from __future__ import annotations
 
@@ -20,14 +23,23 @@ from torch import Tensor
 from milgp.likelihoods.instance_link import InstanceLink
 from milgp.metrics import log_loss
 from milgp.prediction.bag_posterior import BagPosterior
-from milgp.prediction.bag_rules import BagRule, MarginalBagRule, make_bag_rule
+from milgp.prediction.bag_rules import BagRule, MarginalBagRule, MaxRule, TopKMeanRule, make_bag_rule
 from milgp.prediction.calibration import BagCalibrator
 
-__all__ = ["AUTO_BAG_RULES", "BagDecision", "best_decision", "fit_bag_decision", "score_bag_rules"]
+__all__ = ["AUTO_BAG_RULES", "BagDecision", "auto_bag_rules", "best_decision", "fit_bag_decision", "score_bag_rules"]
 
 AUTO_BAG_RULES = ("max", "top_k_mean", "mean")
-"""The candidates of ``bag_rule="auto"``: length-invariant rules from the most to the least
-concentrated (the most probable instance, the top quarter of the bag, the whole bag)."""
+"""The names of the candidates of ``bag_rule="auto"``, from the most to the least concentrated
+(the most probable instance, the top quarter of the bag, the whole bag); :func:`auto_bag_rules`
+builds them."""
+
+
+def auto_bag_rules(sizes: Tensor) -> tuple[BagRule, ...]:
+    """The candidates of ``bag_rule="auto"`` for held-out bags of ``sizes`` ``(B,)`` instances:
+    the max at the resolution of the longest of them (``MaxRule(reference_length=max sizes)``:
+    unchanged for bags of the lengths the decision is fitted on, the mean of the top ``n_b / n₀``
+    instances for longer ones), the mean of the top quarter and the mean of the bag."""
+    return (MaxRule(reference_length=float(torch.as_tensor(sizes).max())), TopKMeanRule(fraction=0.25), TopKMeanRule(fraction=1.0))
 
 
 @dataclass

@@ -114,16 +114,58 @@ class NoisyOrRule(MarginalBagRule):
 
 
 class MaxRule(MarginalBagRule):
-    """``max_n E[p(f*_n)]``, with the std of that instance's probability."""
+    """``max_n E[p(f*_n)]``, with the std of that instance's probability; with ``reference_length``
+    ``n₀``, the max at the resolution of bags of ``n₀`` instances.
+
+    The max is unchanged by duplicating instances, but not by re-slicing a scan into new, similar
+    instances: the largest of more draws is larger, so a negative bag's max grows with its length
+    (digits bags of 10 re-drawn 4× longer: 13 % → 56 % of the negative bags above ½,
+    ``benchmarks/length_shift.py``). With ``reference_length = n₀`` a bag of ``n_b > n₀``
+    instances scores the mean of its ``c = n_b / n₀`` most probable instances (the last one with
+    weight ``c − ⌊c⌋``): in a scan re-sliced ``r×`` finer the top ``r`` slices stand for the one
+    slice of the coarse scan. Bags of at most ``n₀`` instances keep the max.
+    """
 
     name = "max"
+
+    def __init__(self, reference_length: float | None = None):
+        if reference_length is not None and not reference_length >= 1:
+            raise ValueError(f"MaxRule needs reference_length >= 1 (instances), got {reference_length}")
+        self.reference_length = None if reference_length is None else float(reference_length)
 
     def combine(self, p, std, bags, log_negative=None):
         bag_index, num_bags = bags.index, bags.num_bags
         top = segment_max(p, bag_index, num_bags)
         is_top = p == top[bag_index]
         std_top = std.new_zeros(num_bags).scatter_reduce(0, bag_index[is_top], std[is_top], "amax", include_self=True)
-        return top, std_top
+        if self.reference_length is None:
+            return top, std_top
+        count = (bags.sizes.to(p) / self.reference_length).clamp_min(1.0)
+        mean, mean_std = _top_weighted_mean(p, std, bags, count)
+        longer = count > 1
+        return torch.where(longer, mean, top), torch.where(longer, mean_std, std_top)
+
+    def __repr__(self) -> str:
+        return "MaxRule()" if self.reference_length is None else f"MaxRule(reference_length={self.reference_length:g})"
+
+
+def _top_weighted_mean(p: Tensor, std: Tensor, bags: Bags, count: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean of the ``count_b`` (``(B,)``, ≥ 1, not necessarily whole) largest ``p`` ``(N,)`` of
+    each bag: the instance of within-bag rank ``r`` (0 = largest) weighs ``clamp(count_b − r, 0,
+    1)``. Its std is ``sqrt(Σ w_n² v_n) / count_b``, treating the instances as independent."""
+    B, idx = bags.num_bags, bags.index
+    # rank within bag by descending probability: sort by (bag, −p)
+    order = torch.argsort(p, descending=True, stable=True)
+    order = order[torch.argsort(idx[order], stable=True)]
+    sizes = bags.sizes.to(p)
+    starts = (torch.cumsum(sizes, 0) - sizes).long()
+    rank = torch.arange(p.numel(), device=p.device) - starts[idx[order]]
+    w = (count[idx[order]] - rank).clamp(0.0, 1.0)
+    keep = order[w > 0]
+    w = w[w > 0]
+    mean = segment_sum(w * p[keep], idx[keep], B) / count
+    var = segment_sum((w * std[keep]) ** 2, idx[keep], B) / count**2
+    return mean, var.sqrt()
 
 
 class TopKMeanRule(MarginalBagRule):
@@ -151,21 +193,9 @@ class TopKMeanRule(MarginalBagRule):
         self.fraction = None if fraction is None else float(fraction)
 
     def combine(self, p, std, bags, log_negative=None):
-        B, idx = bags.num_bags, bags.index
-        # rank within bag by descending probability: sort by (bag, −p)
-        order = torch.argsort(p, descending=True, stable=True)
-        order = order[torch.argsort(idx[order], stable=True)]
-        sizes = segment_sum(torch.ones_like(p), idx, B)
-        starts = (torch.cumsum(sizes, 0) - sizes).long()
-        rank = torch.arange(p.numel(), device=p.device) - starts[idx[order]]
-        if self.k is not None:
-            count = sizes.clamp(max=self.k)
-        else:
-            count = torch.ceil(self.fraction * sizes - 1e-9).clamp_min(1.0)
-        keep = order[rank < count[idx[order]]]
-        mean = segment_sum(p[keep], idx[keep], B) / count
-        var = segment_sum(std[keep] ** 2, idx[keep], B) / count**2
-        return mean, var.sqrt()
+        sizes = bags.sizes.to(p)
+        count = sizes.clamp(max=self.k) if self.k is not None else torch.ceil(self.fraction * sizes - 1e-9).clamp_min(1.0)
+        return _top_weighted_mean(p, std, bags, count)
 
     def __repr__(self) -> str:
         return f"TopKMeanRule(k={self.k})" if self.k is not None else f"TopKMeanRule(fraction={self.fraction})"

@@ -45,6 +45,22 @@ def test_fit_predict_shapes_and_quality():
     assert np.isfinite(clf.elbo_)
 
 
+def test_auto_scores_the_max_at_the_longest_training_bags_resolution():
+    """``bag_rule="auto"`` scores the max with the longest training bag as reference length (the
+    training bags hold 2–5 instances): the same max on bags of those lengths, the mean of the top
+    n_b/5 on longer ones, so a bag re-drawn longer is not called positive for its length. An
+    explicit ``"max"`` stays the plain max (the rule of the 2017 reference code)."""
+    from milgp.prediction import MaxRule
+
+    bags, y = toy_bags()
+    auto = VGPMILClassifier(**FAST).fit(bags, y)
+    maxes = [m.decision.rule for m in auto.ensemble_.members if isinstance(m.decision.rule, MaxRule)]
+    assert all(r.reference_length == max(len(b) for b in bags) for r in maxes)
+    assert any("MaxRule(reference_length=5)" in m.decision.candidates for m in auto.ensemble_.members)
+    plain = VGPMILClassifier(bag_rule="max", **FAST).fit(bags, y)
+    assert plain.decision_.rule.reference_length is None
+
+
 @pytest.mark.parametrize("bag_rule", ["max", "joint", "noisy_or", "joint_max", "top_k_mean"])
 def test_other_bag_rules(bag_rule):
     """Every named bag rule fits, calibrates and returns probabilities in [0, 1]."""

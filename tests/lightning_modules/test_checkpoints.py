@@ -82,8 +82,8 @@ def test_mismatched_extractor_is_one_line(tmp_path: Path) -> None:
 
 
 def test_bag_decision_is_fitted_held_out_and_travels_in_the_checkpoint(tmp_path: Path) -> None:
-    """The two-stage head's default decision ('auto') is chosen among the length-invariant rules
-    and calibrated on leave-one-bag-out cavities of the training bags at every epoch; it is part of
+    """The two-stage head's default decision ('auto') is chosen among the candidates whose scores do
+    not grow with bag length and calibrated on leave-one-bag-out cavities of the training bags at every epoch; it is part of
     the state dict, so the checkpoint predicts with it. An explicit rule is calibrated the same way."""
     data = feature_bags(num_bags=24, seed=4)
     for rule in ("auto", "noisy_or"):
@@ -98,6 +98,32 @@ def test_bag_decision_is_fitted_held_out_and_travels_in_the_checkpoint(tmp_path:
         batch = _batch(data, range(18, 24))
         with torch.no_grad():
             assert [r["bag_prob"] for r in loaded.predict_records(batch)] == [r["bag_prob"] for r in model.predict_records(batch)]
+
+
+def test_max_rule_reference_length_is_part_of_the_heads_state() -> None:
+    """A decision on the max rule fitted on bags of up to n₀ instances predicts longer bags with the
+    max at that resolution (MaxRule(reference_length=n₀)); n₀ must live in the head's state dict,
+    or a reloaded head would predict thin-slice scans with the plain max. A state dict written
+    before the buffer existed loads as the plain max."""
+    from milgp.likelihoods.instance_link import LogisticLink
+    from milgp.prediction import BagCalibrator, BagDecision, BagPosterior, MaxRule
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.arange(4).repeat_interleave(torch.tensor([3, 5, 12, 20]))
+    post = BagPosterior(torch.randn(len(idx), generator=g, dtype=torch.float64), torch.full((len(idx),), 0.3, dtype=torch.float64), Bags(idx, 4))
+    head = GPMILModule(feature_dim=4, num_inducing=5).gp
+    head.set_decision("max", BagDecision(MaxRule(reference_length=5), BagCalibrator(), 0.0, {}))
+    expected, _ = MaxRule(reference_length=5)(post, LogisticLink())
+    plain, _ = MaxRule()(post, LogisticLink())
+    assert torch.equal(head.decide(post)[0], expected) and not torch.equal(expected, plain)
+    state = head.state_dict()
+    assert float(state["decision_reference_length"]) == 5.0
+    fresh = GPMILModule(feature_dim=4, num_inducing=5).gp
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.decide(post)[0], expected) and fresh.decision_summary()["rule"] == "MaxRule(reference_length=5)"
+    old = {k: v for k, v in state.items() if k != "decision_reference_length"}
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.decide(post)[0], plain)
 
 
 def test_end_to_end_decision_is_fitted_on_validation_with_a_cross_fitted_score(tmp_path: Path) -> None:

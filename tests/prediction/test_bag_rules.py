@@ -104,7 +104,69 @@ def test_top_k_mean_by_count_and_by_fraction():
     torch.testing.assert_close(mean_rule, torch.stack([p_inst[BAG_INDEX == b].mean() for b in range(3)]))
 
 
-@pytest.mark.parametrize("rule", [MaxRule(), TopKMeanRule(fraction=0.25), TopKMeanRule(fraction=1.0)], ids=repr)
+def test_max_rule_with_reference_length_against_sorted_reference():
+    """MaxRule(reference_length=n₀): bags of at most n₀ instances keep the plain max (probability
+    and std); a bag of n_b > n₀ scores the mean of its c = n_b/n₀ largest probabilities with the
+    last one weighted c − ⌊c⌋, std sqrt(Σ w² v)/c — checked against a sort in float64 per bag."""
+    g = torch.Generator().manual_seed(4)
+    sizes = [1, 3, 4, 5, 9, 10]
+    idx = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    mean = torch.randn(len(idx), generator=g, dtype=torch.float64)
+    var = torch.rand(len(idx), generator=g, dtype=torch.float64)
+    post = BagPosterior(mean, var, Bags(idx, len(sizes)))
+    link = LogisticLink()
+    p_inst, s_inst = link.moments(mean, var)
+    n0 = 4
+    p, s = MaxRule(reference_length=n0)(post, link)
+    p_max, s_max = MaxRule()(post, link)
+    for b, n in enumerate(sizes):
+        if n <= n0:
+            assert p[b].item() == p_max[b].item() and s[b].item() == s_max[b].item()
+            continue
+        order = torch.argsort(p_inst[idx == b], descending=True)
+        c = n / n0
+        w = torch.tensor([min(max(c - r, 0.0), 1.0) for r in range(n)], dtype=torch.float64)
+        ref_p = (w * p_inst[idx == b][order]).sum() / c
+        ref_s = ((w * s_inst[idx == b][order]) ** 2).sum().sqrt() / c
+        assert p[b].item() == pytest.approx(ref_p.item(), rel=1e-12)
+        assert s[b].item() == pytest.approx(ref_s.item(), rel=1e-12)
+
+
+class _IdentityLink(LogisticLink):
+    """Instance probability = the posterior mean itself, std 0 (to feed rules chosen probabilities)."""
+
+    def moments(self, mean, var):
+        return mean, torch.zeros_like(mean)
+
+
+def test_max_rule_with_reference_length_does_not_grow_with_new_instances():
+    """Negative bags re-drawn longer (new instances, not copies: a scan re-sliced more finely): the
+    plain max of n uniform probabilities tends to 1 (E = n/(n+1)), so a long negative bag looks
+    positive because it is long; the max at reference length n₀ is the mean of the top 1/n₀ of the
+    bag and tends to 1 − 1/(2n₀) (0.95 for n₀ = 10). Were it to grow like the max, thin-slice
+    scans would be called positive for their length."""
+    g = torch.Generator().manual_seed(5)
+    link = _IdentityLink()
+    n0, num_bags = 10, 2000
+    means = {}
+    for n in (10, 40, 640):
+        p = torch.rand(num_bags * n, generator=g, dtype=torch.float64)
+        bags = Bags(torch.arange(num_bags).repeat_interleave(n), num_bags)
+        post = BagPosterior(p, torch.zeros_like(p), bags)
+        means[n] = (MaxRule(reference_length=n0)(post, link)[0].mean().item(), MaxRule()(post, link)[0].mean().item())
+    assert means[10][0] == pytest.approx(10 / 11, abs=0.005)  # bags of n₀: the max itself
+    assert means[640][0] == pytest.approx(1 - 1 / (2 * n0), abs=0.005)
+    assert means[640][1] > 0.998 and means[40][1] > means[40][0] + 0.03
+
+
+def test_max_rule_refuses_reference_length_below_one():
+    with pytest.raises(ValueError, match="reference_length"):
+        MaxRule(reference_length=0.5)
+
+
+@pytest.mark.parametrize(
+    "rule", [MaxRule(), MaxRule(reference_length=3), TopKMeanRule(fraction=0.25), TopKMeanRule(fraction=1.0)], ids=repr
+)
 def test_duplication_invariant_rules(rule):
     """Repeating every instance of every bag 10 times (a scan re-sliced 10× finer) must not change
     these rules' bag probabilities; the noisy-OR, for contrast, rises towards 1."""
