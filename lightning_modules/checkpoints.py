@@ -39,9 +39,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 def check_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str, source: str) -> None:
     """Raise a one-line :class:`InputError` when ``state`` does not fit ``module`` (other tensor
     shapes, missing or extra entries) instead of PyTorch's list of every mismatch. Submodules whose
-    state is sized by what they hold (``resizes_on_load``, e.g. the per-bag locals) may differ in shape."""
+    state is sized by what they hold (``resizes_on_load``, e.g. the per-bag locals) may differ in
+    shape; entries a submodule lists in ``optional_state`` (added after checkpoints were written,
+    filled with a default by its own ``_load_from_state_dict``) may be missing."""
     own = module.state_dict()
     resizable = tuple(f"{name}." for name, m in module.named_modules() if name and getattr(m, "resizes_on_load", False))
+    optional = {f"{name}.{k}" if name else k for name, m in module.named_modules() for k in getattr(m, "optional_state", ())}
     differ = [
         k for k, v in own.items()
         if k in state and isinstance(v, torch.Tensor) and not k.startswith(resizable) and tuple(state[k].shape) != tuple(v.shape)
@@ -53,7 +56,7 @@ def check_state(module: nn.Module, state: Mapping[str, torch.Tensor], what: str,
             f"({len(differ)} tensors differ); build the model from the checkpoint alone (load_from_checkpoint(path)) "
             "or with the architecture it was trained with"
         )
-    missing = [k for k in own if k not in state]
+    missing = [k for k in own if k not in state and k not in optional]
     extra = [k for k in state if k not in own]
     if missing or extra:
         first = f"{missing[0]!r} is missing there" if missing else f"{extra[0]!r} is not in this model"

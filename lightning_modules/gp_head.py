@@ -97,6 +97,9 @@ class GPHead(nn.Module):
     """What the bag labels are: ``"binary"`` (MIL) or ``"aggregate"`` (real-valued targets)."""
     makes_decision: ClassVar[bool] = True
     """Whether the head has a bag decision to fit on held-out bags (:meth:`fit_decision`)."""
+    optional_state: ClassVar[tuple[str, ...]] = ("decision_reference_length",)
+    """State entries older checkpoints lack (:func:`lightning_modules.checkpoints.check_state`)."""
+
     likelihood_type: ClassVar[type] = AugmentedBagLikelihood
     default_constant_mean: ClassVar[bool] = False
 

@@ -104,7 +104,8 @@ def test_max_rule_reference_length_is_part_of_the_heads_state() -> None:
     """A decision on the max rule fitted on bags of up to n₀ instances predicts longer bags with the
     max at that resolution (MaxRule(reference_length=n₀)); n₀ must live in the head's state dict,
     or a reloaded head would predict thin-slice scans with the plain max. A state dict written
-    before the buffer existed loads as the plain max."""
+    before the buffer existed (a user's older checkpoint) loads as the plain max; other missing
+    entries are still refused."""
     from milgp.likelihoods.instance_link import LogisticLink
     from milgp.prediction import BagCalibrator, BagDecision, BagPosterior, MaxRule
 
@@ -124,6 +125,12 @@ def test_max_rule_reference_length_is_part_of_the_heads_state() -> None:
     old = {k: v for k, v in state.items() if k != "decision_reference_length"}
     fresh.load_state_dict(old)
     assert torch.equal(fresh.decide(post)[0], plain)
+    module = GPMILModule(feature_dim=4, num_inducing=5)  # a whole checkpoint's state goes through check_state
+    module.gp.set_decision("max", BagDecision(MaxRule(reference_length=5), BagCalibrator(), 0.0, {}))
+    module.load_state_dict({k: v for k, v in module.state_dict().items() if k != "gp.decision_reference_length"})
+    assert torch.equal(module.gp.decide(post)[0], plain)
+    with pytest.raises(InputError, match="'gp.calibrator.slope' is missing there"):
+        module.load_state_dict({k: v for k, v in module.state_dict().items() if k != "gp.calibrator.slope"})
 
 
 def test_end_to_end_decision_is_fitted_on_validation_with_a_cross_fitted_score(tmp_path: Path) -> None:
