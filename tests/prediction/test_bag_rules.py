@@ -88,7 +88,8 @@ def test_max_rule_is_the_most_probable_instance():
 
 def test_top_k_mean_by_count_and_by_fraction():
     """Top-k mean: the mean of the k largest instance probabilities (all of a shorter bag); with a
-    fraction, of the ⌈fraction·n_b⌉ largest (at least one)."""
+    fraction, of the c = fraction·n_b largest (at least one), the last weighted c − ⌊c⌋: a bag of
+    3 at fraction ½ averages its largest and half of its second largest over 1.5."""
     link = LogisticLink()
     p_inst, _ = link.moments(MEAN, VAR)
     ref = []
@@ -97,8 +98,9 @@ def test_top_k_mean_by_count_and_by_fraction():
         ref.append(v[:2].mean())
     p, _ = TopKMeanRule(k=2)(_diag_posterior(), link)
     torch.testing.assert_close(p, torch.stack(ref))
-    half, _ = TopKMeanRule(fraction=0.5)(_diag_posterior(), link)  # ⌈1.5⌉=2, ⌈1⌉=1, ⌈0.5⌉=1
-    expect = [torch.sort(p_inst[BAG_INDEX == b], descending=True).values[:c].mean() for b, c in zip(range(3), (2, 1, 1))]
+    half, _ = TopKMeanRule(fraction=0.5)(_diag_posterior(), link)  # c = 1.5, 1, max(0.5, 1) = 1
+    top = [torch.sort(p_inst[BAG_INDEX == b], descending=True).values for b in range(3)]
+    expect = [(top[0][0] + 0.5 * top[0][1]) / 1.5, top[1][0], top[2][0]]
     torch.testing.assert_close(half, torch.stack(expect))
     mean_rule, _ = TopKMeanRule(fraction=1.0)(_diag_posterior(), link)
     torch.testing.assert_close(mean_rule, torch.stack([p_inst[BAG_INDEX == b].mean() for b in range(3)]))
