@@ -81,9 +81,9 @@ class GPHead(nn.Module):
         outputscale: initial kernel variance.
         bag_rule: ``"auto"`` (default: the rule among :func:`milgp.prediction.auto_bag_rules` —
             the max at the resolution of the longest held-out bag, mean of the top quarter, mean —
-            with the smallest held-out NLL after calibration, chosen by :meth:`fit_decision`) or a :mod:`milgp.prediction.bag_rules` name
-            (``"noisy_or"``, ``"max"``, ``"top_k_mean"``, ``"mean"``, ``"joint_noisy_or"``,
-            ``"joint_max"``, ``"orthant"``), calibrated the same way. Until a decision is fitted the
+            with the smallest held-out NLL after calibration, chosen by :meth:`fit_decision`) or a
+            :mod:`milgp.prediction.bag_rules` name (``"noisy_or"``, ``"max"``, ``"top_k_mean"``,
+            ``"mean"``, ``"joint_noisy_or"``, ``"joint_max"``, ``"orthant"``), calibrated the same way. Until a decision is fitted the
             head predicts with the named rule (``"auto"``: :data:`milgp.prediction.DEFAULT_BAG_RULE`)
             uncalibrated.
         seed: k-means++ and sampling seed.
