@@ -1,10 +1,8 @@
 """Checked access to one cached bag's ``.npy`` file.
 
 A cached bag is an uncompressed ``.npy`` file ``(S, C, H, W)``. On disk it can be truncated,
-emptied, overwritten by random bytes or replaced by another bag's array. :func:`array_file_problem`
-says what is wrong (header, shape, dtype, size, checksum) in one line; :func:`open_array_file`
-opens a bag for training only after the cheap checks (header, shape, dtype, size) pass, so a damaged
-file gives an error naming it instead of an ``mmap`` error in the middle of an epoch.
+emptied, overwritten by random bytes or replaced by another bag's array; checking it first gives
+an error naming the file instead of an ``mmap`` error in the middle of an epoch.
 """
 from __future__ import annotations
 

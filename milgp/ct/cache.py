@@ -17,21 +17,10 @@ Parameters and the uint8 storage are described in :mod:`milgp.ct.cache_params`. 
 as uncompressed ``.npy`` so that the dataset can memory-map them and read only the slices it
 subsamples.
 
-Robustness:
-
-* every file is written to a temporary file in its folder and moved into place with
-  ``os.replace`` (never a partial file), with the permissions the umask gives;
-* one writer at a time (:class:`milgp.ct.cache_lock.CacheLock`); pool workers die with the
-  writer (:mod:`milgp.ct.worker_pool`);
-* a rerun reuses a bag only after verifying it (:func:`milgp.ct.cache_bag.cached_bag_problem`:
-  same slices and labels, unchanged source files, array header, size and SHA-256); a corrupt or
-  stale bag is rebuilt and reported as rebuilt;
-* one bag never stops a build: any exception while reading or writing it makes it a failed bag
-  (reported with the file and the reason), and a worker process that dies (a decoder crash, out of
-  memory) costs only the bag it was working on (:func:`milgp.ct.worker_pool.run_isolated`);
-* :class:`CTCache` checks a bag's header, shape, dtype and size when it is opened, so a damaged file
-  gives a :class:`CacheCorruptError` naming the bag and the file; ``milgp-cache verify`` checks
-  (and repairs) a whole cache, checksums included (:mod:`milgp.ct.cache_verify`).
+Robustness (described in ``docs/ct_data.md``, "The cache"): atomic writes, one writer at a time
+(:mod:`milgp.ct.cache_lock`), a bag reused only after it verifies (:mod:`milgp.ct.cache_bag`), one
+bag never stopping a build (:mod:`milgp.ct.worker_pool`), bags checked when :class:`CTCache` opens
+them, and ``milgp-cache verify`` (:mod:`milgp.ct.cache_verify`).
 """
 from __future__ import annotations
 
@@ -89,16 +78,6 @@ class CacheCorruptError(ValueError):
 def repair_hint(root: Path) -> str:
     """How to check and repair the cache ``root`` (ends every corruption error)."""
     return f"check and repair the cache with: milgp-cache verify {printable(root)} --repair"
-
-
-def _write_manifest(cache_dir: Path, entries: list[dict]) -> None:
-    """Rewrite ``manifest.json`` with ``entries`` (the bags of the last build's index, in index order).
-
-    Bags that earlier builds cached from other indexes keep their files in ``bags/`` but are not
-    listed, so every reader of the manifest (:class:`CTCache`, the datasets and data modules) sees
-    exactly the bags of the last build's index.
-    """
-    atomic_write_json(cache_dir / "manifest.json", {"format": "milgp-ct-cache-manifest", "bags": entries})
 
 
 def build_cache(
@@ -172,18 +151,19 @@ def build_cache(
                 on_bag(result)
 
         try:
-            if workers <= 1:
-                for bag in index.bags:
-                    record(process_bag_isolated(bag, root, params))
-            else:
-                run_isolated(
-                    functools.partial(process_bag_isolated, cache_dir=root, params=params), index.bags, workers,
-                    on_result=lambda i, result: record(result),
-                    on_crash=lambda i: record(BagResult(index.bags[i].bag_id, "failed", reason=_WORKER_DIED, path=index.bags[i].slice_paths[0])),
-                )
+            run_isolated(
+                functools.partial(process_bag_isolated, cache_dir=root, params=params), index.bags, workers,
+                on_result=lambda i, result: record(result),
+                on_crash=lambda i: record(BagResult(
+                    index.bags[i].bag_id, "failed", reason=_WORKER_DIED, path=index.bags[i].slice_paths[0]
+                )),
+            )
         finally:
             bar.close()
-            _write_manifest(root, [entries[b] for b in index.bag_ids if b in entries])
+            # the bags of this build's index, in index order: bags cached from other indexes keep their
+            # files in bags/ but are not listed, so every reader of the manifest sees exactly this index
+            bags = [entries[b] for b in index.bag_ids if b in entries]
+            atomic_write_json(root / "manifest.json", {"format": "milgp-ct-cache-manifest", "bags": bags})
             report.seconds = time.perf_counter() - start
             report.write()
     return report

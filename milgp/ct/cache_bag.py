@@ -5,10 +5,8 @@ order) and ``<stem>.json``, its marker, written after the array. The marker reco
 was made from and what was written: the index's slice list and labels, the source files' identity
 (size and modification time in nanoseconds), the array's shape, dtype, size and SHA-256.
 
-A rerun reuses a bag only when all of that still holds (:func:`cached_bag_problem`): the same slices
-and labels, source files unchanged, and an array file whose header, size and checksum match.
-Anything else -- a truncated, emptied, overwritten or swapped array, an edited source file, a
-damaged marker -- makes the bag be computed again and reported as rebuilt, with the reason.
+A rerun reuses a bag only when all of that still holds (:func:`cached_bag_problem`); anything else
+makes the bag be computed again and reported as rebuilt, with the reason.
 """
 from __future__ import annotations
 
@@ -69,10 +67,6 @@ def source_identity(paths: tuple[str, ...] | list[str]) -> list[dict]:
         except OSError:
             out.append({"path": p, "size": None, "mtime_ns": None})
     return out
-
-
-def _sources_digest(sources: list[dict]) -> str:
-    return hashlib.sha256(json.dumps(sources, sort_keys=True).encode("ascii")).hexdigest()
 
 
 def _changed_source(recorded: list[dict]) -> tuple[str, str, str]:
@@ -256,7 +250,7 @@ def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: Ca
         "slice_paths": [record.slice_paths[i] for i in kept],
         "units": units.pop(),
         "sources": sources,
-        "sources_sha256": _sources_digest(sources),
+        "sources_sha256": hashlib.sha256(json.dumps(sources, sort_keys=True).encode("ascii")).hexdigest(),
         "skipped": [s.to_json_dict() for s in skipped],
         "warnings": [w.to_json_dict() for w in found],
     }

@@ -1,10 +1,8 @@
 """The preprocessing parameters that bind a CT cache (``params.json``).
 
-**Storage dtype: uint8** (default). Windowed values live in ``[0, 1]``; 8 bits quantise them in
-steps of 1/255 of the window width: 0.31 HU for the brain window (80 HU), 0.78 HU for the
-subdural window (200 HU) and 1.5 HU for the soft-tissue window (380 HU) -- all below the
-3-10 HU noise of a head CT, so nothing the network could use is lost, at half the size of float16
-and a quarter of float32. ``"float16"`` is offered for windows wider than ~1000 HU.
+**Storage dtype: uint8** (default): steps of 1/255 of a window's width are below the noise of a
+head CT (the numbers are in ``docs/ct_data.md``, "The cache"); ``"float16"`` is offered for windows
+wider than ~1000 HU.
 
 A cache is bound to its parameters: building into or opening a cache with different parameters
 raises :class:`CacheParamsMismatch`.

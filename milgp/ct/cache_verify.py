@@ -87,8 +87,8 @@ def _recorded_index(root: Path, entries: list[CacheEntry] | None) -> tuple[BagIn
     return BagIndex(records), problems
 
 
-def _check(root: Path) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIndex | None, list[CacheEntry] | None]:
-    """One pass: ``(bags checked, problems, notes, recorded index, manifest entries)``."""
+def _check(root: Path) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIndex | None]:
+    """One pass: ``(bags checked, problems, notes, recorded index)``."""
     problems: list[ReportEntry] = []
     notes: list[ReportEntry] = []
     entries: list[CacheEntry] | None
@@ -127,7 +127,7 @@ def _check(root: Path) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIn
             problems.append(ReportEntry("", str(splits_path), f"unreadable splits file ({type(err).__name__}: {err})"))
         else:
             problems += [ReportEntry(b, str(splits_path), "listed in splits.json but not in the manifest") for b in listed if b not in known]
-    return len(served), problems, notes, index, entries
+    return len(served), problems, notes, index
 
 
 def _fix_splits(root: Path) -> list[str]:
@@ -166,7 +166,7 @@ def verify_cache(
     root = Path(cache_dir)
     params = read_cache_params(root)
     with CacheLock(root, wait_s=wait_s):
-        checked, problems, notes, index, _ = _check(root)
+        checked, problems, notes, index = _check(root)
         report = VerifyReport(str(root), checked, problems, remaining=list(problems), notes=notes)
         if not repair or not problems:
             return report
@@ -175,5 +175,5 @@ def verify_cache(
             report.actions += [f"rebuilt {e}" for e in built.rebuilt]
             report.actions += [f"left out of the manifest (cannot be rebuilt): {e}" for e in built.failed]
         report.actions += _fix_splits(root)
-        _, report.remaining, report.notes, _, _ = _check(root)
+        _, report.remaining, report.notes, _ = _check(root)
     return report

@@ -70,7 +70,6 @@ class CTBagDataset(torch.utils.data.Dataset):
         self.max_slices = max_slices
         self.augment = augment
         self.seed = seed
-        # in shared memory so that set_epoch reaches persistent DataLoader workers too
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @classmethod

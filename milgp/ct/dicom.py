@@ -1,17 +1,8 @@
 """DICOM files and headers: opening a file with one clear error, header-only reads, finding files.
 
-A CT scan is a *series* of single-frame DICOM files, one per axial slice. This module opens them:
-
-* :func:`read_dataset` -- ``pydicom.dcmread`` with every failure turned into :class:`DicomReadError`
-  naming the file (not DICOM, truncated, corrupt, unreadable, permission denied);
-* :func:`read_slice_header` / :func:`read_headers` -- the header fields that index and order a
-  series (:class:`SliceHeader`), read without pixel data, for one or many files (many: unreadable
-  files are skipped and reported, never raised);
-* :func:`walk_files` -- every file under a folder, following links without looping, reporting
-  what cannot be listed.
-
-Pixels become Hounsfield units in :mod:`milgp.ct.hounsfield`; series are checked and ordered in
-:mod:`milgp.ct.series_check` and loaded in :mod:`milgp.ct.series`.
+A CT scan is a *series* of single-frame DICOM files, one per axial slice. Pixels become Hounsfield
+units in :mod:`milgp.ct.hounsfield`; series are checked and ordered in :mod:`milgp.ct.series_check`
+and loaded in :mod:`milgp.ct.series`.
 """
 from __future__ import annotations
 
@@ -65,6 +56,7 @@ _HEADER_TAGS = [
     "ConvolutionKernel",
     "ContrastBolusAgent",
 ]
+_READ_KILLED_WORKER = "reading this file killed the worker process (a crash in pydicom or out of memory)"
 
 
 class DicomReadError(ValueError):
@@ -334,24 +326,17 @@ def read_headers(
     """
     path_list = [str(p) for p in paths]
     bar = tqdm(total=len(path_list), desc="reading headers", unit="file", disable=not progress)
-    results: list[SliceHeader | tuple[str, str]] = []
-    if workers > 1:
-        by_position: dict[int, SliceHeader | tuple[str, str]] = {}
+    results: list[SliceHeader | tuple[str, str] | None] = [None] * len(path_list)
 
-        def keep(i: int, result: SliceHeader | tuple[str, str]) -> None:
-            by_position[i] = result
-            bar.update(1)
+    def keep(i: int, result: SliceHeader | tuple[str, str]) -> None:
+        results[i] = result
+        bar.update(1)
 
-        run_isolated(
-            _read_header_or_reason, path_list, workers, on_result=keep,
-            on_crash=lambda i: keep(i, (path_list[i], "reading this file killed the worker process (a crash in pydicom or out of memory)")),
-            chunk=max(1, len(path_list) // (workers * 16)),
-        )
-        results = [by_position[i] for i in range(len(path_list))]
-    else:
-        for p in path_list:
-            results.append(_read_header_or_reason(p))
-            bar.update(1)
+    run_isolated(
+        _read_header_or_reason, path_list, workers, on_result=keep,
+        on_crash=lambda i: keep(i, (path_list[i], _READ_KILLED_WORKER)),
+        chunk=max(1, len(path_list) // (max(workers, 1) * 16)),
+    )
     bar.close()
     headers = [r for r in results if isinstance(r, SliceHeader)]
     skipped = [r for r in results if not isinstance(r, SliceHeader)]

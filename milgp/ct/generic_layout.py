@@ -137,7 +137,7 @@ def index_generic(
     ]
     refused = [ReportEntry(b, str(labels_csv), f"bag left out: {why}") for b, why in invalid.items()]
     bag_of: dict[str, str] = {}
-    walked: set[str] = set()
+    by_bag: dict[str, list[SliceHeader]] = {}  # the bags whose folders were walked, in labels_csv order
     for bag_id in bag_labels:
         folder = root_path / bag_id
         if bag_id in invalid_slices:
@@ -148,18 +148,15 @@ def index_generic(
             files, problems = walk_files(folder)
             skipped += [ReportEntry(bag_id, e.path, e.reason) for e in problems]
             bag_of.update({f: bag_id for f in files})
-            walked.add(bag_id)
+            by_bag[bag_id] = []
     headers, unread = read_headers(list(bag_of), workers=workers, progress=progress)
     skipped += [ReportEntry(bag_of[p], p, r) for p, r in unread]
-    by_bag: dict[str, list[SliceHeader]] = {}
     for h in headers:
-        by_bag.setdefault(bag_of[h.path], []).append(h)
+        by_bag[bag_of[h.path]].append(h)
     index = BagIndex([], skipped, refused)
-    for bag_id, (label, patient) in bag_labels.items():
-        if bag_id not in walked:
-            continue
+    for bag_id, series in by_bag.items():
+        label, patient = bag_labels[bag_id]
         folder = root_path / bag_id
-        series = by_bag.get(bag_id, [])
         if not series:
             why = next((f" (e.g. {printable(e.path)}: {e.reason})" for e in skipped if e.bag_id == bag_id), " (it holds no file)")
             index.refused.append(ReportEntry(bag_id, str(folder), f"bag left out: no readable DICOM image in its folder{why}"))

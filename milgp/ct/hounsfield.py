@@ -1,13 +1,7 @@
 """Pixel values of one CT slice in Hounsfield units, with the RSNA 12-bit fault repaired.
 
-* :func:`read_slice_values` -- one file -> ``(H, W)`` float32 rescaled values with their unit
-  (``"HU"`` only for CT), and what was assumed or repaired on the way (:class:`SliceValues`);
-* :func:`read_hu` -- the same for a CT slice, as plain HU; non-CT images are refused, because
-  their values are not Hounsfield units;
-* :func:`repair_rsna_12bit_fault` -- the known pixel-representation fault of the RSNA archive,
-  with air noise kept at air.
-
-Every failure raises :class:`milgp.ct.dicom.DicomReadError` naming the file.
+Only CT values are Hounsfield units (other images are refused, or labelled with their own units);
+every failure raises :class:`milgp.ct.dicom.DicomReadError` naming the file.
 """
 from __future__ import annotations
 
@@ -92,7 +86,6 @@ class SliceValues:
     Attributes:
         values: ``(H, W)`` float32 ``stored * RescaleSlope + RescaleIntercept`` (12-bit repaired).
         units: ``"HU"`` for CT, otherwise a description that says the values are not HU.
-        modality: the Modality tag (``""`` when absent).
         rescale_assumed: RescaleSlope or RescaleIntercept was missing and 1 / 0 was assumed.
         repaired_12bit: :func:`repair_rsna_12bit_fault` was applied.
         clamped_air: pixels the repair set from the wrapped top band to air.
@@ -100,7 +93,6 @@ class SliceValues:
 
     values: np.ndarray
     units: str
-    modality: str
     rescale_assumed: bool
     repaired_12bit: bool
     clamped_air: int
@@ -181,7 +173,7 @@ def read_slice_values(path: str | os.PathLike[str], allow_non_ct: bool = False) 
         values = (raw.astype(np.float32) * np.float32(slope) + np.float32(intercept)).astype(np.float32)
     if not np.isfinite(values).all():
         raise DicomReadError(path, f"rescaled values are not finite (RescaleSlope {slope}, RescaleIntercept {intercept})")
-    return SliceValues(values, value_units(header.modality), header.modality, slope_assumed or intercept_assumed, repaired, clamped)
+    return SliceValues(values, value_units(header.modality), slope_assumed or intercept_assumed, repaired, clamped)
 
 
 @dataclass

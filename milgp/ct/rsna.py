@@ -2,9 +2,7 @@
 
 Layout: one folder of ``ID_<image>.dcm`` slices (``stage_2_train/``) and the label file
 ``stage_2_train.csv`` with rows ``ID,Label`` where ``ID = ID_<image>_<subtype>`` for the subtypes
-in :data:`RSNA_SUBTYPES`. Series are found from the DICOM headers (SeriesInstanceUID; patient from
-PatientID), slices ordered by geometry; a slice's label is its ``any`` label and the bag label is
-the maximum over its slices.
+in :data:`RSNA_SUBTYPES`. Series are found from the DICOM headers (:func:`index_rsna`).
 """
 from __future__ import annotations
 

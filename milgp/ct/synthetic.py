@@ -20,7 +20,7 @@ from __future__ import annotations
 import csv
 import io
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -154,7 +154,6 @@ def write_ct_slice(
     description: str = "",
     kernel: str = "STANDARD",
     contrast_agent: str | None = None,
-    window: tuple[float, float] = (40.0, 80.0),
 ) -> None:
     """Write one slice of ``hu`` ``(H, W)`` (HU) as a CT Image Storage DICOM file.
 
@@ -202,8 +201,8 @@ def write_ct_slice(
     ds.RescaleIntercept = f"{_RESCALE_INTERCEPT:g}"
     ds.RescaleSlope = "1"
     ds.RescaleType = "HU"
-    ds.WindowCenter = f"{window[0]:g}"
-    ds.WindowWidth = f"{window[1]:g}"
+    ds.WindowCenter = "40"  # the brain window
+    ds.WindowWidth = "80"
     ds.PixelData = raw.tobytes()
     ds.save_as(path, enforce_file_format=True)
 
@@ -289,6 +288,24 @@ class SyntheticScan:
     bag_label: float
 
 
+def _write_scan(
+    directory: Path, hu: np.ndarray, labels: np.ndarray, file_names: Sequence[str], rng: np.random.Generator,
+    bag_id: str, patient_id: str, study_uid: str, series_uid: str, bag_label: float | None = None,
+    z_start_mm: float = 0.0, slice_thickness_mm: float = 5.0, **series_kw: object,
+) -> SyntheticScan:
+    """Write one series (:func:`write_ct_series`) and return its ground truth; the bag label is the
+    largest slice label unless given."""
+    paths = write_ct_series(
+        directory, hu, file_names, rng=rng, patient_id=patient_id, study_uid=study_uid, series_uid=series_uid,
+        z_start_mm=z_start_mm, slice_thickness_mm=slice_thickness_mm, **series_kw,  # type: ignore[arg-type]
+    )
+    return SyntheticScan(
+        bag_id=bag_id, patient_id=patient_id, study_uid=study_uid, series_uid=series_uid, paths=tuple(paths),
+        z_mm=tuple(z_start_mm + slice_thickness_mm * np.arange(len(paths))),
+        slice_labels=tuple(int(v) for v in labels), bag_label=float(labels.max()) if bag_label is None else bag_label,
+    )
+
+
 @dataclass
 class SyntheticDataset:
     """What a ``write_*_dataset`` call wrote: the layout's paths and the per-scan ground truth.
@@ -304,7 +321,6 @@ class SyntheticDataset:
     labels_csv: str
     scans: list[SyntheticScan]
     slice_labels_csv: str | None = None
-    extra_series: dict[str, list[str]] = field(default_factory=dict)
 
     def scan(self, bag_id: str) -> SyntheticScan:
         """The ground truth of one bag (``KeyError`` naming the id when unknown)."""
@@ -400,26 +416,17 @@ def write_rsna_dataset(
         spec = sample_phantom(rng, bool(positive[i]), _z_norm(num), lesion_radius, noise_hu, lesion_hu)
         z = _z_norm(num * slice_factor)
         hu, labels = render_phantom(spec, z, size, rng)
-        study_uid, series_uid = _uid(seed, "study", i), _uid(seed, "series", i)
-        patient_id = f"ID_{i % n_patients:08x}"
+        series_uid = _uid(seed, "series", i)
         names = _random_names(rng, len(z), "ID_", used)
-        z_start = float(rng.uniform(-50.0, 50.0))
-        paths = write_ct_series(
-            image_dir, hu, [n + ".dcm" for n in names], rng=rng, patient_id=patient_id,
-            study_uid=study_uid, series_uid=series_uid, z_start_mm=z_start, slice_thickness_mm=thickness,
-            description="CT 5mm" if slice_factor == 1 else f"CT {thickness:g}mm",
-        )
+        scans.append(_write_scan(
+            image_dir, hu, labels, [n + ".dcm" for n in names], rng, series_uid, f"ID_{i % n_patients:08x}",
+            _uid(seed, "study", i), series_uid, z_start_mm=float(rng.uniform(-50.0, 50.0)),
+            slice_thickness_mm=thickness, description="CT 5mm" if slice_factor == 1 else f"CT {thickness:g}mm",
+        ))
         subtype = subtypes[int(rng.integers(len(subtypes)))]
         for name, lab in zip(names, labels):
             rows.extend((f"{name}_{s}", int(lab) if s == subtype else 0) for s in subtypes)
             rows.append((f"{name}_any", int(lab)))
-        scans.append(
-            SyntheticScan(
-                bag_id=series_uid, patient_id=patient_id, study_uid=study_uid, series_uid=series_uid,
-                paths=tuple(paths), z_mm=tuple(z_start + thickness * np.arange(len(z))),
-                slice_labels=tuple(int(v) for v in labels), bag_label=float(labels.max()),
-            )
-        )
     rows.sort()
     for k in rng.choice(len(rows), size=min(duplicate_rows, len(rows)), replace=False):
         rows.append(rows[int(k)])
@@ -446,15 +453,13 @@ def write_cq500_dataset(
     studies).
 
     Returns:
-        The ground truth of the ``CT 5mm`` series; ``bag_id`` = ``CQ500-CT-<n>``;
-        ``extra_series`` maps each bag id to the series UIDs of the three other series.
+        The ground truth of the ``CT 5mm`` series; ``bag_id`` = ``CQ500-CT-<n>``.
     """
     _check_common(n_studies, slices, size)
     rng = np.random.default_rng(seed)
     root_path = Path(root)
     positive = _positives(rng, n_studies, prevalence)
     scans: list[SyntheticScan] = []
-    extra: dict[str, list[str]] = {}
     reads = io.StringIO()
     writer = csv.writer(reads, lineterminator="\n")
     writer.writerow(["name", "Category", "R1:ICH", "R1:IPH", "R2:ICH", "R2:IPH", "R3:ICH", "R3:IPH"])
@@ -471,31 +476,21 @@ def write_cq500_dataset(
         study_uid = _uid(seed, "cq500-study", i)
         for v, (desc, thickness, factor, extra_slices, kernel, agent) in enumerate(variants):
             count = num * factor + extra_slices
-            z = _z_norm(count) * (count / (num * factor))
-            hu, labels = render_phantom(spec, z, size, rng)
-            series_uid = _uid(seed, "cq500-series", i, v)
-            paths = write_ct_series(
-                folder / desc, hu, [f"CT{k:06d}.dcm" for k in rng.permutation(count)], rng=rng,
-                patient_id=name, study_uid=study_uid, series_uid=series_uid, slice_thickness_mm=thickness,
+            hu, labels = render_phantom(spec, _z_norm(count) * (count / (num * factor)), size, rng)
+            scan = _write_scan(
+                folder / desc, hu, labels, [f"CT{k:06d}.dcm" for k in rng.permutation(count)], rng, name, name,
+                study_uid, _uid(seed, "cq500-series", i, v), float(positive[i]), slice_thickness_mm=thickness,
                 description=desc, kernel=kernel, contrast_agent=agent,
             )
             if v == 0:
-                scans.append(
-                    SyntheticScan(
-                        bag_id=name, patient_id=name, study_uid=study_uid, series_uid=series_uid,
-                        paths=tuple(paths), z_mm=tuple(thickness * np.arange(count)),
-                        slice_labels=tuple(int(x) for x in labels), bag_label=float(positive[i]),
-                    )
-                )
-            else:
-                extra.setdefault(name, []).append(series_uid)
+                scans.append(scan)
         truth = int(positive[i])
         votes = [truth, truth, truth]
         votes[int(rng.integers(3))] = 1 - truth if rng.random() < 0.5 else truth
         writer.writerow([name, "synthetic", votes[0], 0, votes[1], 0, votes[2], 0])
     labels_csv = root_path / "reads.csv"
     atomic_write_text(labels_csv, reads.getvalue())
-    return SyntheticDataset("cq500", str(root_path), str(root_path), str(labels_csv), scans, extra_series=extra)
+    return SyntheticDataset("cq500", str(root_path), str(root_path), str(labels_csv), scans)
 
 
 def write_generic_dataset(
@@ -528,20 +523,13 @@ def write_generic_dataset(
         num = int(rng.integers(slices[0], slices[1] + 1))
         z = _z_norm(num)
         hu, labels = render_phantom(sample_phantom(rng, bool(positive[i]), z, noise_hu=noise_hu), z, size, rng)
-        study_uid, series_uid = _uid(seed, "generic-study", i), _uid(seed, "generic-series", i)
         names = [n + ".dcm" for n in _random_names(rng, num, "img_", used)]
-        paths = write_ct_series(
-            bags_dir / bag_id, hu, names, rng=rng, patient_id=patient_id, study_uid=study_uid, series_uid=series_uid
-        )
+        scans.append(_write_scan(
+            bags_dir / bag_id, hu, labels, names, rng, bag_id, patient_id,
+            _uid(seed, "generic-study", i), _uid(seed, "generic-series", i),
+        ))
         bag_rows.append(f"{bag_id},{int(labels.max())},{patient_id}\n")
         slice_rows.extend(f"{bag_id},{n},{int(lab)}\n" for n, lab in zip(names, labels))
-        scans.append(
-            SyntheticScan(
-                bag_id=bag_id, patient_id=patient_id, study_uid=study_uid, series_uid=series_uid,
-                paths=tuple(paths), z_mm=tuple(5.0 * np.arange(num)),
-                slice_labels=tuple(int(v) for v in labels), bag_label=float(labels.max()),
-            )
-        )
     labels_csv, slice_csv = root_path / "labels.csv", root_path / "slice_labels.csv"
     atomic_write_text(labels_csv, "".join(bag_rows))
     atomic_write_text(slice_csv, "".join(slice_rows))

@@ -11,13 +11,10 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["HEAD_CT_WINDOWS", "HEAD_CT_WINDOW_NAMES", "apply_window", "ct_channels", "resize_images"]
+__all__ = ["HEAD_CT_WINDOWS", "apply_window", "ct_channels", "resize_images"]
 
-#: Head-CT display windows ``(center, width)`` in HU, in channel order: brain (40, 80),
-#: subdural/blood (80, 200), soft tissue (40, 380).
+#: Head-CT display windows ``(center, width)`` in HU, in channel order (module docstring).
 HEAD_CT_WINDOWS: tuple[tuple[float, float], ...] = ((40.0, 80.0), (80.0, 200.0), (40.0, 380.0))
-#: Names of the channels made from :data:`HEAD_CT_WINDOWS`.
-HEAD_CT_WINDOW_NAMES: tuple[str, ...] = ("brain", "subdural", "soft_tissue")
 
 
 def apply_window(hu: np.ndarray, center: float, width: float) -> np.ndarray:

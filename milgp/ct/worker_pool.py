@@ -84,13 +84,18 @@ def run_isolated(
     on_crash: Callable[[int], None],
     chunk: int = 1,
 ) -> None:
-    """Run ``fn`` on every item in a pool of ``workers`` processes (:func:`process_pool`).
+    """Run ``fn`` on every item in a pool of ``workers`` processes (:func:`process_pool`), or in this
+    process, in order, when ``workers <= 1``.
 
     ``on_result(i, fn(items[i]))`` is called in this process as results arrive (in any order),
     ``chunk`` items per task. When a worker dies, the unfinished items are run one per fresh
     single-process pool; ``on_crash(i)`` is called for an item whose worker dies again. ``fn``
     must be picklable (a module-level function, or a ``functools.partial`` of one).
     """
+    if workers <= 1:
+        for i, item in enumerate(items):
+            on_result(i, fn(item))
+        return
     pending = list(range(len(items)))
     isolate = False
     while pending:
