@@ -24,12 +24,9 @@ __all__ = ["AttentionMILModule"]
 class AttentionMILModule(BagModuleBase):
     """The AttCNN baseline, trained on bag labels with binary cross-entropy.
 
-    Only real slices go through the CNN (the batch is flat: ``(N, C, H, W)`` plus a bag index);
-    the attention softmax is the one place a padded ``(B, N_max)`` tensor is used, with padding
-    masked out, so a bag's prediction does not depend on the other bags in its batch.
-
-    Inputs are CT slices ``(N, C, H, W)`` (through the extractor) or precomputed slice features
-    ``(N, D)`` (a feature file; the attention and classifier then act on them directly).
+    Inputs are CT slices ``(N, C, H, W)`` through the extractor, or precomputed slice features
+    ``(N, D)`` (a feature file), flat with a bag index: only the attention softmax pads
+    (:class:`AttentionPooling`), so a bag's prediction does not depend on the other bags in its batch.
 
     Exports per slice: the attention weight (``slice_scores``, used for the instance AUROC as in
     the literature) and ``slice_probs = sigmoid(classifier(h_n))``, the bag classifier applied to one

@@ -9,9 +9,6 @@ A *record* is one bag's prediction, a plain dict::
 Validation and test records are gathered across DDP ranks (deduplicated by bag id, sorted) before
 the metrics are computed, so every rank logs the same numbers for the whole split. A record with
 a non-finite probability stops the run with an error naming the bag (it is never scored as 0).
-
-Model selection (``best.ckpt``, early stopping) follows a proper score, the validation bag
-negative log-likelihood :attr:`BagModuleBase.selection_metric`; bag AUROC is logged beside it.
 """
 from __future__ import annotations
 
@@ -72,7 +69,7 @@ class BagModuleBase(pl.LightningModule, ABC):
 
     Attributes:
         selection_metric: ``(logged name, "min" | "max")`` that ``best.ckpt`` and early stopping
-            follow (validation bag NLL).
+            follow: the validation bag NLL, a proper score (bag AUROC is logged beside it).
         input_preprocessing: the CT preprocessing the model's inputs were made with
             (``{"windows": [[center, width], ...], "size": [H, W], "dtype": cache storage dtype}``,
             from the training data or the extractor checkpoint; ``None`` for feature inputs), saved
@@ -117,9 +114,7 @@ class BagModuleBase(pl.LightningModule, ABC):
         else the extractor's output for slices ``(N, C, H, W)``; ``grad`` forces autograd on or off."""
         if x.dim() == 2 or self.extractor is None:
             return x
-        if grad is None:
-            return self.extractor(x)
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(torch.is_grad_enabled() if grad is None else grad):
             return self.extractor(x)
 
     def on_fit_start(self) -> None:
@@ -165,15 +160,11 @@ class BagModuleBase(pl.LightningModule, ABC):
         per = lambda t: None if t is None else [v.detach().float().cpu().numpy() for v in split_by_bag(t, batch.bag_index, B)]  # noqa: E731
         probs, stds = per(slice_probs), per(slice_stds)
         scores = per(slice_scores) if slice_scores is not None else probs
-        labels = per(batch.instance_labels) if batch.instance_labels is not None else None
+        labels = per(batch.instance_labels)
         extras = {k: per(v) for k, v in (extra or {}).items()}
         ids = batch.bag_ids or [f"bag_{i}" for i in range(B)]
-        out = []
-        for b in range(B):
-            lab = None
-            if labels is not None and not np.isnan(labels[b]).any():
-                lab = labels[b].tolist()
-            rec = {
+        return [
+            {
                 "bag_id": ids[b],
                 "bag_label": float(batch.bag_labels[b]),
                 "bag_prob": float(bag_prob[b]),
@@ -181,12 +172,11 @@ class BagModuleBase(pl.LightningModule, ABC):
                 "slice_probs": probs[b].tolist(),
                 "slice_stds": None if stds is None else stds[b].tolist(),
                 "slice_scores": scores[b].tolist(),
-                "slice_labels": lab,
+                "slice_labels": None if labels is None or np.isnan(labels[b]).any() else labels[b].tolist(),
+                **{k: v[b] for k, v in extras.items()},
             }
-            for k, v in extras.items():
-                rec[k] = v[b]
-            out.append(rec)
-        return out
+            for b in range(B)
+        ]
 
     @staticmethod
     def gather_records(records: list[dict]) -> list[dict]:

@@ -20,12 +20,6 @@ class BagStore:
     def __init__(self) -> None:
         self._bags: dict[str, tuple[Tensor, float]] = {}
 
-    def __len__(self) -> int:
-        return len(self._bags)
-
-    def clear(self) -> None:
-        self._bags = {}
-
     def add(self, batch: BagBatch, h: Tensor) -> None:
         """Store the features ``h`` ``(N, D)`` of the batch's bags (which need ids)."""
         if not batch.bag_ids:
@@ -34,12 +28,11 @@ class BagStore:
         for bag_id, part, label in zip(batch.bag_ids, parts, batch.bag_labels.tolist()):
             self._bags[bag_id] = (part.clone(), float(label))
 
-    def gathered(self) -> tuple[list[str], Tensor, Tensor, Tensor]:
-        """Every rank's bags, sorted by id: ``(ids (B,), features (N, D) float64, bag_index (N,),
-        labels (B,) float64)``."""
-        merged: dict[str, tuple[Tensor, float]] = {}
-        for part in all_gather_objects(self._bags):
-            merged.update(part)
+    def take(self) -> tuple[list[str], Tensor, Tensor, Tensor]:
+        """Every rank's bags, sorted by id, and empty the store: ``(ids (B,), features (N, D) float64,
+        bag_index (N,), labels (B,) float64)``."""
+        merged = {k: v for part in all_gather_objects(self._bags) for k, v in part.items()}
+        self._bags = {}
         ids = sorted(merged)
         h = torch.cat([merged[k][0] for k in ids]).to(torch.float64)
         bag_index = bag_index_from_sizes([len(merged[k][0]) for k in ids])

@@ -1,24 +1,14 @@
 """End-to-end demo (``make demo`` / ``python -m lightning_modules.demo``): synthetic CT scans →
 AttCNN → two GP heads, tested on scans like the training ones and on an external thin-slice set.
 
-Stages, all through the machinery of real runs (``milgp-cache``, ``milgp-train`` with the YAML
-files in ``configs/``, ``milgp-predict``):
-
-1. write synthetic head-CT scans as real DICOM files in the RSNA layout (30–40 slices per scan,
-   positive scans with one small hyperdense lesion over a few slices), cache them with a
-   patient-grouped 50/20/30 split; write and cache an **external test set**: other phantom heads of
-   the same kind **re-sliced 6× more finely** (180–240 slices per scan), as external hospitals'
-   thin-slice CT is (:func:`milgp.ct.synthetic.write_rsna_dataset`, ``slice_factor``);
-2. AttCNN (``configs/demo_attcnn.yaml``): fit, test on both test sets, write the frozen CNN's slice
-   features (``configs/demo_extract.yaml``);
-3. two-stage GP (``configs/demo_gp_two_stage.yaml``) on those features, holding the AttCNN's
-   extractor, and end-to-end CNN + GP (``configs/demo_gp_end_to_end.yaml``): fit, test on both sets
-   (``configs/demo_external.yaml``);
-4. predictions for new scans given as DICOM (``milgp-predict`` with the two-stage GP's checkpoint);
-5. the bag rule side by side on the thin-slice set: the paper's noisy-OR against the project's
-   default, the calibrated length-invariant rule chosen on held-out bags (``bag_rule="auto"``);
-6. ``<out>/metrics.json`` (both test sets' metrics per model, the rule comparison, timings), plots
-   beside it, and a summary on stdout.
+Every stage goes through the machinery of real runs (``milgp-cache``, ``milgp-train`` with the
+YAML files ``configs/demo_*.yaml``, ``milgp-predict``): synthetic head CTs written as DICOM and
+cached with a patient-grouped 50/20/30 split, and an external set re-sliced ``slice_factor``×
+more finely (:func:`milgp.ct.synthetic.write_rsna_dataset`); the AttCNN, then a two-stage GP on its
+features and a CNN + GP end to end, each tested on both sets; ``milgp-predict`` on new DICOM scans;
+the paper's noisy-OR beside the calibrated default bag rule on the thin-slice set; last
+``<out>/metrics.json``, plots beside it and a summary on stdout. The README ("The demo") has the
+stages in detail and the measured results.
 
 Every model's run folder (checkpoints, logs, reports) is ``<out>/<model>``. ``--quick`` shrinks
 everything for the tests (a smoke test, not a result).
@@ -26,6 +16,7 @@ everything for the tests (a smoke test, not a result).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -121,10 +112,8 @@ def _fresh_folder(out: str | Path | None) -> Path:
         if path.exists() and any(path.iterdir()):
             raise InputError(f"{path} is not empty: the demo writes a new folder (remove it or give another --out)")
         return path
-    k = 0
-    while Path("runs/demo" if k == 0 else f"runs/demo_{k}").exists():
-        k += 1
-    return Path("runs/demo" if k == 0 else f"runs/demo_{k}")
+    candidates = (Path("runs/demo" if k == 0 else f"runs/demo_{k}") for k in itertools.count())
+    return next(path for path in candidates if not path.exists())
 
 
 def _banner(text: str) -> None:

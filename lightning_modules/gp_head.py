@@ -2,24 +2,13 @@
 
 Wraps :class:`milgp.models.SparseGP` and any :class:`milgp.likelihoods.AugmentedBagLikelihood`
 (MIL classification; :class:`~lightning_modules.aggregate_gp_head.AggregateGPHead` is the same
-head for aggregate outputs) with what a trainer needs around them:
-
-* feature standardisation buffers (``feature_mean``, ``feature_scale``), inducing points and the
-  initial lengthscale set once from training features (:meth:`GPHead.initialize`: z-scores,
-  k-means++ split between positive and negative bags, median heuristic);
-* the GP's :class:`~milgp.models.ClosedFormStrategy` (:attr:`GPHead.strategy`) and the library's
-  fit steps of its likelihood on a training batch (:meth:`GPHead.fit_steps`:
-  :class:`~milgp.variational.fit.ClosedFormSteps`, as :func:`~milgp.variational.fit_loop.fit_loop`
-  drives them), with hooks that all-reduce the statistics under DDP; the training step takes its
-  natural step and its hyperparameter objective from them;
-* predictions with uncertainty for instances and bags (:meth:`GPHead.predict`; the same method
-  and keys on both heads); bag probabilities go through the head's **bag decision**: a bag rule
-  (:mod:`milgp.prediction.bag_rules`) and a Platt calibration of its score
-  (:class:`milgp.prediction.BagCalibrator`), chosen and fitted on held-out bags by
-  :meth:`GPHead.fit_decision` (with ``bag_rule="auto"`` the rule is chosen among
-  :func:`milgp.prediction.auto_bag_rules`, whose scores do not grow with bag length, by held-out
-  NLL) and stored in the head's state dict (``decision_rule``, ``decision_reference_length`` and
-  the ``calibrator`` buffers), so a checkpoint alone predicts exactly as the trained head did.
+head for aggregate outputs) with what a trainer needs around them: the feature standardisation,
+inducing points and initial lengthscale (:meth:`GPHead.initialize`), the library's fit steps of
+its likelihood on a training batch (:meth:`GPHead.fit_steps`), and predictions with uncertainty
+(:meth:`GPHead.predict`, the same keys on both heads) through the head's **bag decision**: a bag
+rule and a Platt calibration of its score, fitted on held-out bags (:meth:`GPHead.fit_decision`)
+and stored in the head's state dict, so a checkpoint alone predicts exactly as the trained head
+did (docs/lightning.md).
 
 Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
 """
@@ -174,10 +163,9 @@ class GPHead(nn.Module):
         weights ``(N,)`` are for heads that start their mean from them (aggregate outputs)."""
         x = features.detach().to(torch.float64).cpu()
         if self.standardize_features:
-            mean, scale = x.mean(0), x.std(0, unbiased=False)
-            scale = torch.where(scale > 1e-12, scale, torch.ones_like(scale))
-            self.feature_mean.copy_(mean)
-            self.feature_scale.copy_(scale)
+            scale = x.std(0, unbiased=False)
+            self.feature_mean.copy_(x.mean(0))
+            self.feature_scale.copy_(torch.where(scale > 1e-12, scale, torch.ones_like(scale)))
         z = ((x - self.feature_mean.cpu()) / self.feature_scale.cpu()).numpy()
         labels = instance_bag_labels.detach().cpu().numpy()
         M = self.num_inducing
@@ -243,11 +231,10 @@ class GPHead(nn.Module):
     def posterior(self) -> WhitenedPosterior:
         return self.strategy.whitened_posterior()
 
-    def moments(self, z: Tensor, q: WhitenedPosterior | None = None) -> tuple[Tensor, Tensor]:
+    def moments(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """``q(f_n)`` mean and variance ``(N,)`` of standardised features; differentiable in ``z``
         and the hyperparameters (q(v) fixed)."""
-        q = self.posterior() if q is None else q
-        return self.strategy.marginals(self.strategy.projection(z), q)
+        return self.strategy.marginals(self.strategy.projection(z), self.posterior())
 
     # -- bag decisions ---------------------------------------------------------------------------
     def bag_posterior(self, z: Tensor, bags: Bags) -> BagPosterior:
@@ -327,8 +314,7 @@ class GPHead(nn.Module):
     def decide(self, posterior: BagPosterior) -> tuple[Tensor, Tensor]:
         """Calibrated bag probabilities and their stds ``(B,)`` by the head's decision."""
         p, std = self.decision_rule_object()(posterior, self.likelihood.instance_link, self.generator(posterior.mean.device))
-        p_cal, std_cal = self.calibrator(p, std)
-        return p_cal, std_cal
+        return self.calibrator(p, std)
 
     @torch.no_grad()
     def cross_fitted_nll(self, z: Tensor, bags: Bags, labels: Tensor, folds: int = 2) -> float | None:

@@ -6,53 +6,25 @@ detection* (Artificial Intelligence, 2024), Section 6.3. Every training step is 
 its Algorithm 1 on the batch's bags:
 
 1. features ``h = CNN(x)`` (or the batch's precomputed features), standardised to float64 ``z``;
-2. **natural step** on q(v) with ``z`` detached: the likelihood's closed-form quadratic terms give
-   additive statistics ``NaturalStatistics(h, G)``; under DDP they are **all-reduced (summed)
-   across ranks** before the step, together with the batch's bag count, so every rank computes the
-   same q(v) (the exact full-data update when the global batch holds all training bags: ρ = 1;
-   otherwise a stochastic natural step scaled by ``training bags / global batch bags`` with a
-   Robbins–Monro step size ``ρ_t = (t + τ)^(−κ)``);
+2. **natural step** on q(v) with ``z`` detached, from the likelihood's additive statistics
+   ``NaturalStatistics(h, G)`` summed over DDP ranks: exact (ρ = 1) when the global batch holds
+   every training bag, else a stochastic step scaled by ``training bags / global batch bags``
+   with a Robbins–Monro step size ``ρ_t = (t + τ)^(−κ)``;
 3. the persistent locals (e.g. VGPMIL's ``π``) of the batch's instances are updated in closed form
    under the new q(f) and stored per bag id (checkpointed);
 4. **Adam** (after ``warmup_epochs``) on the kernel hyperparameters — and, end-to-end, on the CNN
    weights — through the ELBO's data terms with q(v) and the locals held fixed (detached).
 
-Modes:
+Modes: ``"two_stage"``, on extracted features (:class:`FeatureDataModule`) or on images through a
+frozen ``extractor`` (with the whole training set as one batch, each epoch is the iteration of
+:func:`milgp.variational.fit_closed_form`); ``"end_to_end"``, images through a trainable
+``extractor`` (optionally initialised from an AttCNN checkpoint, optionally in mixed precision; the
+GP head always runs in float64 outside autocast).
 
-* ``"two_stage"``: inputs are extracted features (:class:`FeatureDataModule`), or images through a
-  frozen ``extractor``. A two-stage head may hold the extractor that made its features
-  (``extractor_checkpoint``): it trains on the feature file and predicts new CT scans directly.
-  With the whole training set as one batch (the feature data module's default) each epoch is one
-  full-batch CAVI sweep plus ``hyper_steps`` Adam steps — the same iteration as
-  :func:`milgp.variational.fit_closed_form` (tested to agree).
-* ``"end_to_end"``: images through a trainable ``extractor`` (optionally initialised from an
-  AttCNN checkpoint); CNN and GP are trained together as above. The CNN may run in mixed precision
-  (``trainer.precision: 16-mixed`` on CUDA); the GP head always runs in float64 outside autocast.
-
-**Bag decision** (MIL likelihoods): bag probabilities come from the head's bag rule and its Platt
-calibration (:meth:`GPHead.fit_decision`; ``bag_rule="auto"`` chooses among the length-invariant
-rules). They are fitted on held-out bags (``decision_bags``): ``"train"``, the leave-one-bag-out
-cavity predictive of the training bags (on the features each bag had in the epoch's training
-step), refitted at the end of every training epoch before validation, so the validation NLL that
-selects the model never saw the bags the decision was fitted on; ``"val"``, the validation bags at
-the end of every validation epoch of a fit, the logged ``val/bag_nll`` then being cross-fitted
-(each half of the validation bags scored by a decision fitted on the other half,
-:meth:`GPHead.cross_fitted_nll`). ``"auto"`` is ``"train"`` two-stage and ``"val"`` end to end (the
-CNN features of the training bags change with every step). The decision is saved in the state
-dict, so a checkpoint predicts with the decision of its epoch.
-
-**Aggregate likelihoods** (VBAgg: :class:`~milgp.likelihoods.PoissonAggregateLikelihood`,
-:class:`~milgp.likelihoods.NormalAggregateLikelihood`, :class:`~milgp.likelihoods.ExponentialAggregateLikelihood`)
-get the :class:`~lightning_modules.aggregate_gp_head.AggregateGPHead`: bag labels are real-valued
-aggregates ``y_a``, instance populations ``w_i`` come from ``batch.instance_weights`` or the
-feature column ``population_column`` (default ones), instance labels, where known, are the
-individual targets. Step 2 is a step of :class:`~milgp.variational.aggregate_fit.AggregateSteps`:
-exact (ρ = 1) for Normal on the full batch, ELBO backtracking with an adaptive ρ (from ``rho0``,
-×1.5 after an accepted step, at most ``rho_max``; checkpointed as ``aggregate_rho``) for
-Poisson/Exponential, ``ρ_t = min(1, rho_max · RM(t))`` on minibatches; statistics and the ELBO
-the backtracking compares are all-reduced across DDP ranks. There are no locals (step 3).
-Validation/test log :func:`aggregate_records_metrics`; records carry ``bag_prob`` = predicted
-``E[y_a]`` and ``slice_probs`` = ``E[Ψ(f_i)]``.
+MIL likelihoods predict bags with the head's calibrated **bag decision** (:meth:`GPHead.fit_decision`),
+fitted on held-out bags (``decision_bags``) and saved in the state dict. Aggregate likelihoods (VBAgg)
+get the :class:`~lightning_modules.aggregate_gp_head.AggregateGPHead`: real-valued bag targets,
+instance populations, no locals and no bag decision. docs/lightning.md has the details of both.
 
 Standardisation statistics, inducing points (k-means++) and the initial lengthscale are set at the
 start of the first fit from the training features (through the initial extractor end-to-end) and
@@ -61,15 +33,14 @@ continues exactly.
 """
 from __future__ import annotations
 
-import contextlib
 import re
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_modules.aggregate_gp_head import AggregateGPHead, aggregate_records_metrics
+from lightning_modules.aggregate_gp_head import AggregateGPHead
 from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.bag_store import BagStore
 from lightning_modules.checkpoints import extractor_from_checkpoint
@@ -77,13 +48,13 @@ from lightning_modules.distributed import all_gather_objects, all_reduce_sum, wo
 from lightning_modules.gp_head import GPHead
 from lightning_modules.input_error import InputError
 from lightning_modules.module_config import module_config
-from milgp.data.bags import BagBatch, Bags, split_by_bag
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.variational.bag_locals import BagLocals
 from milgp.variational.natural_update import NaturalStatistics, RobbinsMonro
 
-__all__ = ["GPMILModule", "aggregate_records_metrics"]
+__all__ = ["GPMILModule"]
 
 _MODES = ("two_stage", "end_to_end")
 _DECISION_BAGS = ("auto", "train", "val")
@@ -108,7 +79,8 @@ class GPMILModule(BagModuleBase):
             ``constant_mean=None``: constant for aggregate likelihoods, zero otherwise;
             ``bag_rule="auto"``: the calibrated length-invariant rule with the best held-out NLL).
         decision_bags: held-out bags the bag decision is fitted on, ``"train"`` (leave-one-bag-out
-            cavities of the training bags), ``"val"`` (validation bags) or ``"auto"`` (module docstring).
+            cavities of the training bags), ``"val"`` (validation bags, ``val/bag_nll`` then
+            cross-fitted) or ``"auto"`` (``"train"`` two-stage, ``"val"`` end to end; docs/lightning.md).
         lr_gp: Adam learning rate of the kernel hyperparameters.
         lr_extractor, weight_decay: Adam for the CNN (end-to-end).
         hyper_steps: Adam steps per natural step (default 5 two-stage, 1 end-to-end).
@@ -163,10 +135,9 @@ class GPMILModule(BagModuleBase):
     ):
         super().__init__()
         self.save_hyperparameters(ignore=self._ignored_hparams(["extractor", "likelihood"]))
-        if mode not in _MODES:
-            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
-        if decision_bags not in _DECISION_BAGS:
-            raise ValueError(f"decision_bags must be one of {_DECISION_BAGS}, got {decision_bags!r}")
+        for name, value, allowed in (("mode", mode, _MODES), ("decision_bags", decision_bags, _DECISION_BAGS)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
         extractor = self._built(extractor)
         likelihood = self._built(likelihood)
         if extractor_checkpoint:
@@ -223,11 +194,9 @@ class GPMILModule(BagModuleBase):
         return self.gp.bag_label_kind == "aggregate"
 
     # -- features --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _float64(self) -> Iterator[None]:
+    def _float64(self) -> torch.autocast:
         """Run the GP head outside any autocast region (it is float64)."""
-        with torch.autocast(device_type=self.device.type, enabled=False):
-            yield
+        return torch.autocast(device_type=self.device.type, enabled=False)
 
     def split_inputs(self, batch: BagBatch) -> tuple[Tensor, Tensor | None]:
         """``(x, weights)``: the inputs without the population column, and the instance
@@ -247,15 +216,6 @@ class GPMILModule(BagModuleBase):
         if h.shape[-1] != self.gp.feature_dim:
             raise InputError(f"the inputs have {h.shape[-1]} features per instance, the GP head expects {self.gp.feature_dim}")
         return h
-
-    def _standardize(self, h: Tensor) -> Tensor:
-        """Features (any float dtype, half precision from autocast included) → standardised float64."""
-        return self.gp.standardize(h.float() if h.dtype in (torch.float16, torch.bfloat16) else h)
-
-    def standardized(self, x: Tensor, grad: bool | None = None) -> Tensor:
-        h = self.features(x, grad)
-        with self._float64():
-            return self._standardize(h)
 
     @property
     def bag_label_kind(self) -> str:
@@ -282,16 +242,11 @@ class GPMILModule(BagModuleBase):
                            "lr": self.lr_extractor, "weight_decay": self.weight_decay})
         return torch.optim.Adam(groups)
 
-    def _train_loader(self) -> Any:
-        dm = getattr(self.trainer, "datamodule", None)
-        if dm is not None:
-            return dm.train_dataloader()
-        return self.trainer.train_dataloader
-
     def on_train_start(self) -> None:
-        loader = self._train_loader()
+        dm = getattr(self.trainer, "datamodule", None)
+        loader = dm.train_dataloader() if dm is not None else self.trainer.train_dataloader
         dataset = getattr(loader, "dataset", None)
-        self.num_train_bags = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+        self.num_train_bags = len(dataset) if hasattr(dataset, "__len__") else None
         if self.num_train_bags is None:
             raise ValueError("GPMILModule needs a training dataset with a length (the number of training bags)")
         if not bool(self.gp.initialized):
@@ -321,22 +276,20 @@ class GPMILModule(BagModuleBase):
                 break
         if self.extractor is not None and self.mode == "end_to_end":
             self.extractor.train(was_training)
-        merged: dict[str, tuple[Tensor, float, Tensor | None]] = {}
-        for part in all_gather_objects(per_bag):  # a loader with a distributed sampler gives each rank a shard
-            merged.update(part)
-        per_bag = merged
+        # a loader with a distributed sampler gives each rank a shard
+        per_bag = {k: v for part in all_gather_objects(per_bag) for k, v in part.items()}
         keys = sorted(per_bag)
-        feats = torch.cat([per_bag[k][0] for k in keys])
-        labels = torch.cat([torch.full((len(per_bag[k][0]),), per_bag[k][1], dtype=torch.float64) for k in keys])
-        targets = torch.tensor([per_bag[k][1] for k in keys], dtype=torch.float64)
-        weights = torch.cat([torch.ones(len(per_bag[k][0]), dtype=torch.float64) if per_bag[k][2] is None else per_bag[k][2] for k in keys])
-        bag_index = torch.repeat_interleave(torch.arange(len(keys)), torch.tensor([len(per_bag[k][0]) for k in keys]))
+        parts = [per_bag[k] for k in keys]
+        feats = torch.cat([h for h, _, _ in parts])
+        targets = torch.tensor([y for _, y, _ in parts], dtype=torch.float64)
+        weights = torch.cat([torch.ones(len(h), dtype=torch.float64) if w is None else w for h, _, w in parts])
+        bag_index = bag_index_from_sizes([len(h) for h, _, _ in parts])
         try:
             self.gp.check_data(targets, weights, Bags(bag_index, len(keys)))
         except ValueError as err:  # name the bag by its id, not by its position in the sorted list
             msg = re.sub(r"^bag (\d+)", lambda m: f"training bag {keys[int(m.group(1))]!r}", str(err))
             raise ValueError(msg) from err
-        self.gp.initialize(feats, labels, bag_targets=targets, instance_weights=weights)
+        self.gp.initialize(feats, targets[bag_index], bag_targets=targets, instance_weights=weights)
 
     # -- training --------------------------------------------------------------------------------
     @staticmethod
@@ -351,16 +304,11 @@ class GPMILModule(BagModuleBase):
 
     def _reduce_value(self, value: float) -> float:
         """DDP: sum a float over ranks (identity in one process)."""
-        if world_size() == 1:
-            return value
         return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device))[0])
 
     def training_step(self, batch: BagBatch, batch_idx: int) -> Tensor:
-        """Algorithm 1 on this batch, with the library's fit steps (:meth:`GPHead.fit_steps`): the
-        natural step of q(v) (and of the locals) — a full-batch sweep when the (global) batch holds
-        every training bag, else a stochastic step of size ``ρ_t`` with the statistics scaled by
-        training bags / batch bags, summed over DDP ranks — then ``hyper_steps`` Adam steps on the
-        steps' hyperparameter objective (through the CNN end to end)."""
+        """Algorithm 1 on this batch (module docstring) with the library's fit steps
+        (:meth:`GPHead.fit_steps`): the natural step, then ``hyper_steps`` Adam steps."""
         opt = self.optimizers()
         learn = self.current_epoch >= self.warmup_epochs and self.hyper_steps > 0
         train_cnn = learn and self.mode == "end_to_end"
@@ -369,17 +317,16 @@ class GPMILModule(BagModuleBase):
         x, w = self.split_inputs(batch)
         h = self.features(x, grad=train_cnn)
         with self._float64():
-            z = self._standardize(h)
+            z = self.gp.standardize(h)
             counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
             global_bags, global_instances = float(counts[0]), float(counts[1])
             assert self.num_train_bags is not None
-            full = global_bags >= self.num_train_bags
             steps = self.gp.fit_steps(
                 z, batch.bags, batch.bag_labels, weights=w, locals_=self.bag_locals.gather(batch.bag_ids, batch.bags),
                 rho=float(self.aggregate_rho) if self.is_aggregate else 1.0, rho_max=self.rho_max,
                 reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
             )
-            if full:
+            if global_bags >= self.num_train_bags:
                 steps.sweep()
                 if self.is_aggregate:  # the adaptive step size of the next full-batch step (checkpointed)
                     self.aggregate_rho.fill_(steps.rho)
@@ -416,8 +363,7 @@ class GPMILModule(BagModuleBase):
         return torch.tensor(float("nan"))
 
     def _last_training_batch(self, batch_idx: int) -> bool:
-        trainer = self.trainer
-        return bool(trainer.is_last_batch) or batch_idx + 1 >= trainer.num_training_batches
+        return bool(self.trainer.is_last_batch) or batch_idx + 1 >= self.trainer.num_training_batches
 
     # -- bag decision ----------------------------------------------------------------------------
     def _adopt_decision(self, posterior: Any, labels: Tensor, where: str) -> bool:
@@ -434,11 +380,10 @@ class GPMILModule(BagModuleBase):
     def _fit_decision_on_training_bags(self) -> None:
         """The decision on the leave-one-bag-out cavities of this epoch's training bags (at the end
         of the epoch's last step, so validation and both checkpoints see it)."""
-        ids, h, bag_index, labels = self._decision_store.gathered()
-        self._decision_store.clear()
+        ids, h, bag_index, labels = self._decision_store.take()
         h, bags = h.to(self.device), Bags(bag_index.to(self.device), len(ids))
         locals_ = self.bag_locals.cat(ids).to(self.device)
-        posterior = self.gp.leave_bag_out(self._standardize(h), bags, labels.to(self.device), locals_)
+        posterior = self.gp.leave_bag_out(self.gp.standardize(h), bags, labels.to(self.device), locals_)
         self._adopt_decision(posterior, labels, "training")
 
     def _hyper_steps(
@@ -452,7 +397,7 @@ class GPMILModule(BagModuleBase):
         loss_value = torch.tensor(float("nan"))
         for k in range(self.hyper_steps):
             if k > 0 and train_cnn:
-                z = self.standardized(x, grad=True)
+                z = self.gp.standardize(self.features(x, grad=True))
             loss = -R * objective(z) / global_instances
             opt.zero_grad(set_to_none=True)
             self.manual_backward(loss)
@@ -480,7 +425,7 @@ class GPMILModule(BagModuleBase):
         x, w = self.split_inputs(batch)
         h = self.features(x)
         with self._float64():
-            pred = self.gp.predict(self._standardize(h), batch.bags, weights=w, bag_targets=batch.bag_labels)
+            pred = self.gp.predict(self.gp.standardize(h), batch.bags, weights=w, bag_targets=batch.bag_labels)
         extra = {"gp_mean": pred["mean"], "gp_var": pred["var"]}
         if self.extractor is not None:
             extra["features"] = h.float()
@@ -518,9 +463,8 @@ class GPMILModule(BagModuleBase):
         """Refit the decision on this epoch's validation bags, rewrite the records' bag
         probabilities with it, and return the cross-fitted validation NLL (``None`` when a class has
         fewer than two validation bags: the NLL is then the in-sample one, and a warning says so)."""
-        ids, h, bag_index, labels = self._decision_store.gathered()
-        self._decision_store.clear()
-        z, bags = self._standardize(h.to(self.device)), Bags(bag_index.to(self.device), len(ids))
+        ids, h, bag_index, labels = self._decision_store.take()
+        z, bags = self.gp.standardize(h.to(self.device)), Bags(bag_index.to(self.device), len(ids))
         posterior = self.gp.bag_posterior(z, bags)
         if not self._adopt_decision(posterior, labels, "validation"):
             return None

@@ -3,11 +3,9 @@
 INPUT is one or more DICOM folders (every CT series found under them is one scan), one CT cache
 (a ``milgp-cache`` folder: all its scans) or one feature file (``.npz``/``.csv``: all its bags).
 The checkpoint brings everything else: the model and its extractor, the CT windows and slice size
-of its training data, the feature standardisation, the bag rule and its calibration. Outputs go to
-a new ``predict/version_<n>`` folder of the checkpoint's run folder (or of ``--out``):
-``predictions.csv`` (per scan: probability ± std, decision at the calibrated threshold ½),
-``slices.csv`` (per slice, in scan order, with its position), ``predictions.json`` and one PNG per
-scan (:class:`lightning_modules.callbacks.PredictionWriter`). Also ``python -m lightning_modules.predict``.
+of its training data, the feature standardisation, the bag rule and its calibration. The outputs
+(:class:`lightning_modules.callbacks.PredictionWriter`) go to a new ``predict/version_<n>`` folder of
+the checkpoint's run folder (or of ``--out``). Also ``python -m lightning_modules.predict``.
 """
 from __future__ import annotations
 

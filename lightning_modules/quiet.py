@@ -1,20 +1,7 @@
 """Quiet command-line entry points: known dependency warnings and Lightning's tips silenced.
 
 Called by ``milgp-train``, ``milgp-predict`` and the demo only (importing the package changes no
-warning filter or logger). Each entry below is a known, harmless message:
-
-* torch's ``torch.jit.script`` deprecation notice (raised inside torchvision and Lightning imports);
-* Lightning's "does not have many workers" advice (small data, ``num_workers: 0`` on purpose);
-* Lightning's note that a model overriding ``transfer_batch_to_device`` is used with a data module
-  (the bag batch moves itself to the device);
-* Lightning's count of modules in eval mode at the start of training (a two-stage GP's frozen CNN);
-* Lightning's "checkpoint directory exists and is not empty" (a resumed fit; the run folder
-  refuses any other fit into a used folder) and its reminder to pass the training callbacks when
-  predicting from a checkpoint (prediction needs none of them);
-* PyTorch's ``LeafSpec`` deprecation inside Lightning, and jsonargparse's deprecation notices
-  about the way Lightning's CLI calls it;
-* Lightning's log lines advertising other packages ("💡 Tip: ...") and the TPU/HPU summary lines of
-  a machine without them; the GPU line stays.
+warning filter or logger). Each entry below is a known, harmless message.
 """
 from __future__ import annotations
 
@@ -26,14 +13,19 @@ import warnings
 __all__ = ["quiet_entry_point"]
 
 _WARNINGS = (
-    r".*torch\.jit\.script.* is deprecated.*",
-    r".*does not have many workers.*",
+    r".*torch\.jit\.script.* is deprecated.*",  # raised inside torchvision and Lightning imports
+    r".*does not have many workers.*",  # small data, num_workers: 0 on purpose
+    # a model overriding transfer_batch_to_device used with a data module: the bag batch moves itself
     r".*overridden `transfer_batch_to_device`.*",
-    r".*module\(s\) in eval mode.*",
+    r".*module\(s\) in eval mode.*",  # at the start of training: a two-stage GP's frozen CNN
+    # a resumed fit (the run folder refuses any other fit into a used folder)
     r".*Checkpoint directory .* exists and is not empty.*",
+    # the training callbacks when predicting from a checkpoint: prediction needs none of them
     r".*Be aware that when using `ckpt_path`, callbacks used to create the checkpoint.*",
-    r".*LeafSpec.*",
+    r".*LeafSpec.*",  # PyTorch's deprecation inside Lightning
 )
+# Lightning's log lines advertising other packages and the TPU/HPU summary lines of a machine
+# without them (the GPU line stays)
 _LOG_LINES = re.compile(r"💡 Tip|^(TPU|HPU) available")
 
 
@@ -46,7 +38,7 @@ def quiet_entry_point() -> None:
     """Install the filters (module docstring) for the rest of the process."""
     for message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+    os.environ.setdefault("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # about the way Lightning's CLI calls it
     import pytorch_lightning  # noqa: F401  (sets up its logger; the filter goes on its handlers)
 
     for name in ("pytorch_lightning", "lightning_fabric", ""):

@@ -64,13 +64,6 @@ class RunFolder:
             return []
         return sorted(int(m.group(1)) for p in folder.iterdir() if (m := _VERSION.match(p.name)) and p.is_dir())
 
-    def next_version(self, subcommand: str) -> int:
-        versions = self.versions(subcommand)
-        return versions[-1] + 1 if versions else 0
-
-    def version_dir(self, subcommand: str, version: int) -> Path:
-        return self.root / subcommand / f"version_{version}"
-
     def resolve_checkpoint(self, ckpt_path: str | None) -> str | None:
         """``"best"``/``"last"`` → this folder's ``checkpoints/<alias>.ckpt``; any path must exist."""
         if ckpt_path is None:
@@ -98,13 +91,14 @@ class RunFolder:
                 "checkpoints; give another run folder (--trainer.default_root_dir)"
             )
         versions = self.versions("fit")
-        history = self.version_dir("fit", versions[-1]) / "metrics.csv" if versions else None
+        history = self.root / "fit" / f"version_{versions[-1]}" / "metrics.csv" if versions else None
         epoch = int(read_checkpoint(ckpt_path).get("epoch", -1))
         return (history if history is not None and history.is_file() else None), epoch
 
     def logger(self, subcommand: str, history: Path | None = None, until_epoch: int | None = None) -> "RunLogger":
         """The CSV logger of the next version of ``subcommand`` (continuing ``history``)."""
-        return RunLogger(str(self.root), subcommand, self.next_version(subcommand), history, until_epoch)
+        version = max(self.versions(subcommand), default=-1) + 1
+        return RunLogger(str(self.root), subcommand, version, history, until_epoch)
 
 
 class _RunExperimentWriter(ExperimentWriter):

@@ -34,3 +34,4 @@ def slice_positions(trainer: pl.Trainer, bag_id: str, num_slices: int) -> tuple[
     if found is None or len(found[0]) != num_slices:
         return np.arange(num_slices, dtype=float), "slice (scan order)"
     return np.asarray(found[0], dtype=float), found[1]
+

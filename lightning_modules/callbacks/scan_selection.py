@@ -26,8 +26,7 @@ def scans_to_plot(records: list[dict], threshold: float, per_kind: int) -> list[
     as ``"unlabelled"``, the most probable first."""
     by_kind: dict[str, list[dict]] = {"true positive": [], "false positive": [], "false negative": [], "unlabelled": []}
     for r in records:
-        kind = outcome(r, threshold)
-        kind = "unlabelled" if kind is None else kind
+        kind = outcome(r, threshold) or "unlabelled"
         if kind in by_kind:
             by_kind[kind].append(r)
     chosen = []

@@ -142,10 +142,6 @@ class BagArrayDataModule(pl.LightningDataModule):
             collate_fn=collate_bags, num_workers=self.num_workers,
         )
 
-    @property
-    def num_train_bags(self) -> int:
-        return sum(s == "train" for s in self.split_names)
-
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return self._loader("train", self.batch_size, train=True)
 

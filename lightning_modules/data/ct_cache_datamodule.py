@@ -74,7 +74,6 @@ class CTCacheDataModule(pl.LightningDataModule):
         self.max_slices, self.augment = max_slices, augment
         self.train_split, self.val_split, self.test_split, self.predict_split = train_split, val_split, test_split, predict_split
         self.num_workers, self.seed = num_workers, seed
-        self._splits: dict[str, list[str]] | None = None
         self._train: CTBagDataset | None = None
 
     @functools.cached_property
@@ -82,31 +81,31 @@ class CTCacheDataModule(pl.LightningDataModule):
         """The cache's manifest and parameters, read once."""
         return CTCache(self.cache_dir)
 
-    @property
+    @functools.cached_property
     def splits(self) -> dict[str, list[str]]:
         """``{split name: bag ids}`` (computed once)."""
-        if self._splits is None:
-            cache = self._cache
-            path = self.splits_file or os.path.join(self.cache_dir, "splits.json")
-            if os.path.isfile(path):
-                try:
-                    with open(path, encoding="utf-8") as fh:
-                        self._splits = {k: [str(b) for b in v] for k, v in json.load(fh).items()}
-                except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as err:
-                    raise ValueError(
-                        f"{path} is not a splits file ({type(err).__name__}: {err}); rerun milgp-cache with --splits to rewrite it"
-                    ) from None
-            elif self.splits_file:
-                raise FileNotFoundError(f"splits file {self.splits_file} does not exist")
-            else:
-                entries = cache.entries
-                by_id = patient_split(
-                    [e.bag_id for e in entries], [e.patient_id for e in entries], [e.bag_label for e in entries],
-                    self.fractions, self.split_seed,
-                )
-                self._splits = {name: [e.bag_id for e in entries if by_id[e.bag_id] == name] for name in SPLIT_NAMES}
-            self._splits["all"] = [b for name in SPLIT_NAMES for b in self._splits.get(name, [])] or cache.bag_ids
-        return self._splits
+        cache = self._cache
+        path = self.splits_file or os.path.join(self.cache_dir, "splits.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    splits = {k: [str(b) for b in v] for k, v in json.load(fh).items()}
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as err:
+                raise ValueError(
+                    f"{path} is not a splits file ({type(err).__name__}: {err}); "
+                    "rerun milgp-cache with --splits to rewrite it"
+                ) from None
+        elif self.splits_file:
+            raise FileNotFoundError(f"splits file {self.splits_file} does not exist")
+        else:
+            entries = cache.entries
+            by_id = patient_split(
+                [e.bag_id for e in entries], [e.patient_id for e in entries], [e.bag_label for e in entries],
+                self.fractions, self.split_seed,
+            )
+            splits = {name: [e.bag_id for e in entries if by_id[e.bag_id] == name] for name in SPLIT_NAMES}
+        splits["all"] = [b for name in SPLIT_NAMES for b in splits.get(name, [])] or cache.bag_ids
+        return splits
 
     def setup(self, stage: str) -> None:
         """Check the bag labels (class docstring)."""
@@ -162,10 +161,6 @@ class CTCacheDataModule(pl.LightningDataModule):
             raise InputError(f"{self.cache_dir}: split {split!r} has no bags (splits: { {k: len(v) for k, v in self.splits.items()} })")
         return CTBagDataset(self.cache_dir, bag_ids=ids, max_slices=self.max_slices,
                             augment=self.augment if train else None, seed=self.seed)
-
-    @property
-    def num_train_bags(self) -> int:
-        return len(self.splits.get(self.train_split, []))
 
     def _loader(self, ds: CTBagDataset, batch_size: int, sampler: EpochSampler | None = None) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(

@@ -17,9 +17,8 @@ class FeatureDataModule(BagArrayDataModule):
     """Bags of extracted features, split as recorded in the file (``splits`` column) or, when the
     file has none, patient-grouped with ``fractions``.
 
-    The file is read in :meth:`setup` and checked there before any training work (every feature
-    finite; for training and testing every bag label usable), each error naming the file, the bag
-    and the field; a missing file is reported when the data module is made.
+    The file is read in :meth:`setup` and checked there as :class:`BagArrayDataModule` checks its
+    bags, each error naming the file; a missing file is reported when the data module is made.
 
     Args:
         path: ``.npz`` or ``.csv`` feature file.

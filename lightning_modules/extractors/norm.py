@@ -20,17 +20,15 @@ NORMS = ("group", "frozen_batch", "batch", "none")
 
 def make_norm_layer(norm: str, groups: int = 8) -> Callable[[int], nn.Module]:
     """A factory ``channels -> nn.Module`` for ``norm`` in :data:`NORMS`."""
-    if norm == "group":
-        def group(channels: int) -> nn.Module:
-            g = min(groups, channels)
-            while channels % g:
-                g -= 1
-            return nn.GroupNorm(g, channels)
-        return group
-    if norm == "frozen_batch":
-        return FrozenBatchNorm2d
-    if norm == "batch":
-        return nn.BatchNorm2d
-    if norm == "none":
-        return lambda channels: nn.Identity()
-    raise ValueError(f"unknown norm {norm!r}: use one of {NORMS}")
+
+    def group(channels: int) -> nn.Module:
+        g = min(groups, channels)
+        while channels % g:
+            g -= 1
+        return nn.GroupNorm(g, channels)
+
+    factories = {"group": group, "frozen_batch": FrozenBatchNorm2d, "batch": nn.BatchNorm2d,
+                 "none": lambda channels: nn.Identity()}
+    if norm not in factories:
+        raise ValueError(f"unknown norm {norm!r}: use one of {NORMS}")
+    return factories[norm]
