@@ -40,6 +40,7 @@ __all__ = [
     "labels_per_instance",
     "make_bag_groups",
     "random_bags_within",
+    "segment_logsumexp",
     "segment_max",
     "segment_sum",
     "split_by_bag",
@@ -177,14 +178,20 @@ def segment_max(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
     return out.scatter_reduce(0, bag_index, values, reduce="amax", include_self=True)
 
 
+def segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
+    """``log Σ_{i∈a} exp(values_i)`` per bag ``(B,)``, stable (max-shifted, by 0 where a bag's largest
+    value is infinite), differentiable."""
+    top = segment_max(values.detach(), bag_index, num_bags)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    return top + torch.log(segment_sum(torch.exp(values - top[bag_index]), bag_index, num_bags))
+
+
 def labels_per_instance(bag_labels: Tensor, bag_index: Tensor) -> Tensor:
     """Broadcast bag labels ``(B,)`` to their instances ``(N,)``."""
     return bag_labels[bag_index]
 
 
-def flatten_bags(
-    bags: Sequence[Any], dtype: torch.dtype | None = None, device: torch.device | None = None
-) -> tuple[Tensor, Tensor]:
+def flatten_bags(bags: Sequence[Any]) -> tuple[Tensor, Tensor]:
     """Concatenate a sequence of bags ``(n_b, ...)`` into ``(x (N, ...), bag_index (N,))``.
 
     Raises a ``ValueError`` naming the bag when one is empty, not array-like, or has a trailing
@@ -209,8 +216,6 @@ def flatten_bags(
             )
         tensors.append(t)
     x = torch.cat(tensors, 0)
-    if dtype is not None or device is not None:
-        x = x.to(dtype=dtype or x.dtype, device=device)
     sizes = [t.shape[0] for t in tensors]
     return x, bag_index_from_sizes(sizes, device=x.device)
 
@@ -337,28 +342,17 @@ def collate_bags(samples: Sequence[Any]) -> BagBatch:
     bag_id)`` (the last two entries optional) or a mapping with keys ``x``, ``instance_labels``,
     ``bag_label``, ``bag_id``, ``instance_weights``.
     """
-    xs, inst, labels, ids, weights = [], [], [], [], []
-    for s in samples:
-        if isinstance(s, dict):
-            xs.append(torch.as_tensor(s["x"]))
-            inst.append(s.get("instance_labels"))
-            labels.append(s.get("bag_label", 0))
-            ids.append(s.get("bag_id"))
-            weights.append(s.get("instance_weights"))
-        else:
-            xs.append(torch.as_tensor(s[0]))
-            inst.append(s[1] if len(s) > 1 else None)
-            labels.append(s[2] if len(s) > 2 else 0)
-            ids.append(s[3] if len(s) > 3 else None)
-            weights.append(None)
-    x, bag_index = flatten_bags(xs)
-    instance_labels = None
-    if all(i is not None for i in inst):
-        instance_labels = torch.cat([torch.as_tensor(i).reshape(-1) for i in inst])
-    instance_weights = None
-    if all(w is not None for w in weights):
-        instance_weights = torch.cat([torch.as_tensor(w).reshape(-1) for w in weights])
-    bag_labels = torch.as_tensor(np.asarray([float(l) if not isinstance(l, Tensor) else float(l.item()) for l in labels]))
+    fields = ("x", "instance_labels", "bag_label", "bag_id")
+    samples = [s if isinstance(s, dict) else dict(zip(fields, s)) for s in samples]
+    x, bag_index = flatten_bags([torch.as_tensor(s["x"]) for s in samples])
+
+    def per_instance(key: str) -> Tensor | None:
+        parts = [s.get(key) for s in samples]
+        return None if any(p is None for p in parts) else torch.cat([torch.as_tensor(p).reshape(-1) for p in parts])
+
+    instance_labels, instance_weights = per_instance("instance_labels"), per_instance("instance_weights")
+    bag_labels = torch.as_tensor(np.asarray([float(s.get("bag_label", 0)) for s in samples]))
+    ids = [s.get("bag_id") for s in samples]
     bag_ids = None if all(i is None for i in ids) else [str(i) for i in ids]
     return BagBatch(x, bag_index, bag_labels, instance_labels, instance_weights, bag_ids)
 

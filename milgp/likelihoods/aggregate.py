@@ -15,11 +15,10 @@ need the within-bag covariance (``needs_covariance``: Poisson-square, Normal), a
 largest bag of a group, ``S^a = K_bb + jitter·I − A_bᵀA_b + A_bᵀ S A_b`` (whitened), never N×N.
 
 **GPyTorch pitfall.** In training mode ``model(x)`` returns only a valid *diagonal*
-(``diag=True``); its off-diagonal entries are not the predictive covariance. The GPyTorch entry
-point :meth:`AggregateLikelihood.expected_log_prob` therefore builds the blocks itself: pass
-``model=model, x=x`` (blocks from the model's kernel and its current ``q(u)``, differentiable in
-both), or call the model as ``model(x, diag=False)`` (or in eval mode), whose lazy covariance is
-then *indexed* per bag. A train-mode diagonal output without ``model``/``x`` raises ``ValueError``.
+(``diag=True``); its off-diagonal entries are not the predictive covariance, so the GPyTorch entry
+point :meth:`AggregateLikelihood.expected_log_prob` builds the blocks from ``model=model, x=x``
+(differentiable in the kernel and ``q(u)``) or indexes a full covariance per bag, and refuses a
+train-mode diagonal output without them (``ValueError``).
 """
 from __future__ import annotations
 
@@ -35,7 +34,8 @@ from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 from scipy import stats
 from torch import Tensor
 
-from milgp.data.bags import Bags, identity_padded, segment_max, segment_sum, to_padded
+from milgp.data.bags import Bags, identity_padded, to_padded
+from milgp.likelihoods.base import bags_from_keywords
 
 __all__ = [
     "AggregateLikelihood",
@@ -49,7 +49,6 @@ __all__ = [
     "block_base",
     "blocks_from_base",
     "make_link",
-    "segment_logsumexp",
     "whitened_marginals",
 ]
 
@@ -188,12 +187,6 @@ class PaddedBlocks:
     mask: Tensor
 
 
-def segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
-    """``log Σ_{i∈a} exp(values_i)`` per bag ``(B,)``, stable (max-shifted), differentiable."""
-    top = segment_max(values.detach(), bag_index, num_bags)
-    return top + torch.log(segment_sum(torch.exp(values - top[bag_index]), bag_index, num_bags))
-
-
 def whitened_marginals(A: Tensor, prior_var: Tensor, prior_mean: Tensor, m: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
     """``q(f_n)`` mean and variance from the whitened ``q(v) = N(m, S)`` (differentiable in all)."""
     mean = prior_mean + A.mT @ m
@@ -245,10 +238,8 @@ def bag_blocks(
 ) -> PaddedBlocks:
     """Per-bag blocks ``S^a = K_bb + jitter·I + A_bᵀ(S − I)A_b`` and means (Law et al. 2018, Eq. 9, whitened).
 
-    ``model`` is an ``ApproximateGP`` on :class:`milgp.models.ClosedFormStrategy` (its prior kernel
-    and jitter), ``proj`` its :class:`~milgp.models.Projection` of ``x``. Differentiable in ``m``, ``S`` and
-    the kernel hyperparameters (``kernel_grad=False``: the kernel block is built without a graph,
-    e.g. for natural steps). Memory ``O(B · n_max²)``: group bags of similar size.
+    Arguments as :func:`block_base`. Differentiable in ``m``, ``S`` and the kernel hyperparameters
+    (``kernel_grad=False``: e.g. for natural steps). Memory ``O(B · n_max²)``: group bags of similar size.
     """
     return blocks_from_base(block_base(model, x, proj, bags, weights, kernel_grad), m, S)
 
@@ -378,16 +369,8 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 must carry a full covariance: ``model(x, diag=False)`` or eval mode.
             check: validate targets and weights (default ``True``).
         """
-        bag_index = kwargs.get("bag_index")
-        if bag_index is None:
-            raise ValueError(
-                f"{type(self).__name__}.expected_log_prob needs bag_index=(N,) as a keyword argument, "
-                "e.g. mll(output, y[bag_index], bag_index=bag_index)"
-            )
-        y = kwargs.get("bag_targets")
-        # with the bag targets given, their length is the number of bags (no device sync on bag_index.max())
-        bags = Bags.from_index(bag_index, None if y is None else int(y.shape[0]))
-        num_bags = bags.num_bags
+        bags, y = bags_from_keywords(self, kwargs, "bag_targets", "mll(output, y[bag_index], bag_index=bag_index)")
+        bag_index, num_bags = bags.index, bags.num_bags
         mean, var = function_dist.mean, function_dist.variance
         weights = kwargs.get("weights")
         weights = torch.ones_like(mean) if weights is None else weights.to(mean)
@@ -433,9 +416,8 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     def rate_covariance(self, mean_r: Tensor, var_r: Tensor, mean_c: Tensor, var_c: Tensor, cov_rc: Tensor) -> Tensor:
         """``Cov[Ψ(f_r), Ψ(f_c)]`` ``(..., n_r, n_c)`` for jointly Gaussian ``f`` with marginal means
         and variances ``(..., n_r)``, ``(..., n_c)`` and cross-covariance ``cov_rc``."""
-        if isinstance(self.link, ExpLink):
-            e_r, e_c = torch.exp(mean_r + 0.5 * var_r), torch.exp(mean_c + 0.5 * var_c)
-            return e_r.unsqueeze(-1) * e_c.unsqueeze(-2) * torch.expm1(cov_rc)
+        if isinstance(self.link, ExpLink):  # its covariance takes the log-normal means
+            mean_r, mean_c = self.link.mean(mean_r, var_r), self.link.mean(mean_c, var_c)
         return self.link.covariance(mean_r.unsqueeze(-1), mean_c.unsqueeze(-2), cov_rc)
 
     def bag_rate_moments(self, blocks: PaddedBlocks) -> tuple[Tensor, Tensor]:

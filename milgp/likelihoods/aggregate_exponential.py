@@ -21,17 +21,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from milgp.data.bags import Bags
-from milgp.likelihoods.aggregate import AggregateLikelihood, ExpLink, Link, PaddedBlocks, segment_logsumexp
+from milgp.data.bags import Bags, segment_logsumexp
+from milgp.likelihoods.aggregate import AggregateLikelihood, ExpLink, Link, PaddedBlocks
 
 __all__ = ["ExponentialAggregateLikelihood"]
 
 
 class ExponentialAggregateLikelihood(AggregateLikelihood):
     """Exponential bag likelihood with the concave-link lower bound (Law et al. 2018, Appendix A.4)."""
-
-    target_name = "target"
-    needs_covariance = False
 
     def __init__(self, link: str | Link = "exp"):
         super().__init__(link)

@@ -44,7 +44,6 @@ class NormalAggregateLikelihood(AggregateLikelihood):
         noise_lower_bound: constraint on ``τ``.
     """
 
-    target_name = "target"
     needs_covariance = True
 
     def __init__(self, link: str | Link = "identity", noise: float = 1.0, noise_lower_bound: float = 1e-6):

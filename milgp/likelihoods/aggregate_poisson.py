@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from milgp.data.bags import Bags, segment_sum
-from milgp.likelihoods.aggregate import AggregateLikelihood, ExpLink, Link, PaddedBlocks, SquareLink, segment_logsumexp
+from milgp.data.bags import Bags, segment_logsumexp, segment_sum
+from milgp.likelihoods.aggregate import AggregateLikelihood, ExpLink, Link, PaddedBlocks, SquareLink
 
 __all__ = ["PoissonAggregateLikelihood"]
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from milgp.data.bags import Bags, segment_max
 
-__all__ = ["AugmentedBagLikelihood", "check_bag_size_cap"]
+__all__ = ["AugmentedBagLikelihood", "bags_from_keywords", "check_bag_size_cap"]
 
 
 def check_bag_size_cap(cap: float | None) -> float | None:
@@ -35,6 +35,22 @@ def check_bag_size_cap(cap: float | None) -> float | None:
     if cap is not None and not cap >= 1:
         raise ValueError(f"bag_size_cap must be None or at least 1, got {cap!r}")
     return None if cap is None else float(cap)
+
+
+def bags_from_keywords(
+    likelihood: Any, kwargs: dict[str, Any], labels_key: str, example: str
+) -> tuple[Bags, Tensor | None]:
+    """The :class:`Bags` of ``expected_log_prob``'s keyword ``bag_index`` ``(N,)`` (required:
+    ``ValueError`` citing the call ``example``) and its keyword ``labels_key`` ``(B,)``, whose length,
+    when given, is the number of bags (no device synchronisation on ``bag_index.max()``)."""
+    bag_index = kwargs.get("bag_index")
+    if bag_index is None:
+        raise ValueError(
+            f"{type(likelihood).__name__}.expected_log_prob needs bag_index=(N,) as a keyword argument, "
+            f"e.g. {example}"
+        )
+    labels = kwargs.get(labels_key)
+    return Bags.from_index(bag_index, None if labels is None else int(labels.shape[0])), labels
 
 
 class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
@@ -117,16 +133,8 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         respect to q(f) is that of the augmented (quadratic) bound, so one ``NGD(lr=1)`` step is the
         closed-form natural update.
         """
-        bag_index = kwargs.get("bag_index")
-        if bag_index is None:
-            raise ValueError(
-                f"{type(self).__name__}.expected_log_prob needs bag_index=(N,) as a keyword argument, "
-                "e.g. mll(output, target, bag_index=bag_index)"
-            )
+        bags, bag_labels = bags_from_keywords(self, kwargs, "bag_labels", "mll(output, target, bag_index=bag_index)")
         mean, var = function_dist.mean, function_dist.variance
-        bag_labels = kwargs.get("bag_labels")
-        # with the bag labels given, their length is the number of bags (no device sync on bag_index.max())
-        bags = Bags.from_index(bag_index, None if bag_labels is None else int(bag_labels.shape[0]))
         if bag_labels is None:
             bag_labels = segment_max(target.to(mean.dtype), bags.index, bags.num_bags)
         with torch.no_grad():

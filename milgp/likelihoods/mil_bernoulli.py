@@ -20,13 +20,8 @@ global normaliser ``−log Z`` that depends on the kernel (Eq. 20); like the aut
 it by its ψ = φ value ``N log π``, so the objective drives the same updates of q(v), q(y) but is a
 surrogate, not a bound, for model comparison across ψ.
 
-Hyperparameters: without ``−log Z`` the surrogate is unbounded in the kernel variance when ψ has
-heavier tails than φ (``ψ_G/φ`` grows like ``e^{|f|/2}``), so gradient steps on it would inflate
-the output scale without limit. For every ψ the kernel hyperparameters are therefore learned on
-the ELBO of the logistic MIL model with the current q(v) and q(y), with ``E_q[log φ(f_n)]`` computed
-exactly by Gauss–Hermite quadrature rather than bounded by ``log φ(c_n)`` (the tangent bound's
-slack grows with the predictive variance and biases the kernel towards small output scales),
-while ψ shapes the updates of q(v) (:meth:`MILBernoulliLikelihood.hyperparameter_terms`).
+Hyperparameters: for every ψ the kernel is learned on the ELBO of the logistic MIL model, while ψ
+shapes the updates of q(v) (:meth:`MILBernoulliLikelihood.hyperparameter_terms` says why).
 """
 from __future__ import annotations
 
@@ -126,9 +121,7 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
         c = torch.sqrt(mean * mean + var)
         instance = self._tempered((pi - 0.5) * mean + self.psi.log_psi(c) + _LOG_PI, bags)
-        entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
-        bag = self.bag_log_likelihood(pi, bags, bag_labels)
-        return instance + entropy + self._bag_share(bag, bags)
+        return self._with_label_terms(instance, pi, bags, bag_labels)
 
     def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         """The exact logistic (ψ = φ) expected log-likelihood at the current π, whatever ψ is.
@@ -140,14 +133,19 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         reported as ``FitResult.objective`` and the estimators' ``elbo_``. The closed-form PG
         bound ``log φ(c)`` would also be a valid objective, but its slack
         ``E_q[log φ(f)] − log φ(c) ≥ 0`` grows with the predictive variance, so maximising it over
-        the kernel biases towards small output scales and long lengthscales (see docs/core.md).
+        the kernel biases towards small output scales and long lengthscales (see docs/core.md). The
+        ψ ≠ φ surrogate is no objective for the kernel: without ``−log Z`` it is unbounded in the kernel
+        variance when ψ has heavier tails than φ (``ψ_G/φ`` grows like ``e^{|f|/2}``).
         """
         pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
         expected_log_phi = gauss_hermite_expectation(_LOGISTIC_PSI.log_psi, mean, var, 20)
-        entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
-        bag = self.bag_log_likelihood(pi, bags, bag_labels)
         instance = self._tempered((pi - 0.5) * mean + expected_log_phi + _LOG_PI, bags)
-        return instance + entropy + self._bag_share(bag, bags)
+        return self._with_label_terms(instance, pi, bags, bag_labels)
+
+    def _with_label_terms(self, instance: Tensor, pi: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
+        """``instance`` ``(N,)`` plus the q(y) entropy and the bag terms (:meth:`bag_log_likelihood`)."""
+        entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
+        return instance + entropy + self._bag_share(self.bag_log_likelihood(pi, bags, bag_labels), bags)
 
     def bag_log_likelihood(self, pi: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
         """``E_q[log p(T_b | y_b)] = log H · E[G_b] − log(H + 1)`` per bag ``(B,)``."""

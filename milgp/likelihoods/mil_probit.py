@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Bernoulli
 
-from milgp.data.bags import Bags, segment_max, segment_sum
+from milgp.data.bags import Bags, segment_logsumexp, segment_sum
 from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import (
@@ -79,12 +79,6 @@ __all__ = [
     "expected_augmentation",
     "instance_log_cdf",
 ]
-
-
-def _segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:
-    top = segment_max(values.detach(), bag_index, num_bags)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    return torch.log(segment_sum(torch.exp(values - top[bag_index]), bag_index, num_bags)) + top
 
 
 def instance_log_cdf(nu: Tensor, bag_index: Tensor, bag_labels: Tensor, single_instance: bool = False) -> Tensor:
@@ -112,7 +106,7 @@ def bag_log_normaliser(
     log_p = segment_sum(log_cdf, bag_index, num_bags)  # single-instance: log Z_b itself
     if single_instance:
         return log_p
-    L = _segment_logsumexp(log_neg_log_ndtr(-nu, log_cdf), bag_index, num_bags)
+    L = segment_logsumexp(log_neg_log_ndtr(-nu, log_cdf), bag_index, num_bags)
     log_positive = L + log_expm1_ratio(-torch.exp(L))  # log(1 − P_b), S_b = −exp(L_b)
     return torch.where(bag_labels.to(torch.bool), log_positive, log_p)
 

@@ -101,29 +101,28 @@ def update_instance_labels(
         return _sweep_layout(mean, pi, sign, log_keep, log_h, positions)
     for idx in positions:
         b = bag_index[idx]
-        old = torch.log1p(-pi[idx])
-        loo = (log_keep[b] - old).clamp_max(0.0)
-        new_pi = torch.sigmoid(mean[idx] + log_h * sign[idx] * torch.exp(loo)).clamp(PI_CLAMP, 1 - PI_CLAMP)
-        pi[idx] = new_pi
-        log_keep[b] = log_keep[b] + torch.log1p(-new_pi) - old
+        pi[idx], log_keep[b] = _coordinate_step(mean[idx], pi[idx], sign[idx], log_keep[b], log_h)
     return pi
 
 
-def _sweep_layout(mean: Tensor, pi: Tensor, sign: Tensor, log_keep: Tensor, log_h: float, layout: BagLayout) -> Tensor:
-    """The exact coordinate-ascent sweep on contiguous slices of the position-major layout.
+def _coordinate_step(mean: Tensor, pi: Tensor, sign: Tensor, log_keep: Tensor, log_h: float) -> tuple[Tensor, Tensor]:
+    """The new ``π`` of one instance per bag and their bags' updated ``log Π_{i∈b} (1 − π_i)``."""
+    old = torch.log1p(-pi)
+    loo = (log_keep - old).clamp_max(0.0)
+    new_pi = torch.sigmoid(mean + log_h * sign * torch.exp(loo)).clamp(PI_CLAMP, 1 - PI_CLAMP)
+    return new_pi, log_keep + torch.log1p(-new_pi) - old
 
-    Element for element the same arithmetic as the per-position gather/scatter loop."""
+
+def _sweep_layout(mean: Tensor, pi: Tensor, sign: Tensor, log_keep: Tensor, log_h: float, layout: BagLayout) -> Tensor:
+    """The exact coordinate-ascent sweep on contiguous slices of the position-major layout (the
+    per-position loop's :func:`_coordinate_step`)."""
     flat = layout.flat
     pi_l, mean_l, sign_l = pi[flat], mean[flat], sign[flat]
     keep = log_keep[layout.bag_order]
     off = 0
     for c in layout.counts:
         sl = slice(off, off + c)
-        old = torch.log1p(-pi_l[sl])
-        loo = (keep[:c] - old).clamp_max(0.0)
-        new_pi = torch.sigmoid(mean_l[sl] + log_h * sign_l[sl] * torch.exp(loo)).clamp(PI_CLAMP, 1 - PI_CLAMP)
-        pi_l[sl] = new_pi
-        keep[:c] = keep[:c] + torch.log1p(-new_pi) - old
+        pi_l[sl], keep[:c] = _coordinate_step(mean_l[sl], pi_l[sl], sign_l[sl], keep[:c], log_h)
         off += c
     out = torch.empty_like(pi)
     out[flat] = pi_l

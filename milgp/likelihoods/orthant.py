@@ -21,9 +21,8 @@ most constraining first), Genz & Bretz's simple variance-reducing prior ordering
 
 The product is accumulated in log space (``log_ndtr``) and ``Φ⁻¹(w e)`` is evaluated on the
 smaller side (``−Φ⁻¹(1 − w e)`` with ``1 − w e = (1 − w) + w Φ(−b)``) so that nothing underflows or
-loses precision for bags of 100+ instances or near-certain bags. Padded input (``(B, n_max)`` with a
-mask) is accepted, but the padding is cut off: bags are integrated in batches of equal real size,
-so a bag's estimate does not depend on the other bags of the call nor on how far it was padded.
+loses precision for bags of 100+ instances or near-certain bags. Padded input is accepted
+(:func:`orthant_probability`).
 """
 from __future__ import annotations
 
@@ -72,7 +71,7 @@ def orthant_probability(
         raise ValueError(f"expected mean (B, n) and cov (B, n, n), got {tuple(mean.shape)} and {tuple(cov.shape)}")
     if replicates < 1 or num_points < 1:
         raise ValueError("replicates and num_points must be positive")
-    B, n = mean.shape
+    B = mean.shape[0]
     if mask is None:
         mask = torch.ones_like(mean, dtype=torch.bool)
     mask = mask.to(torch.bool)
@@ -83,14 +82,18 @@ def orthant_probability(
         if k == 0:
             continue
         idx = torch.nonzero(sizes == k, as_tuple=True)[0]
-        b = idx.shape[0]
         # real coordinates first, in their original order; then drop the padding
         keep = torch.argsort((~mask[idx]).to(torch.int8), dim=1, stable=True)[:, :k]
-        m_k = torch.gather(mean[idx], 1, keep)
-        c_k = cov[idx]
-        c_k = torch.gather(torch.gather(c_k, 1, keep.unsqueeze(-1).expand(b, k, n)), 2, keep.unsqueeze(1).expand(b, k, k))
+        m_k, c_k = _select(mean[idx], cov[idx], keep)
         p[idx], se[idx] = _orthant_dense(m_k, c_k, num_points, replicates, seed, reorder, max_elements)
     return p, se
+
+
+def _select(mean: Tensor, cov: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``mean`` ``(B, n)`` and ``cov`` ``(B, n, n)`` at each bag's coordinates ``idx`` ``(B, k)``, in that order."""
+    B, k = idx.shape
+    rows = torch.gather(cov, 1, idx.unsqueeze(-1).expand(B, k, cov.shape[-1]))
+    return torch.gather(mean, 1, idx), torch.gather(rows, 2, idx.unsqueeze(1).expand(B, k, k))
 
 
 def _orthant_dense(
@@ -100,9 +103,7 @@ def _orthant_dense(
     B, n = mean.shape
     sd = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
     if reorder and n > 1:
-        order = torch.argsort(torch.special.log_ndtr(-mean / sd), dim=1, stable=True)
-        mean = torch.gather(mean, 1, order)
-        cov = torch.gather(torch.gather(cov, 1, order.unsqueeze(-1).expand(B, n, n)), 2, order.unsqueeze(1).expand(B, n, n))
+        mean, cov = _select(mean, cov, torch.argsort(torch.special.log_ndtr(-mean / sd), dim=1, stable=True))
     L, info = torch.linalg.cholesky_ex(cov)
     if bool((info != 0).any()):
         eye = torch.eye(n, dtype=cov.dtype, device=cov.device)
@@ -117,18 +118,17 @@ def _orthant_dense(
     else:
         num_points = 1
         w = mean.new_zeros(replicates, 1, 0)
-    mask = torch.ones_like(mean, dtype=torch.bool)
     chunk = max(1, max_elements // max(1, replicates * num_points * n))
     ps, ses = [], []
     for start in range(0, B, chunk):
         sl = slice(start, start + chunk)
-        est = _sov(mean[sl], L[sl], mask[sl], w)  # (R, b)
+        est = _sov(mean[sl], L[sl], w)  # (R, b)
         ps.append(est.mean(0))
         ses.append(est.std(0) / math.sqrt(replicates) if replicates > 1 else torch.zeros_like(est[0]))
     return torch.cat(ps), torch.cat(ses)
 
 
-def _sov(mean: Tensor, L: Tensor, mask: Tensor, w: Tensor) -> Tensor:
+def _sov(mean: Tensor, L: Tensor, w: Tensor) -> Tensor:
     """Genz SOV integrand averaged over the points ``w`` ``(R, S, n−1)``: ``(R, b)`` estimates.
 
     Works on ``y`` laid out ``(b, n, R·S)`` so that ``Σ_{j<i} L_ij y_j`` is one batched mat-vec."""
@@ -144,18 +144,16 @@ def _sov(mean: Tensor, L: Tensor, mask: Tensor, w: Tensor) -> Tensor:
         shift = torch.bmm(L[:, i : i + 1, :i], y[:, :i]).squeeze(1) if i else 0.0  # (b, P)
         upper = (-mean[:, i : i + 1] - shift) / diag[:, i : i + 1]
         log_e = torch.special.log_ndtr(upper)
-        real = mask[:, i : i + 1]
-        log_f = log_f + torch.where(real, log_e, torch.zeros_like(log_e))
+        log_f = log_f + log_e
         if i == n - 1:
             break
         wi = wt[i]  # (P,)
         u = wi * torch.exp(log_e)
         low = u < 0.5
         comp = (1.0 - wi) + wi * torch.special.ndtr(-upper)  # 1 − w e, without cancellation
-        yi = torch.where(
+        y[:, i] = torch.where(
             low,
             torch.special.ndtri(torch.where(low, u, torch.full_like(u, 0.25)).clamp_min(tiny)),
             -torch.special.ndtri(torch.where(low, torch.full_like(comp, 0.25), comp).clamp_min(tiny)),
         )
-        y[:, i] = torch.where(real, yi, torch.zeros_like(yi))
     return torch.exp(log_f).reshape(b, R, S).mean(-1).mT

@@ -2,24 +2,13 @@
 
 Everything the MIL probit model (Wang & Pinar 2021) needs about ``N(μ, 1)`` restricted to one side of 0,
 written so that no expression cancels catastrophically or overflows for ``|μ|`` up to ~35 in
-float64 (and degrades gracefully — finite, correct limits — beyond):
-
-* :func:`log_hazard` ``log h(x)``, ``h(x) = φ(x)/Φ(−x)`` (inverse Mills ratio), from
-  ``log_ndtr`` on ``x < 0`` and ``erfcx`` on ``x ≥ 0`` (``h(x) = sqrt(2/π)/erfcx(x/√2)``);
-* :func:`hazard_excess` ``h(x) − x ≥ 0`` — the quantity that cancels in ``E[m | m < 0] = μ − h(μ)``
-  for large ``μ`` — by Laplace's continued fraction for ``x > 3`` (``x > 2`` below float64)
-  (``h(x) − x = 1/(x + 2/(x + 3/(x + …)))``, Abramowitz & Stegun 26.2.14);
-* :func:`mean_below_zero` / :func:`var_below_zero` (and the ``above`` mirrors): the moments of
-  ``N(μ, 1)`` truncated to ``(−∞, 0)``, ``E = μ − h(μ)``, ``Var = 1 − h(μ)(h(μ) − μ)``; the variance is
-  evaluated as ``t (w − t)`` from the continued fraction's first two tails for large ``μ``;
-* :func:`log_neg_log_ndtr` ``log(−log Φ(x))`` and :func:`log1mexp` ``log(1 − eˣ)``: the pieces of
-  the positive-bag normaliser ``log(1 − Π_i Φ(−μ_i))`` computed as
-  ``L + log(expm1(S)/S)`` with ``S = Σ log Φ(−μ_i) = −exp(L)`` and
-  ``L = logsumexp_i log(−log Φ(−μ_i))`` — finite even when every ``Φ(−μ_i)`` rounds to 1;
-* :func:`sample_above` / :func:`sample_truncated`: exact samplers, inverse CDF (``ndtri`` of
-  ``U·Φ(−a)``, relatively accurate) for truncation points ``a < 8`` and Robert's (1995)
-  exponential rejection sampler for ``a ≥ 8`` (acceptance > 0.98, → 1 in the far tail), so the
-  far tails are exact and never produce ``inf``.
+float64 (and degrades gracefully — finite, correct limits — beyond): the log hazard
+:func:`log_hazard`, ``h(x) − x`` by a continued fraction (:func:`hazard_excess`: what cancels in
+``E[m | m < 0] = μ − h(μ)`` for large ``μ``), the truncated moments (:func:`mean_below_zero`,
+:func:`var_below_zero` and their ``above`` mirrors), the pieces :func:`log_neg_log_ndtr`,
+:func:`log1mexp` and :func:`log_expm1_ratio` of the positive-bag normaliser ``log(1 − Π_i Φ(−μ_i))``
+(:func:`milgp.likelihoods.mil_probit.bag_log_normaliser`: finite even when every ``Φ(−μ_i)``
+rounds to 1), and exact samplers (:func:`sample_above`, :func:`sample_truncated`).
 
 In float32 the same forms stay finite over the same range (no constant such as ``1e-300`` that
 underflows in the input's dtype) and agree with float64 to float32 precision: relative error
@@ -65,8 +54,9 @@ def _cf_threshold(dtype: torch.dtype) -> float:
 
 
 def log_hazard(x: Tensor, log_cdf_neg: Tensor | None = None) -> Tensor:
-    """``log(φ(x) / Φ(−x))``: the log inverse Mills ratio (hazard of the standard normal)
-    (``log_cdf_neg``: ``log Φ(−x)``, when already computed; only its entries at ``x < 0`` are read)."""
+    """``log(φ(x) / Φ(−x))``: the log inverse Mills ratio (hazard of the standard normal), from
+    ``log_ndtr`` on ``x < 0`` and ``h(x) = sqrt(2/π)/erfcx(x/√2)`` on ``x ≥ 0`` (``log_cdf_neg``:
+    ``log Φ(−x)``, when already computed; only its entries at ``x < 0`` are read)."""
     neg = x < 0
     x_neg = torch.where(neg, x, torch.zeros_like(x))
     x_pos = torch.where(neg, torch.zeros_like(x), x)
@@ -83,7 +73,8 @@ def hazard(x: Tensor) -> Tensor:
 
 
 def _continued_fraction_tails(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(t, w)`` with ``t = 1/(x + w)``, ``w = 2/(x + 3/(x + 4/(x + …)))`` (backward recurrence)."""
+    """``(t, w)`` with ``t = 1/(x + w)``, ``w = 2/(x + 3/(x + 4/(x + …)))`` (backward recurrence):
+    Laplace's continued fraction ``h(x) − x = t`` (Abramowitz & Stegun 26.2.14)."""
     tail = torch.zeros_like(x)
     for k in range(_CF_TERMS, 2, -1):
         tail = k / (x + tail)
@@ -93,10 +84,8 @@ def _continued_fraction_tails(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def hazard_excess(x: Tensor, log_h: Tensor | None = None) -> Tensor:
     """``h(x) − x`` (≥ 0) without cancellation: ``≈ 1/x`` for large ``x``, ``≈ −x`` for ``x → −∞``
-    (``log_h``: :func:`log_hazard` of ``x``, when already computed).
-
-    The continued fraction runs on the tail entries alone (its 46 divisions over every entry were
-    most of the probit locals' cost)."""
+    (``log_h``: :func:`log_hazard` of ``x``, when already computed). The continued fraction
+    (:func:`_continued_fraction_tails`) serves ``x > 3`` (``x > 2`` below float64), on those entries alone."""
     thr = _cf_threshold(x.dtype)
     big = x > thr
     out = (hazard(x) if log_h is None else torch.exp(log_h)) - x

@@ -6,18 +6,10 @@ over ``v = L⁻¹(u − mean(Z))`` with ``K_zz + jitter·I = L Lᵀ`` (Hensman, 
 works with ``gpytorch.mlls.VariationalELBO``, Adam and ``gpytorch.optim.NGD`` as before. It adds
 what the augmentation-based closed-form updates of the bag likelihoods need, for *any*
 ``ApproximateGP`` that uses it (the model's own ``forward``: its kernel and mean), computed
-without ``N×N`` matrices:
-
-* :meth:`~ClosedFormStrategy.projection` — ``A = L⁻¹ K_zx`` ``(M, N)``, the prior diagonal
-  ``k(x_n, x_n) + jitter`` and the prior mean;
-* :meth:`~ClosedFormStrategy.whitened_posterior` / :meth:`~ClosedFormStrategy.set_whitened_posterior`
-  — ``q(v)`` read from and written to the variational distribution (natural or Cholesky
-  parameters), its caches cleared after every write;
-* :meth:`~ClosedFormStrategy.marginals` — ``μ_n = mean(x_n) + A_nᵀ m``,
-  ``σ²_n = k_nn − ‖A_n‖² + A_nᵀ S A_n``;
-* :meth:`~ClosedFormStrategy.bag_covariances` — per-bag blocks ``K_bb − A_bᵀA_b + A_bᵀ S A_b``;
-* :meth:`~ClosedFormStrategy.natural_step` — the closed-form natural step of size ``ρ`` from a
-  likelihood's :class:`~milgp.likelihoods.NaturalStatistics`.
+without ``N×N`` matrices: the whitened :meth:`~ClosedFormStrategy.projection`, ``q(v)`` read and
+written (:meth:`~ClosedFormStrategy.whitened_posterior`, :meth:`~ClosedFormStrategy.set_whitened_posterior`),
+the :meth:`~ClosedFormStrategy.marginals` and per-bag blocks (:meth:`~ClosedFormStrategy.bag_covariances`)
+of ``q(f)``, and the closed-form :meth:`~ClosedFormStrategy.natural_step`.
 
 Put it where ``VariationalStrategy`` would go::
 
@@ -120,22 +112,21 @@ class WhitenedPosterior:
         """
         if not 0.0 < rho <= 1.0:
             raise ValueError(f"the natural step size rho must be in (0, 1], got {rho}")
-        eta1_hat, P_hat = stats.targets(scale)
         if rho == 1.0:
-            return WhitenedPosterior.from_natural(eta1_hat, P_hat)
-        eta1_old = self.precision @ self.m
-        eta1 = (1.0 - rho) * eta1_old + rho * eta1_hat
-        P = (1.0 - rho) * self.precision + rho * P_hat
-        return WhitenedPosterior.from_natural(eta1, P)
+            return WhitenedPosterior.from_natural(*stats.targets(scale))
+        return WhitenedPosterior.from_natural(*self._towards(stats, rho, scale))
+
+    def _towards(self, stats: NaturalStatistics, rho: float, scale: float) -> tuple[Tensor, Tensor]:
+        """``(η₁, P) ← (1−ρ)(η₁, P) + ρ(η̂₁, P̂)`` for the targets of :meth:`NaturalStatistics.targets`."""
+        eta1_hat, P_hat = stats.targets(scale)
+        return (1.0 - rho) * (self.precision @ self.m) + rho * eta1_hat, (1.0 - rho) * self.precision + rho * P_hat
 
     def try_natural_step(self, stats: NaturalStatistics, rho: float, scale: float = 1.0) -> "WhitenedPosterior | None":
         """``η ← (1−ρ)η + ρη̂ = η + ρ(η̂ − η)`` for any ``ρ > 0`` (``ρ > 1`` goes past the optimum: the
         over-relaxed step of :mod:`milgp.variational.overrelaxation`), or ``None`` when the new
         precision is not positive definite (or not finite)."""
-        eta1_hat, P_hat = stats.targets(scale)
-        P = (1.0 - rho) * self.precision + rho * P_hat
+        eta1, P = self._towards(stats, rho, scale)
         P = 0.5 * (P + P.mT)
-        eta1 = (1.0 - rho) * (self.precision @ self.m) + rho * eta1_hat
         L_P, info = torch.linalg.cholesky_ex(P)
         if int(info) != 0 or not torch.isfinite(L_P).all():
             return None
@@ -293,12 +284,9 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
         q = self.whitened_posterior()
         with torch.no_grad():
             L = self.inducing_cholesky()
-            means, variances = [], []
-            for start in range(0, x.shape[0], chunk_size):
-                mu, var = self.marginals(self.projection(x[start : start + chunk_size], L), q)
-                means.append(mu)
-                variances.append(var)
-        return torch.cat(means), torch.cat(variances)
+            starts = range(0, x.shape[0], chunk_size)
+            parts = [self.marginals(self.projection(x[s : s + chunk_size], L), q) for s in starts]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def bag_covariances(self, x: Tensor, bags: Bags, q: WhitenedPosterior | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """Per-bag predictive blocks of ``q(f)`` at the instances ``x`` of ``bags``: padded means ``(B, N_max)``, covariances

@@ -16,9 +16,7 @@ The ``m`` of a positive bag are updated one position at a time (all bags and all
 each update seeing the bag-mates' latest values), so every state satisfies the constraint; the
 negative-bag ``m`` are conditionally independent and drawn in one go. Truncated normals are drawn
 exactly (:func:`milgp.likelihoods.truncated_normal.sample_truncated`). Chains are vectorised
-(``(C, M)`` and ``(C, N)`` tensors) and start from independent draws of ``N(m, c·S)`` for a given
-``q(v) = N(m, S)`` — over-dispersed by ``c = init_dispersion`` (default 4) so that split-R̂ can
-reveal chains that still remember their start — or of the prior when no ``q(v)`` is given. They
+(``(C, M)`` and ``(C, N)`` tensors), start over-dispersed (:func:`sample_probit_posterior`) and
 report split-R̂ and ESS (:mod:`milgp.sampling.diagnostics`) of the latent means ``μ₀_n + A_nᵀ v``
 of up to ``diagnostic_instances`` training instances.
 
@@ -27,9 +25,8 @@ Predictions average over the kept draws of ``v`` and are Rao–Blackwellised ove
 ``v``, ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` (no orthant integral needed). Note that
 this is the FITC conditional: VI's ``bag_rule="joint"`` prediction instead uses the full
 within-bag covariance of ``q(f*_b)`` (including ``K_bb − A_bᵀA_b``), so bag-level VI-vs-Gibbs
-comparisons differ by construction when ``M ≪ N`` (``K̃`` not ≈ 0). Bag-probability standard
-errors use the effective sample size of the per-draw values. Predictions work in bounded blocks of
-``max_elements`` (draw, instance) entries (see :class:`ProbitGibbsResult`).
+comparisons differ by construction when ``M ≪ N`` (``K̃`` not ≈ 0). Predictions work in bounded
+blocks of ``max_elements`` (draw, instance) entries (see :class:`ProbitGibbsResult`).
 """
 from __future__ import annotations
 
@@ -101,18 +98,7 @@ class ProbitGibbsResult:
             "seconds": self.seconds,
         }
 
-    # -- predictions ----------------------------------------------------------------------------
-    # Peak memory: every prediction works on blocks of at most ``max_elements`` (draw, instance)
-    # pairs — ``(s, n_c)`` latent means, ``(s, n_c, num_points)`` quadrature nodes — plus the
-    # ``(M, n_c)`` projection of the current instance chunk and the ``(C·S, M)`` draws themselves,
-    # instead of ``(C·S, N)`` / ``(C·S, N, 32)`` tensors over all test instances at once
-    # (2,000 instances × 4,000 draws × 32 nodes was ≈ 2 GB per temporary, ≈ 7 GB in all).
-    def _projection(self, model: ApproximateGP, x: Tensor, L: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(prior_mean, A, K̃)`` of ``x`` ``(n_c, D)``: ``(n_c,)``, ``(M, n_c)``, ``(n_c,)``."""
-        proj = model.variational_strategy.projection(x, L)
-        resid = (proj.prior_var - (proj.A * proj.A).sum(0)).clamp_min(0.0)  # K̃_nn
-        return proj.prior_mean, proj.A, resid
-
+    # -- predictions: in blocks of at most ``max_elements`` (draw, instance) pairs (docs/probit.md, "Memory") --
     def latent_mean(self, model: ApproximateGP, x: Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
         """Posterior mean of ``f*`` ``(N,)``; instances in chunks of ``max_elements // (C·S)``."""
         draws = self.draws
@@ -122,7 +108,7 @@ class ProbitGibbsResult:
         with torch.no_grad():
             L = model.variational_strategy.inducing_cholesky()
             for start in range(0, x.shape[0], chunk):
-                mu0, A, _ = self._projection(model, x[start : start + chunk], L)
+                mu0, A, _ = _fitc_projection(model, x[start : start + chunk], L)
                 out.append((mu0 + draws @ A).mean(0))
         return torch.cat(out) if out else x.new_zeros(0)
 
@@ -151,7 +137,7 @@ class ProbitGibbsResult:
         with torch.no_grad():
             L = model.variational_strategy.inducing_cholesky()
             for start in range(0, x.shape[0], chunk):
-                mu0, A, resid = self._projection(model, x[start : start + chunk], L)
+                mu0, A, resid = _fitc_projection(model, x[start : start + chunk], L)
                 if draw_chunk == S:
                     mu = mu0 + draws @ A  # (S, n_c)
                     p_s, sd_s = ProbitLink().moments(mu, resid.expand_as(mu), num_points)
@@ -189,7 +175,7 @@ class ProbitGibbsResult:
         with torch.no_grad():
             L = model.variational_strategy.inducing_cholesky()
             for g in bags.groups(max(1, max_elements // S)):
-                mu0, A, resid = self._projection(model, x[g.inst], L)
+                mu0, A, resid = _fitc_projection(model, x[g.inst], L)
                 scale = torch.sqrt(1.0 + resid)
                 n_g = g.inst.shape[0]
                 draw_chunk = S if S * n_g <= max_elements else max(1, max_elements // n_g)
@@ -217,6 +203,13 @@ class ProbitGibbsResult:
         ess = effective_sample_size(per_draw)
         se = flat.std(0) / torch.sqrt(ess)
         return p.clamp(0.0, 1.0), se
+
+
+def _fitc_projection(model: ApproximateGP, x: Tensor, L: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(prior_mean, A, K̃)`` of ``x`` ``(n, D)``: ``(n,)``, ``(M, n)``, ``(n,)`` (``L``: ``None`` = computed)."""
+    proj = model.variational_strategy.projection(x, L)
+    resid = (proj.prior_var - (proj.A * proj.A).sum(0)).clamp_min(0.0)  # K̃_nn
+    return proj.prior_mean, proj.A, resid
 
 
 def sample_probit_posterior(
@@ -259,10 +252,9 @@ def sample_probit_posterior(
     labels = batch.bag_labels.to(torch.bool)
     dtype, device = x.dtype, x.device
     with torch.no_grad():
-        proj = model.variational_strategy.projection(x)
-        A, mu0 = proj.A, proj.prior_mean  # (M, N), (N,)
+        mu0, A, resid = _fitc_projection(model, x, None)  # (N,), (M, N), (N,)
         M, N = A.shape
-        d = 1.0 + (proj.prior_var - (A * A).sum(0)).clamp_min(0.0)  # 1 + K̃_nn
+        d = 1.0 + resid
         sd = d.sqrt()
         P = torch.eye(M, dtype=dtype, device=device) + (A / d) @ A.mT
         L_P = robust_cholesky(0.5 * (P + P.mT), what="Gibbs u|m precision")

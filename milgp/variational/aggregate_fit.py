@@ -194,15 +194,11 @@ def is_conjugate(likelihood: AggregateLikelihood) -> bool:
 
 
 class AggregateSteps:
-    """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
-    :class:`AggregateLikelihood` on ``batch``: natural steps of ``q(v)``
-    (exact with ρ = 1 for the conjugate Normal model on all
-    training bags, otherwise halved until the ELBO does not fall) and Adam on the ELBO per instance.
-
-    Full-batch sweeps of non-conjugate models adapt ρ: from ``rho``, ×1.5 after an accepted step, up
-    to ``rho_max``. Minibatch steps take ``min(1, rho_max · ρ_t)``. The Lightning GP head takes its
-    training step with these steps on its batch (``bags=None`` in :meth:`minibatch_step`), the
-    statistics and data terms summed over DDP ranks by ``reduce`` and ``reduce_value``.
+    """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an :class:`AggregateLikelihood`
+    on ``batch``: natural steps of ``q(v)`` (:meth:`sweep`, :meth:`minibatch_step`) and Adam on the
+    ELBO per instance. The Lightning GP head takes its training step with these steps on its batch
+    (``bags=None`` in :meth:`minibatch_step`), the statistics and data terms summed over DDP ranks by
+    ``reduce`` and ``reduce_value``.
 
     Attributes:
         rho: the step size of the next full-batch step (adaptive; 1 for the conjugate model).
@@ -242,7 +238,6 @@ class AggregateSteps:
             order = torch.cat([g.inst for g in self.groups])
             self.projector = ProjectionCache(strategy, batch.x, [int(g.inst.numel()) for g in self.groups], math.inf, order=order)
         self._cached: list[_Cached] | None = None
-        self.sizes = batch.bags.sizes
         self.q = strategy.whitened_posterior()
         self.rho = 1.0 if self.conjugate else min(rho, rho_max)
         self.step_size, self.elbo_estimate = 0.0, math.nan
@@ -330,7 +325,7 @@ class AggregateSteps:
             groups, n = self.groups, self.batch.num_instances
         else:
             groups = self._minibatch[1] if self._minibatch is not None and self._minibatch[0] is bags else self._groups_of(bags)
-            n = int(self.sizes[bags].sum())
+            n = int(self.batch.bags.sizes[bags].sum())
         # objective per instance of the subset: the ELBO / N estimated from whole bags; one backward
         # per group keeps one group's graph in memory at a time
         optimizer.zero_grad(set_to_none=True)

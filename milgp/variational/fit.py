@@ -10,14 +10,10 @@ One iteration (full batch):
 4. optionally, gradient steps (Adam) on the kernel hyperparameters (and inducing locations) on the
    closed-form ELBO with ``q(v)`` and the locals held fixed.
 
-With ``bags_per_batch`` set, each step uses a minibatch of whole bags: statistics are scaled by
-``s = B / B_batch`` and mixed with a Robbins–Monro step size (stochastic natural gradient).
-Hyperparameter steps always use a random subset of at most ``hyper_max_instances`` instances
-(whole bags) so memory stays bounded for large N.
-
-The iterations are :func:`~milgp.variational.fit_loop.fit_loop`'s, shared with the aggregate-output
-fit; this module holds the steps of this family (:class:`ClosedFormSteps`); their projections are kept
-by :class:`~milgp.variational.projection_cache.ProjectionCache`.
+The iterations, with minibatches of whole bags or on the full batch, are
+:func:`~milgp.variational.fit_loop.fit_loop`'s, shared with the aggregate-output fit; this module
+holds the steps of this family (:class:`ClosedFormSteps`); their projections are kept by
+:class:`~milgp.variational.projection_cache.ProjectionCache`.
 """
 from __future__ import annotations
 
@@ -128,29 +124,25 @@ class ClosedFormSteps:
         stats = self.projector.statistics(lin, lam)
         if self.reduce is not None:
             stats = self.reduce(stats)
-        over = None
+        step, elbo = None, None
         if relax is not None and relax.omega > 1.0:  # past the optimum
-            over = q.try_natural_step(stats, relax.omega, 1.0)
-            if over is None:  # the extrapolated precision is indefinite: the plain step, ω back to 1
+            step = q.try_natural_step(stats, relax.omega, 1.0)  # None: the extrapolated precision is indefinite
+            if step is not None:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
+                mean, var, locals_ = self._moments_and_locals(step)
+                with torch.no_grad():
+                    elbo = float(self._data_terms(mean, var, locals_).sum() - step.kl_divergence())
+                if self.elbo is not None and not elbo >= self.elbo:
+                    self.rejected_steps += 1
+                    step, elbo = None, None
+            if step is None:  # the plain step, ω back to 1
                 relax.reject()
-        elif relax is not None:
-            relax.accept()
-        elbo = None
-        if over is not None:  # the safeguard: keep the over-relaxed step only if the ELBO did not fall
-            mean, var, locals_ = self._moments_and_locals(over)
-            with torch.no_grad():
-                elbo = float(self._data_terms(mean, var, locals_).sum() - over.kl_divergence())
-            if self.elbo is not None and not elbo >= self.elbo:
-                relax.reject()
-                self.rejected_steps += 1
-                over, elbo = None, None
             else:
                 relax.accept()
-        if over is None:  # the plain step, factorised only when it is taken
+        elif relax is not None:
+            relax.accept()
+        if step is None:  # the plain step, factorised only when it is taken
             step = q.natural_step(stats, rho=rho, scale=scale)
             mean, var, locals_ = self._moments_and_locals(step)
-        else:
-            step = over
         self.q, self.mean, self.var, self.locals, self.elbo = step, mean, var, locals_, elbo
         self.moments_current, self.step_size = True, rho
         self.strategy.set_whitened_posterior(step)
@@ -283,8 +275,8 @@ def fit_closed_form(
         max_overrelaxation: cap of the adaptive over-relaxed step
             (:mod:`milgp.variational.overrelaxation`; full-batch sweeps without hyperparameter
             learning only): past the CAVI optimum of q(v) by a factor ``ω`` that grows while the
-            ELBO rises and returns to 1 when it would fall. 1 (default) is plain CAVI; 10 took
-            2.5–3.4× fewer sweeps to plain CAVI's final ELBO in ``benchmarks/convergence.py``.
+            ELBO rises and returns to 1 when it would fall. 1 (default) is plain CAVI (docs/performance.md
+            compares them).
     """
     if max_overrelaxation != 1.0 and (bags_per_batch is not None or learn_hyperparameters):
         raise ValueError(

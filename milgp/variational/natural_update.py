@@ -15,9 +15,8 @@ schedule ``ρ_t = (t + τ)^(−κ)`` is stochastic variational inference. Both a
 steps of step size ρ, which is why one ``gpytorch.optim.NGD(lr=ρ)`` step on the augmented
 ``VariationalELBO`` gives the same update (tested).
 
-The sufficient statistics ``h = A b`` and ``G = A diag(λ) Aᵀ`` are sums over instances, so they can
-be accumulated over chunks of data or all-reduced across DDP ranks before the step. This module
-forms them (:func:`natural_statistics`) and schedules minibatch steps (:class:`RobbinsMonro`); the
+This module forms the sufficient statistics ``h = A b``, ``G = A diag(λ) Aᵀ`` (:func:`natural_statistics`;
+sums over instances: :class:`NaturalStatistics`) and schedules minibatch steps (:class:`RobbinsMonro`); the
 step itself is :meth:`milgp.models.ClosedFormStrategy.natural_step` (on a model's ``q(v)``) or
 :meth:`milgp.models.WhitenedPosterior.natural_step` (on a ``q(v)`` held aside).
 """
@@ -72,8 +71,7 @@ def weighted_gram(A: Tensor, w: Tensor) -> Tensor:
     product), run by NumPy's ``Xᵀ X`` on two views of the scaled matrix. In float64, when that
     matrix would exceed :data:`_GRAM_BLOCKED_BYTES`, the ``syrk`` is instead accumulated over blocks
     of :data:`_GRAM_BLOCK` instances, each scaled into one buffer that stays in cache, so the large
-    temporary is never written (64,000 × 100: 26 ms against 44 ms; below 16 MiB, and in float32,
-    one call was as fast or faster). Elsewhere, or with gradients, one matrix product.
+    temporary is never written (timings: docs/performance.md). Elsewhere, or with gradients, one matrix product.
     """
     if A.device.type != "cpu" or A.dtype not in (torch.float64, torch.float32) or A.requires_grad or w.requires_grad:
         Yt = A.mT * w.unsqueeze(1)

@@ -2,9 +2,8 @@
 
 Plain CAVI jumps q(v) to the optimum ``η̂`` given the current local variables, then updates the
 locals. When q(v) and the locals are strongly coupled (which instance of a positive bag is the
-witness) the two blocks creep along a shared direction and CAVI converges linearly and slowly (on
-the 100k-instance synthetic set of ``benchmarks/convergence.py`` it is still 0.5 % short of the
-optimum after 300 sweeps). An over-relaxed step goes past the optimum along that direction, in
+witness) the two blocks creep along a shared direction and CAVI converges linearly and slowly
+(docs/performance.md). An over-relaxed step goes past the optimum along that direction, in
 natural parameters,
 
     η ← η + ω (η̂ − η),      P ← P + ω (P̂ − P),      ω ≥ 1
