@@ -25,12 +25,12 @@ def robust_cholesky(matrix: Tensor, jitter: float = 0.0, max_tries: int = 6, wha
     """
     if not torch.isfinite(matrix).all():
         raise CholeskyError(f"{what} contains NaN or inf entries; cannot factorise it")
-    L, info = torch.linalg.cholesky_ex(matrix + jitter * torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device) if jitter else matrix)
+    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
+    L, info = torch.linalg.cholesky_ex(matrix + jitter * eye if jitter else matrix)
     if not bool((info != 0).any()):
         return L
     scale = matrix.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1e-12).item()
     extra = max(jitter, 1e-8 * scale)
-    eye = torch.eye(matrix.shape[-1], dtype=matrix.dtype, device=matrix.device)
     for _ in range(max_tries):
         L, info = torch.linalg.cholesky_ex(matrix + extra * eye)
         if not bool((info != 0).any()):

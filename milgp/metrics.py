@@ -41,6 +41,12 @@ __all__ = [
 ]
 
 
+def _vector(values: Any) -> np.ndarray:
+    """``values`` (array-like or tensor) flattened to a float64 NumPy vector."""
+    values = values.detach().cpu() if isinstance(values, torch.Tensor) else values
+    return np.asarray(values, dtype=np.float64).reshape(-1)
+
+
 def _as_arrays(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(N,)`` float64 scores and labels, checked: same length, finite scores, labels 0/1.
 
@@ -48,8 +54,7 @@ def _as_arrays(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
         ValueError: naming the index (in flattened order) of the first non-finite score or of the
             first label that is not 0 or 1.
     """
-    p = np.asarray(probs.detach().cpu() if isinstance(probs, torch.Tensor) else probs, dtype=np.float64).reshape(-1)
-    y = np.asarray(labels.detach().cpu() if isinstance(labels, torch.Tensor) else labels, dtype=np.float64).reshape(-1)
+    p, y = _vector(probs), _vector(labels)
     if p.shape != y.shape:
         raise ValueError(f"{p.shape[0]} predictions for {y.shape[0]} labels")
     bad = np.flatnonzero(~np.isfinite(p))
@@ -74,21 +79,23 @@ def auroc(scores: Any, labels: Any) -> float:
     return float(binary_auroc(p, y))
 
 
-def accuracy(probs: Any, labels: Any, threshold: float = 0.5) -> float:
-    """Fraction of correct decisions ``1[p > threshold]`` (``nan`` when empty)."""
+def _of_decisions(metric: Any, probs: Any, labels: Any, threshold: float) -> float:
+    """A torchmetrics binary ``metric`` of the decisions ``1[p > threshold]`` (``nan`` when empty)."""
     p, y = _tensors(probs, labels)
     if y.numel() == 0:
         return float("nan")
-    return float(binary_accuracy((p > threshold).long(), y, threshold=0.5))
+    return float(metric((p > threshold).long(), y, threshold=0.5))
+
+
+def accuracy(probs: Any, labels: Any, threshold: float = 0.5) -> float:
+    """Fraction of correct decisions ``1[p > threshold]`` (``nan`` when empty)."""
+    return _of_decisions(binary_accuracy, probs, labels, threshold)
 
 
 def f1_score(probs: Any, labels: Any, threshold: float = 0.5) -> float:
     """F1 of the positive class for decisions ``1[p > threshold]`` (0 when nothing is predicted
-    or labelled positive, as scikit-learn's ``zero_division=0``)."""
-    p, y = _tensors(probs, labels)
-    if y.numel() == 0:
-        return float("nan")
-    return float(binary_f1_score((p > threshold).long(), y, threshold=0.5))
+    or labelled positive, as scikit-learn's ``zero_division=0``; ``nan`` when empty)."""
+    return _of_decisions(binary_f1_score, probs, labels, threshold)
 
 
 def log_loss(probs: Any, labels: Any, eps: float = 1e-7) -> float:
@@ -153,14 +160,13 @@ def calibrated_ece(probs: Any, n_bins: int = 10, draws: int = 1000, seed: int = 
     miscalibration. ``draws`` label vectors are drawn with a private generator seeded by ``seed``
     (global RNG untouched).
     """
-    p = np.asarray(probs.detach().cpu() if isinstance(probs, torch.Tensor) else probs, dtype=np.float64).reshape(-1)
+    p = _vector(probs)
     if not np.isfinite(p).all() or ((p < 0) | (p > 1)).any():
         bad = int(np.flatnonzero(~(np.isfinite(p) & (p >= 0) & (p <= 1)))[0])
         raise ValueError(f"probability {bad} is {p[bad]}; calibrated_ece needs probabilities in [0, 1]")
     if p.size == 0:
         return float("nan")
     ids = _bin_ids(p, n_bins)
-    count = np.bincount(ids, minlength=n_bins)
     sum_p = np.bincount(ids, weights=p, minlength=n_bins)
     labels = np.random.default_rng(seed).random((draws, p.size)) < p  # (draws, N)
     # per-draw positives per bin: (draws, n_bins) by one scatter-add over the flattened draws
@@ -194,8 +200,7 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     if isinstance(obj, torch.Tensor):
-        obj = obj.item() if obj.numel() == 1 else obj.tolist()
-        return json_safe(obj)
+        return json_safe(obj.item() if obj.numel() == 1 else obj.tolist())
     if isinstance(obj, np.ndarray):
         return json_safe(obj.tolist())
     if isinstance(obj, np.generic):

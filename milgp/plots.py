@@ -39,7 +39,7 @@ def _save(fig: Figure, path: str | os.PathLike[str]) -> str:
 
 def _wrap(text: str, width: int = 64) -> str:
     """Break a long id (a DICOM UID) into lines of ``width`` characters, losing nothing."""
-    return "\n".join(text[i : i + width] for i in range(0, len(text), width)) or text
+    return "\n".join(text[i : i + width] for i in range(0, len(text), width))
 
 
 def plot_scan_predictions(
@@ -86,10 +86,7 @@ def plot_scan_predictions(
         head.append(f"scan label {int(bag_label)}")
     if bag_prob is not None:
         head.append(f"P(scan positive) = {bag_prob:.3f}" + ("" if bag_std is None or not np.isfinite(bag_std) else f" ± {bag_std:.3f}"))
-    lines = [heading] if heading else []
-    lines += [_wrap(title)] if title else []
-    lines += ["   ".join(head)] if head else []
-    ax.set_title("\n".join(lines), fontsize=8)
+    ax.set_title("\n".join(line for line in (heading, _wrap(title), "   ".join(head)) if line), fontsize=8)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     return _save(fig, path)
 
@@ -181,8 +178,6 @@ def plot_training_curves(
 ) -> str:
     """One small panel per metric (``{name: (steps, values)}``), e.g. from :func:`read_csv_log`."""
     names = sorted(curves)
-    if not names:
-        names = []
     cols = min(3, max(1, len(names)))
     rows = max(1, math.ceil(len(names) / cols))
     fig = Figure(figsize=(4.0 * cols, 2.8 * rows))

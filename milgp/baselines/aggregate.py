@@ -51,10 +51,9 @@ class ConstantRateRegressor(RegressorMixin, BaseEstimator):
     def predict_in_bags(self, bags: Sequence[Any] | None = None) -> list[np.ndarray]:
         """Per-bag individual rates ``y_a / p_a`` for the training bags (in their order)."""
         check_is_fitted(self, "bag_rates_")
-        sizes = [len(b) for b in bags] if bags is not None else None
-        if sizes is None or len(sizes) != len(self.bag_rates_):
+        if bags is None or len(bags) != len(self.bag_rates_):
             raise ValueError("predict_in_bags needs the training bags (one rate per training bag)")
-        return [np.full(n, r) for n, r in zip(sizes, self.bag_rates_)]
+        return [np.full(len(b), r) for b, r in zip(bags, self.bag_rates_)]
 
     def predict_bags(self, bags: Sequence[Any], weights: Sequence[Any] | None = None) -> dict[str, np.ndarray]:
         """Bag means ``p_a · rate`` (pooled rate) as ``{"y_mean": (B,)}``."""

@@ -72,15 +72,11 @@ def atomic_open(
             os.fchmod(fh.fileno(), 0o666 & ~current_umask())
             os.fsync(fh.fileno())
         os.replace(tmp, target)
-    except OSError as err:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if err.filename is None:  # os.write/fsync errors (a full disk) do not say which file
+        if isinstance(err, OSError) and err.filename is None:  # os.write/fsync errors (a full disk) name no file
             raise OSError(err.errno, err.strerror or str(err), str(target)) from err
-        raise
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
         raise
 
 

@@ -29,15 +29,12 @@ def synthetic_mil(
         s = min(s, num_instances - total) if num_instances - total >= bag_sizes[0] else s
         sizes.append(s)
         total += s
-    sizes[-1] -= total - num_instances
-    if sizes[-1] < 1:
-        sizes.pop()
+    sizes[-1] -= total - num_instances  # the last bag holds what is left (at least one instance)
     sizes_a = np.asarray(sizes)
     B = len(sizes_a)
     bag_labels = (rng.random(B) < 0.5).astype(np.float64)
     bag_index = np.repeat(np.arange(B), sizes_a)
     n = len(bag_index)
-    inst = np.zeros(n)
     starts = np.concatenate([[0], np.cumsum(sizes_a)[:-1]])
     n_wit = np.maximum(1, np.round(witness_rate * sizes_a).astype(int))
     offs = np.arange(n) - starts[bag_index]

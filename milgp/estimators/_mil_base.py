@@ -18,8 +18,7 @@ about one sweep) is scored by every candidate bag rule, with a Platt calibration
 averaged with pseudo-BMA+ weights from their out-of-bag likelihoods
 (:class:`~milgp.prediction.model_average.ModelAverage`); ``average=False`` keeps the single
 candidate with the smallest out-of-bag negative log-likelihood. No hyperparameter is learned by
-gradient steps by default: on a few dozen bags that objective collapsed the kernel variance to a
-flat GP (ucsb_breast_cancer: outputscale 0.007–0.08, every bag p = 1.000; docs/core.md).
+gradient steps by default: on a few dozen bags that collapses the kernel (docs/core.md, cause 1).
 
 **Instance probabilities.** Single-instance fits estimate the instance's bag label, so where they
 take part the averaged instance score is mapped to the MIL fits' instance probability by isotonic
@@ -69,8 +68,7 @@ KERNEL_GRID: tuple[tuple[str, float, float], ...] = (
 """The candidate kernels ``(kernel, lengthscale in units of √D, variance)``. ``√D`` is the scale of
 distances between z-scored ``D``-dimensional instances (the reference code's fixed lengthscale);
 variances 1 and 10 span σ(±1) to σ(±3) at one prior standard deviation. The first is fitted from
-scratch, the others warm-started from it. (Two more candidates — RBF 2√D and linear at variance
-1 — were never chosen on the development data and cost a quarter of the fit; docs/core.md.)"""
+scratch, the others warm-started from it (docs/core.md, cause 1)."""
 SHARED_GRAM_MAX_ENTRIES = 50_000_000
 """The kernel search shares ``Z xᵀ`` (``M·N`` floats) across candidates up to this size."""
 
@@ -142,12 +140,11 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """The ``(kernel, likelihood variant)`` pairs the search fits, in order (the first is fitted
         from scratch and warm-starts the others): every variant at every candidate kernel, except
         that single-instance learning is fitted only at the most flexible kernels, the largest
-        prior variance and, for RBF, the shortest lengthscale among the candidates (at the
-        smoother kernels its VGPMIL fits carried at most 1.4 % of the pseudo-BMA+ weight on every
-        development set, at a quarter of the fit's cost; docs/core.md, cause 9). Its linear kernel
-        has an intercept (``"affine"``, ``s² (xᵀx'/D + 1)``): single-instance learning is a
-        classifier of instances labelled with their bag's label, whose instance base rate a
-        zero-mean linear latent on z-scored features cannot represent (docs/core.md, cause 7)."""
+        prior variance and, for RBF, the shortest lengthscale among the candidates (the others
+        carried almost no weight; docs/core.md, cause 9). Its linear kernel has an intercept
+        (``"affine"``, ``s² (xᵀx'/D + 1)``): a zero-mean linear latent on z-scored features cannot
+        represent the instance base rate of instances labelled with their bag's label
+        (docs/core.md, cause 7)."""
         largest_variance = max(c[2] for c in candidates)
         shortest = min((c[1] for c in candidates if c[0] == "rbf"), default=math.inf)
 
@@ -196,19 +193,18 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         candidates = self._kernel_candidates(self.n_features_in_)
         batch, Z = self._prepare(bags_np, y_np)
         fits = self._search(batch, Z, candidates, rules)
-        best = min(fits, key=lambda c: c.decision.heldout_nll)
         if self.learn_hyperparameters:
+            best = min(fits, key=lambda c: c.decision.heldout_nll)
             self.fit_result_ = self._learn_hyperparameters(batch, best.model, best.likelihood, best.fit)
             heldout = leave_bag_out_posterior(best.model, best.likelihood, batch, self.fit_result_.locals)
             scored = score_bag_rules(heldout, best.likelihood.instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
             self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, best_decision(scored), 1.0)])
         else:
             self.ensemble_ = self._average(fits, batch.bag_labels)
+            self.fit_result_ = next(c.fit for c in fits if c.model is self.ensemble_.top.model)
         self.instance_calibrator_ = self._instance_calibration(fits, batch)
         top = self.ensemble_.top
         self.model_, self.likelihood_, self.decision_ = top.model, top.likelihood, top.decision
-        if not self.learn_hyperparameters:
-            self.fit_result_ = next(c.fit for c in fits if c.model is top.model)
         self.elbo_ = self.fit_result_.objective[-1]
         self._after_fit(batch)
         return self
@@ -222,11 +218,9 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         return ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
 
     def _instance_calibration(self, fits: list[CandidateFit], batch: BagBatch) -> InstanceCalibrator | None:
-        """The map from the averaged instance score to the MIL fits' instance probability
-        (:mod:`milgp.prediction.instance_calibration`), fitted on the training instances; ``None``
-        where no member of :attr:`ensemble_` is single-instance learning (its instance probabilities
-        are already the MIL fits') or no fit is a MIL fit. The MIL fits are weighted (or the best
-        kept) as the bag decision's candidates are."""
+        """The map of the module docstring's "Instance probabilities"; ``None`` where no member of
+        :attr:`ensemble_` is single-instance learning or no fit is a MIL fit. The MIL fits are
+        weighted (or the best kept) as the bag decision's candidates are."""
         single = {id(c.model) for c in fits if c.single_instance}
         mil = [c for c in fits if not c.single_instance]
         if not mil or not any(id(m.model) in single for m in self.ensemble_.members):
@@ -260,11 +254,9 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def _search(
         self, batch: BagBatch, Z: torch.Tensor, candidates: list[tuple[str, float, float]], rules: Sequence[str | BagRule]
     ) -> list[CandidateFit]:
-        """Fit every likelihood variant (e.g. VGPMIL's π rules) at every candidate kernel — the first
-        from scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
-        ``search_iter`` — and score every bag rule of each on its out-of-bag predictions. Returns one
-        :class:`CandidateFit` per fit and rule; every fit is recorded in :attr:`search_` with its
-        best rule."""
+        """Fit the pairs of :meth:`_plan` (module docstring) and score every bag rule of each on its
+        out-of-bag predictions. Returns one :class:`CandidateFit` per fit and rule; every fit is
+        recorded in :attr:`search_` with its best rule."""
         share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * batch.num_instances <= SHARED_GRAM_MAX_ENTRIES
         gram = SharedGram(Z, batch.x) if share else None
         generator = self._generator(batch.x)
@@ -327,9 +319,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def _features(self, bags: Sequence[Any]) -> tuple[torch.Tensor, Bags]:
         """Standardised instances ``(N, D)`` and their :class:`Bags`."""
         check_is_fitted(self, "ensemble_")
-        bags_np = check_bags(bags)
-        if bags_np[0].shape[1] != self.n_features_in_:
-            raise ValueError(f"bags have {bags_np[0].shape[1]} features, the model was fitted on {self.n_features_in_}")
+        bags_np = check_bags(bags, n_features=self.n_features_in_)
         x, bag_index = self._to_tensor(bags_np)
         return x, Bags(bag_index, len(bags_np))
 

@@ -13,8 +13,9 @@ import torch
 __all__ = ["FeatureScaler", "check_bag_weights", "check_bags", "check_binary_bag_labels", "torch_dtype"]
 
 
-def check_bags(bags: Sequence[Any], name: str = "bags") -> list[np.ndarray]:
-    """Validate bags: a non-empty sequence of non-empty 2-D finite float arrays of equal width."""
+def check_bags(bags: Sequence[Any], name: str = "bags", n_features: int | None = None) -> list[np.ndarray]:
+    """Validate bags: a non-empty sequence of non-empty 2-D finite float arrays of equal width
+    (``n_features``, where given: the width a fitted model expects)."""
     if isinstance(bags, np.ndarray) and bags.dtype != object and bags.ndim == 2:
         raise ValueError(f"{name} must be a sequence of (n_b, d) arrays, one per bag, not a single 2-D array")
     if len(bags) == 0:
@@ -37,6 +38,8 @@ def check_bags(bags: Sequence[Any], name: str = "bags") -> list[np.ndarray]:
         elif arr.shape[1] != width:
             raise ValueError(f"{name}[{b}] has {arr.shape[1]} features, but {name}[0] has {width}")
         out.append(arr)
+    if n_features is not None and width != n_features:
+        raise ValueError(f"{name} have {width} features, the model was fitted on {n_features}")
     return out
 
 

@@ -14,9 +14,8 @@ __all__ = ["PROBIT_KERNEL_GRID", "ProbitMILClassifier"]
 PROBIT_LOGISTIC_SCALE = 1.702
 """``Φ(x) ≈ σ(1.702 x)``: a probit latent is this much steeper than a logistic one."""
 PROBIT_KERNEL_GRID = tuple((kind, factor, scale / PROBIT_LOGISTIC_SCALE**2) for kind, factor, scale in KERNEL_GRID)
-"""The logistic models' candidate kernels on the probit scale (variances divided by 1.702²): with
-the logistic grid's variances the probit search on elephant fell from 0.90 to 0.86 bag AUC."""
-
+"""The logistic models' candidate kernels on the probit scale (variances divided by 1.702²;
+docs/probit.md)."""
 
 
 class ProbitMILClassifier(MILClassifierBase):
@@ -25,8 +24,8 @@ class ProbitMILClassifier(MILClassifierBase):
 
     Fitting, kernel search (on the probit scale: :data:`PROBIT_KERNEL_GRID`) and the calibrated bag
     decision as :class:`VGPMILClassifier` (:mod:`milgp.estimators._mil_base`) with
-    :class:`~milgp.likelihoods.MILProbitLikelihood`: the
-    probit locals are exact (truncated-normal expectations), so there is no ``H`` or max rule.
+    :class:`~milgp.likelihoods.MILProbitLikelihood`: the probit locals are exact (truncated-normal
+    expectations), so there is no ``H`` or max rule.
     Bag rules: ``"auto"`` (length-invariant, calibrated; the default), any
     :mod:`milgp.prediction.bag_rules` name, or ``"orthant"`` — the model's own ``1 − P(all m* < 0)``
     with the full within-bag covariance (Genz separation of variables with randomised QMC; bags up
@@ -35,15 +34,13 @@ class ProbitMILClassifier(MILClassifierBase):
     With ``inference="vi"`` the (model, kernel, bag rule) candidates are averaged by their out-of-bag
     likelihood (``average``, as :class:`VGPMILClassifier`), the MIL probit model at every candidate
     kernel beside single-instance learning with the probit link at the most flexible ones (as
-    :class:`VGPMILClassifier`'s ``max_rule="auto"``: on the development data the probit model's
-    bag AUC rose from 0.681 to 0.704 on web_recommendation_1 and from 0.967 to 0.986 on
-    birds_brown_creeper, docs/probit.md); ``inference="gibbs"`` keeps the best
-    one and then runs the collapsed Gibbs sampler (§3.5 of the paper) at the chosen
-    kernel, started from over-dispersed draws around the VI posterior; instance probabilities come
-    from its draws, bag probabilities from the chosen rule applied to them (``"orthant"``/``"joint"``:
-    the exact per-draw product under the FITC conditional, with its Monte-Carlo standard error),
-    calibrated by the calibration fitted on the VI out-of-bag predictions. :attr:`gibbs_` holds the
-    draws, :attr:`gibbs_summary_` split-R̂ and ESS.
+    :class:`VGPMILClassifier`'s ``max_rule="auto"``; docs/probit.md, "Single-instance candidates");
+    ``inference="gibbs"`` keeps the best one and then runs the collapsed Gibbs sampler (§3.5 of the
+    paper) at the chosen kernel, started from over-dispersed draws around the VI posterior;
+    instance probabilities come from its draws, bag probabilities from the chosen rule applied to
+    them (``"orthant"``/``"joint"``: the exact per-draw product under the FITC conditional, with
+    its Monte-Carlo standard error), calibrated by the calibration fitted on the VI out-of-bag
+    predictions. :attr:`gibbs_` holds the draws, :attr:`gibbs_summary_` split-R̂ and ESS.
 
     Args:
         inference: ``"vi"`` or ``"gibbs"``.

@@ -42,10 +42,9 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     pairwise distance, kernel variance chosen among ``SEARCH_OUTPUTSCALES`` by 3-fold
     cross-validation over bags on the held-out bag-level predictive NLL. The ELBO cannot make that
     choice: its variance penalty (Lemma 1 of the paper for the exp link) falls monotonically with the
-    kernel variance, so learning the kernel on it collapsed the GP to a constant (digits bags, count
-    of 9s: outputscale 0.0015, bag R² −0.005; docs/aggregate.md). After ``warmup_iter`` natural
-    steps, Adam steps on the constant mean and the Normal noise τ alternate with them (the kernel
-    stays fixed; ``learn_hyperparameters=True`` learns it too).
+    kernel variance, so learning the kernel on it collapses the GP to a constant (docs/aggregate.md).
+    After ``warmup_iter`` natural steps, Adam steps on the constant mean and the Normal noise τ
+    alternate with them (the kernel stays fixed; ``learn_hyperparameters=True`` learns it too).
 
     Args:
         likelihood: ``"poisson"`` (counts, populations), ``"normal"`` or ``"exponential"``.
@@ -130,15 +129,14 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             return NormalAggregateLikelihood(link, noise=self.noise)
         return ExponentialAggregateLikelihood(link)
 
-    def _flat(self, bags: list[np.ndarray], weights: list[np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _flat(self, bags: list[np.ndarray], weights: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
         x, bag_index = flatten_bags(bags)
         x = self._transform(x)
-        w = None if weights is None else torch.as_tensor(np.concatenate(weights), dtype=x.dtype, device=self.device)
-        return x, bag_index.to(self.device), w
+        return x, bag_index.to(self.device), torch.as_tensor(np.concatenate(weights), dtype=x.dtype, device=self.device)
 
-    def _transform(self, x: Any) -> torch.Tensor:
-        x = torch.as_tensor(np.asarray(x, dtype=np.float64) if not isinstance(x, torch.Tensor) else x)
-        return self.scaler_.transform(x.to(dtype=torch_dtype(self.dtype), device=self.device))
+    def _transform(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Validated float64 instances ``(n, d)``, standardised, in the model's dtype and on its device."""
+        return self.scaler_.transform(torch.as_tensor(x).to(dtype=torch_dtype(self.dtype), device=self.device))
 
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "VBAggRegressor":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays), aggregate targets ``y`` ``(B,)`` and
@@ -165,8 +163,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         batch = BagBatch(x, bag_index, torch.as_tensor(y_np, dtype=x.dtype, device=self.device), instance_weights=w)
         self.search_: dict[float, float] = {}
         if self.outputscale is None and len(bags_np) >= 2 * CV_FOLDS:
-            for scale in SEARCH_OUTPUTSCALES:
-                self.search_[scale] = self._cross_validated_nll(batch, Z, lengthscale, scale)
+            self.search_ = {s: self._cross_validated_nll(batch, Z, lengthscale, s) for s in SEARCH_OUTPUTSCALES}
             outputscale = min(self.search_, key=self.search_.get)
         else:
             outputscale = 1.0 if self.outputscale is None else float(self.outputscale)
@@ -260,9 +257,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         """Bag-level predictive moments ``(B,)`` with the full within-bag covariance:
         ``rate_mean``/``rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` and ``y_mean``/``y_var`` of ``y_a``."""
         check_is_fitted(self, "model_")
-        bags_np = check_bags(bags)
-        if bags_np[0].shape[1] != self.n_features_in_:
-            raise ValueError(f"bags have {bags_np[0].shape[1]} features, the model was fitted on {self.n_features_in_}")
+        bags_np = check_bags(bags, n_features=self.n_features_in_)
         w_list = check_bag_weights(weights, bags_np)
         x, bag_index, w = self._flat(bags_np, w_list)
         out = predict_bag_moments(

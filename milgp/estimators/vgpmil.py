@@ -17,12 +17,8 @@ class VGPMILClassifier(MILClassifierBase):
     Artificial Intelligence 2024, Eq. 37).
 
     Fitting, kernel search and the calibrated bag decision: :mod:`milgp.estimators._mil_base`.
-    The defaults were chosen on real MIL data (docs/core.md, ``benchmarks/real_mil.py``): the
-    reference code's largest-other-π rule for ``E[max y_{b∖n}]`` with ``H = 10¹²`` beside
-    single-instance learning (the exact mean-field noisy-OR and the exact within-bag posterior
-    both fit the ELBO better and predict worse), linear and RBF candidate kernels and
-    length-invariant bag rules, each calibrated so that ½ is a meaningful threshold for every ψ,
-    and averaged by their out-of-bag likelihood.
+    The defaults (below) were chosen on real MIL data (docs/core.md, "Real MIL data: what went
+    wrong and the defaults now"; ``benchmarks/real_mil.py``).
 
     Args:
         psi: ``"pg"``, ``"gamma"`` or a :class:`milgp.likelihoods.psi.GSMDensity`.

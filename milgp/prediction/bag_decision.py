@@ -1,16 +1,11 @@
 """A bag decision: a bag rule plus its calibration, chosen on held-out bags.
 
-:func:`fit_bag_decision` scores every candidate rule on a held-out posterior (leave-one-bag-out
-cavities of the training bags, :func:`milgp.variational.leave_bag_out.leave_bag_out_posterior`, or
-a validation set's predictive), fits a :class:`~milgp.prediction.calibration.BagCalibrator` to
-each, and keeps the rule with the smallest held-out negative log-likelihood of the calibrated
-probabilities. The default candidates (:func:`auto_bag_rules`) are rules whose score does not
-grow with the number of instances: the mean of the top quarter and the mean of the bag hold
-when a scan is re-sliced more finely or its instances are duplicated, and the max is taken at the
-resolution of the longest held-out bag (:class:`~milgp.prediction.bag_rules.MaxRule` with a
-``reference_length``), so the choice made on training bags carries over to test bags 5–10×
-longer. The noisy-OR compounds with bag length and is therefore not a default candidate (it can
-be passed explicitly).
+The held-out posterior is that of leave-one-bag-out cavities of the training bags
+(:func:`milgp.variational.leave_bag_out.leave_bag_out_posterior`) or a validation set's predictive.
+The default candidates (:func:`auto_bag_rules`) are rules whose score does not grow with the number
+of instances, so the choice made on training bags carries over to test bags 5–10× longer; the
+noisy-OR compounds with bag length and is therefore not a default candidate (it can be passed
+explicitly; docs/core.md, cause 5).
 """
 from __future__ import annotations
 
@@ -65,9 +60,7 @@ class BagDecision:
         self, posterior: BagPosterior, link: InstanceLink, generator: torch.Generator | None = None
     ) -> tuple[Tensor, Tensor]:
         """Calibrated bag probabilities and their stds ``(B,)``."""
-        p, std = self.rule(posterior, link, generator)
-        p_cal, std_cal = self.calibrator(p, std)
-        return p_cal, std_cal
+        return self.calibrator(*self.rule(posterior, link, generator))
 
 
 def score_bag_rules(

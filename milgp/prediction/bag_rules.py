@@ -119,11 +119,10 @@ class MaxRule(MarginalBagRule):
 
     The max is unchanged by duplicating instances, but not by re-slicing a scan into new, similar
     instances: the largest of more draws is larger, so a negative bag's max grows with its length
-    (digits bags of 10 re-drawn 4× longer: 13 % → 56 % of the negative bags above ½,
-    ``benchmarks/length_shift.py``). With ``reference_length = n₀`` a bag of ``n_b > n₀``
-    instances scores the mean of its ``c = n_b / n₀`` most probable instances (the last one with
-    weight ``c − ⌊c⌋``): in a scan re-sliced ``r×`` finer the top ``r`` slices stand for the one
-    slice of the coarse scan. Bags of at most ``n₀`` instances keep the max.
+    (docs/core.md, cause 5). With ``reference_length = n₀`` a bag of ``n_b > n₀`` instances scores
+    the mean of its ``c = n_b / n₀`` most probable instances (the last one with weight ``c − ⌊c⌋``):
+    in a scan re-sliced ``r×`` finer the top ``r`` slices stand for the one slice of the coarse
+    scan. Bags of at most ``n₀`` instances keep the max.
     """
 
     name = "max"
@@ -176,11 +175,9 @@ class TopKMeanRule(MarginalBagRule):
     The fraction form is unchanged by duplicating every instance and by re-slicing a scan more
     finely (a lesion covers the same fraction of slices); it runs from the max rule
     (``fraction → 0``) to the mean of the bag (``fraction = 1``). The fractional last instance
-    keeps the fraction the same at every length: rounding up to ``⌈fraction · n_b⌉`` instances
-    averaged the top 40 % of a bag of 5, 30 % of 10 and 25 % of 40, so a negative bag's score rose
-    with its length (digits bags of 10 re-drawn 4× longer: 14 % → 20 % of the negative bags
-    above ½ with rounding, 14 % → 10 % without; ``benchmarks/length_shift.py``). The std is
-    ``sqrt(Σ w_n² v_n) / c`` over the weights ``w_n`` of those instances, treating them as independent.
+    keeps the fraction the same at every length (rounding up to ``⌈fraction · n_b⌉`` would not;
+    docs/core.md, cause 5). The std is ``sqrt(Σ w_n² v_n) / c`` over the weights ``w_n`` of those
+    instances, treating them as independent.
     """
 
     name = "top_k_mean"

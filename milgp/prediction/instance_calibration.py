@@ -2,9 +2,9 @@
 
 Single-instance learning labels every instance of a positive bag positive, so its instance
 probability estimates the label of the instance's *bag*: it ranks instances well but calls the
-negative instances of positive bags positive (digits bags: instance ECE 0.14–0.33). The MIL fits
-(the largest-other-π rule, the MIL probit model) estimate the instance's own label and are
-calibrated, but rank less well when positive bags hold several witnesses (docs/core.md).
+negative instances of positive bags positive. The MIL fits (the largest-other-π rule, the MIL
+probit model) estimate the instance's own label and are calibrated, but rank less well when
+positive bags hold several witnesses (docs/core.md, "Instance probabilities").
 
 :class:`InstanceCalibrator` keeps the averaged score ``s(x)`` for the ranking and maps it to the
 MIL fits' probability ``p_MIL(x)`` by isotonic regression over the training instances — no
