@@ -300,15 +300,11 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     ) -> FitResult:
         """Adam steps on the kernel (on the objective of :meth:`hyperparameter_terms`) alternating
         with the natural steps, from a fitted candidate and its local variables (Algorithm 1)."""
-        main = fit_closed_form(
+        return fit_closed_form(
             model, likelihood, batch, max_iter=self.max_iter, tol=self.tol, learn_hyperparameters=True,
             lr=self.lr, hyper_steps=self.hyper_steps, initial_locals=start.locals,
             bags_per_batch=self.bags_per_batch, seed=self.random_state, progress=self.verbose,
-        )
-        main.elbo = start.elbo + main.elbo
-        main.iterations += start.iterations
-        main.seconds += start.seconds
-        return main
+        ).after(start)
 
     # -- data --------------------------------------------------------------------------------------
     def _to_tensor(self, bags: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -197,15 +197,11 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             model, likelihood, batch, max_iter=max(1, self.warmup_iter if learn else self.max_iter), learn_hyperparameters=False, **common
         )
         if learn and self.max_iter > 0:
-            main = fit_aggregate(
+            result = fit_aggregate(
                 model, likelihood, batch, max_iter=self.max_iter, learn_hyperparameters=True,
                 lr=self.lr, hyper_steps=self.hyper_steps, hyper_max_instances=self.hyper_max_instances,
                 rho0=result.rho, **common,
-            )
-            main.elbo = result.elbo + main.elbo
-            main.iterations += result.iterations
-            main.seconds += result.seconds
-            result = main
+            ).after(result)
         return model, likelihood, result
 
     def _cross_validated_nll(self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float) -> float:

@@ -48,3 +48,11 @@ class FitResult:
     moments: tuple[Tensor, Tensor] | None = None
     rejected_steps: int = 0
     rho: float = 1.0
+
+    def after(self, earlier: "FitResult") -> "FitResult":
+        """This fit as the continuation of ``earlier`` (e.g. hyperparameter learning after a warm-up
+        fit): ``earlier``'s ELBO trace before this one's, their iterations and seconds added."""
+        self.elbo = earlier.elbo + self.elbo
+        self.iterations += earlier.iterations
+        self.seconds += earlier.seconds
+        return self
