@@ -289,7 +289,7 @@ class SyntheticScan:
 
 
 def _write_scan(
-    directory: Path, hu: np.ndarray, labels: np.ndarray, file_names: Sequence[str], rng: np.random.Generator,
+    directory: Path, hu: np.ndarray, labels: np.ndarray, file_names: Sequence[str], rng: np.random.Generator, *,
     bag_id: str, patient_id: str, study_uid: str, series_uid: str, bag_label: float | None = None,
     z_start_mm: float = 0.0, slice_thickness_mm: float = 5.0, **series_kw: object,
 ) -> SyntheticScan:
@@ -419,8 +419,9 @@ def write_rsna_dataset(
         series_uid = _uid(seed, "series", i)
         names = _random_names(rng, len(z), "ID_", used)
         scans.append(_write_scan(
-            image_dir, hu, labels, [n + ".dcm" for n in names], rng, series_uid, f"ID_{i % n_patients:08x}",
-            _uid(seed, "study", i), series_uid, z_start_mm=float(rng.uniform(-50.0, 50.0)),
+            image_dir, hu, labels, [n + ".dcm" for n in names], rng, bag_id=series_uid,
+            patient_id=f"ID_{i % n_patients:08x}", study_uid=_uid(seed, "study", i), series_uid=series_uid,
+            z_start_mm=float(rng.uniform(-50.0, 50.0)),
             slice_thickness_mm=thickness, description="CT 5mm" if slice_factor == 1 else f"CT {thickness:g}mm",
         ))
         subtype = subtypes[int(rng.integers(len(subtypes)))]
@@ -478,8 +479,9 @@ def write_cq500_dataset(
             count = num * factor + extra_slices
             hu, labels = render_phantom(spec, _z_norm(count) * (count / (num * factor)), size, rng)
             scan = _write_scan(
-                folder / desc, hu, labels, [f"CT{k:06d}.dcm" for k in rng.permutation(count)], rng, name, name,
-                study_uid, _uid(seed, "cq500-series", i, v), float(positive[i]), slice_thickness_mm=thickness,
+                folder / desc, hu, labels, [f"CT{k:06d}.dcm" for k in rng.permutation(count)], rng, bag_id=name,
+                patient_id=name, study_uid=study_uid, series_uid=_uid(seed, "cq500-series", i, v),
+                bag_label=float(positive[i]), slice_thickness_mm=thickness,
                 description=desc, kernel=kernel, contrast_agent=agent,
             )
             if v == 0:
@@ -525,8 +527,8 @@ def write_generic_dataset(
         hu, labels = render_phantom(sample_phantom(rng, bool(positive[i]), z, noise_hu=noise_hu), z, size, rng)
         names = [n + ".dcm" for n in _random_names(rng, num, "img_", used)]
         scans.append(_write_scan(
-            bags_dir / bag_id, hu, labels, names, rng, bag_id, patient_id,
-            _uid(seed, "generic-study", i), _uid(seed, "generic-series", i),
+            bags_dir / bag_id, hu, labels, names, rng, bag_id=bag_id, patient_id=patient_id,
+            study_uid=_uid(seed, "generic-study", i), series_uid=_uid(seed, "generic-series", i),
         ))
         bag_rows.append(f"{bag_id},{int(labels.max())},{patient_id}\n")
         slice_rows.extend(f"{bag_id},{n},{int(lab)}\n" for n, lab in zip(names, labels))
