@@ -29,7 +29,9 @@ many bags (:func:`milgp.metrics.calibrated_ece`; on 58 bags it is ≈ 0.13); fit
 seconds per fold (``time.process_time``) and their ratio to the reference settings' fit on the
 same fold; for every other row, its AUC minus the best logistic-regression row's (by mean AUC) on
 the same folds: the mean, a standard error corrected for repeated cross-validation
-(:func:`paired_difference`) and the folds won. Results: ``benchmarks/results/real_mil.json``.
+(:func:`paired_difference`) and the folds won. Results: ``benchmarks/results/real_mil.json`` for
+the full run the README shows; other runs are named apart (:func:`result_name`) and never
+overwrite it.
 """
 from __future__ import annotations
 
@@ -186,10 +188,20 @@ def evaluate(bags: list[np.ndarray], y: np.ndarray, seeds: list[int], models: li
     return rows
 
 
+DEFAULT_SEEDS = 3
+
+
+def result_name(quick: bool, seeds: int, models: list[str]) -> str:
+    """The JSON's name: ``real_mil`` for every row at the default shuffles, ``real_mil_quick``,
+    ``real_mil_<n>_shuffles`` and a ``_subset`` suffix for fewer rows otherwise."""
+    name = "real_mil" + ("_quick" if quick else "" if seeds == DEFAULT_SEEDS else f"_{seeds}_shuffles")
+    return name + ("" if set(models) == set(MODELS) else "_subset")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", required=True, help="folder of MIL CSV files (label, bag id, features...)")
-    p.add_argument("--seeds", type=int, default=3, help="CV shuffles (seeds 0..n-1)")
+    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="CV shuffles (seeds 0..n-1)")
     p.add_argument("--models", nargs="*", default=list(MODELS), help="rows to run (default: all)")
     p.add_argument("--quick", action="store_true", help="one seed")
     add_thread_arg(p)
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = evaluate(bags, y, seeds, args.models)
         print(markdown_table(rows, ["model", "bag AUC", "worst fold", "accuracy", "bag NLL", "ECE", "ECE floor", "fit CPU-s", "× reference", "Δ AUC vs best baseline"]), flush=True)
         results[path.stem] = rows
-    write_json("real_mil" + ("_quick" if args.quick else ""), {"seeds": seeds, "data_dir": str(args.data_dir), "datasets": results})
+    write_json(result_name(args.quick, args.seeds, args.models), {"seeds": seeds, "data_dir": str(args.data_dir), "datasets": results})
     return results
 
 
