@@ -417,8 +417,10 @@ def make_bag_groups(
 
     A group holds at most ``chunk_instances`` instances and, with ``block_budget``, at most that
     many entries of its padded within-bag blocks (``B_g · n_max²``), so work on padded per-bag
-    covariances has bounded memory whatever the bag sizes; a bag larger than either bound forms a
-    group of its own. :meth:`Bags.groups` keeps the groups of all bags.
+    covariances has bounded memory whatever the bag sizes, and at most twice the entries of its
+    bags' own blocks (``Σ n_b²``), so padding short bags to a long one's length never more than
+    doubles that work however widely the sizes spread; a bag larger than either bound forms a group
+    of its own. :meth:`Bags.groups` keeps the groups of all bags.
     """
     device = bags.index.device
     sizes = bags.sizes
@@ -426,15 +428,17 @@ def make_bag_groups(
     chosen = torch.arange(bags.num_bags, device=device) if subset is None else torch.as_tensor(subset, device=device)
     chosen = chosen[torch.argsort(sizes[chosen], stable=True)]
     sizes_l = sizes[chosen].tolist()
-    groups, current, n_inst = [], [], 0
+    groups, current, n_inst, n_entries = [], [], 0, 0
     for b, n in zip(chosen.tolist(), sizes_l):
+        padded = (len(current) + 1) * n * n  # the group's block entries with bag b, its largest
         over_inst = current and n_inst + n > chunk_instances
-        over_block = current and block_budget is not None and (len(current) + 1) * n * n > block_budget
+        over_block = current and block_budget is not None and (padded > block_budget or padded > 2 * (n_entries + n * n))
         if over_inst or over_block:
             groups.append(current)
-            current, n_inst = [], 0
+            current, n_inst, n_entries = [], 0, 0
         current.append(b)
         n_inst += n
+        n_entries += n * n
     if current:
         groups.append(current)
     out = []

@@ -224,3 +224,17 @@ def test_bags_keep_their_padding_and_groups_per_bound():
         assert g.inst.numel() <= 4 or g.num_bags == 1
     # B_g · n_max² ≤ 20: bags of sizes 1 and 3 share a group (2·9), a third bag of 3 would not (3·9)
     assert [g.bags.tolist() for g in bags.groups(chunk_instances=100, block_budget=20)] == [[0, 1], [2], [3]]
+
+
+def test_groups_never_pad_short_bags_to_a_long_one():
+    """With a block budget (padded per-bag blocks), a bag far longer than the others of its group
+    starts a new one: four bags of one and a bag of 10 in one group would pad to 5 · 10² = 500 block
+    entries for the 104 they hold. If this fails, padded work (cavities, joint bag rules, aggregate
+    fits) grows with the spread of the bag sizes, not with the bags."""
+    bags = Bags.from_index(torch.tensor([0, 1, 2, 3] + [4] * 10))
+    assert [g.bags.tolist() for g in bags.groups(chunk_instances=100, block_budget=10**6)] == [[0, 1, 2, 3], [4]]
+    assert [g.bags.tolist() for g in bags.groups(chunk_instances=100)] == [[0, 1, 2, 3, 4]]  # no blocks: one group
+    sizes = Bags.from_index(torch.repeat_interleave(torch.arange(30), torch.arange(1, 31))).groups(10**4, 10**6)
+    for g in sizes:
+        n = g.local.bincount()
+        assert g.num_bags * int(n.max()) ** 2 <= 2 * int((n * n).sum())
