@@ -115,6 +115,10 @@ MODELS: dict[str, Callable[[int, int], Any]] = {
     "ProbitMILClassifier()": lambda dim, fold: ProbitMILClassifier(random_state=fold),
 }
 REFERENCE = "reference settings (VGPMIL, CVPR 2017 code)"
+DEFAULT_SEEDS = 3
+"""CV shuffles of the full run (the one ``real_mil.json`` holds)."""
+COLUMNS = ["model", "bag AUC", "worst fold", "accuracy", "bag NLL", "ECE", "ECE floor", "fit CPU-s", "× reference", "Δ AUC vs best baseline"]
+"""The table's columns, in order (the module docstring says what each holds)."""
 BASELINES = ("logistic regression + max pooling", "logistic regression + mean pooling", "logistic regression on bag means")
 FOLDS = 5
 
@@ -188,9 +192,6 @@ def evaluate(bags: list[np.ndarray], y: np.ndarray, seeds: list[int], models: li
     return rows
 
 
-DEFAULT_SEEDS = 3
-
-
 def result_name(quick: bool, seeds: int, models: list[str]) -> str:
     """The JSON's name: ``real_mil`` for every row at the default shuffles, ``real_mil_quick``,
     ``real_mil_<n>_shuffles`` and a ``_subset`` suffix for fewer rows otherwise."""
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\n### {path.stem} — {len(bags)} bags ({int(y.sum())} positive), {sum(map(len, bags))} instances, "
               f"{bags[0].shape[1]} features; {FOLDS}-fold CV × {len(seeds)} seed(s)\n", flush=True)
         rows = evaluate(bags, y, seeds, args.models)
-        print(markdown_table(rows, ["model", "bag AUC", "worst fold", "accuracy", "bag NLL", "ECE", "ECE floor", "fit CPU-s", "× reference", "Δ AUC vs best baseline"]), flush=True)
+        print(markdown_table(rows, COLUMNS), flush=True)
         results[path.stem] = rows
     write_json(result_name(args.quick, args.seeds, args.models), {"seeds": seeds, "data_dir": str(args.data_dir), "datasets": results})
     return results
