@@ -9,7 +9,9 @@ bag probability the mean instance probability (``benchmarks.real_mil``'s "logist
 mean pooling" row), fitted on the instances projected onto an orthonormal basis of ``span(Z)``.
 ``Z``: the estimators' k-means++ seeds (``milgp.inducing.kmeans_pp_inducing``, split between
 positive- and negative-bag instances), a uniform draw of training instances, or the top principal
-directions; the full span for comparison, at several penalties ``C``. Same folds as
+directions, the training bags' mean instances (``milgp.inducing.bag_mean_inducing``), or the
+estimators' own mix (``milgp.inducing.mil_inducing``: a quarter at bag means, the rest seeds); the full span for comparison, at
+several penalties ``C``. Same folds as
 ``benchmarks.real_mil`` (``StratifiedKFold(5, shuffle=True, random_state=seed)``); prints the bag
 AUC mean (worst fold) and writes ``benchmarks/results/linear_span.json``.
 """
@@ -24,18 +26,23 @@ from sklearn.metrics import roc_auc_score
 
 from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
 from benchmarks.real_mil import LogisticPooling, cv_folds, load_mil_csv
-from milgp.inducing import kmeans_pp_inducing
+from milgp.inducing import bag_mean_inducing, kmeans_pp_inducing, mil_inducing
 
 SIZES = (100, 300)
 PENALTIES = (0.01, 0.1, 1.0, 10.0)
 
 
-def span_basis(kind: str, m: int, x: np.ndarray, instance_labels: np.ndarray, seed: int) -> np.ndarray:
-    """``(D, k)`` orthonormal basis of the span of ``m`` points of the z-scored instances ``x``."""
+def span_basis(kind: str, m: int, x: np.ndarray, instance_labels: np.ndarray, seed: int, bag_index: np.ndarray) -> np.ndarray:
+    """``(D, k)`` orthonormal basis of the span of ``m`` points of the z-scored instances ``x``
+    (``bag_index``: each instance's training bag)."""
     if kind == "principal directions":
         return np.linalg.svd(x, full_matrices=False)[2][:m].T
     if kind == "k-means++ seeds":
         z = kmeans_pp_inducing(x, instance_labels, m, seed=seed)
+    elif kind == "bag means":
+        z = bag_mean_inducing(x, bag_index, m, seed=seed)
+    elif kind == "the estimators' mix":
+        z = mil_inducing(x, bag_index, instance_labels, m, seed=seed)
     else:
         z = x[np.random.default_rng(seed).choice(len(x), min(m, len(x)), replace=False)]
     return np.linalg.qr(z.T)[0]
@@ -44,7 +51,8 @@ def span_basis(kind: str, m: int, x: np.ndarray, instance_labels: np.ndarray, se
 def bag_auc(bags: list[np.ndarray], y: np.ndarray, train: np.ndarray, test: np.ndarray, c: float, basis: str | None, m: int, seed: int) -> float:
     """Bag AUC on ``test`` of the benchmark's logistic regression + mean pooling fitted on ``train``,
     its weights in the span of ``m`` points of kind ``basis`` (``None``: all features)."""
-    span = None if basis is None else partial(span_basis, basis, m, seed=seed)
+    sizes = [len(bags[i]) for i in train]
+    span = None if basis is None else partial(span_basis, basis, m, seed=seed, bag_index=np.repeat(np.arange(len(train)), sizes))
     model = LogisticPooling("mean", C=c, basis=span).fit([bags[i] for i in train], y[train])
     return float(roc_auc_score(y[test], model.predict_proba([bags[i] for i in test])[:, 1]))
 
@@ -58,7 +66,7 @@ def main() -> None:
     set_threads(args.threads)
     variants = [("full span", None, 0, c) for c in PENALTIES] + [
         (f"{kind}, M = {m}", kind, m, 1.0)
-        for kind in ("k-means++ seeds", "uniform draw", "principal directions") for m in SIZES
+        for kind in ("k-means++ seeds", "uniform draw", "principal directions", "bag means", "the estimators' mix") for m in SIZES
     ]
     rows, results = [], {}
     for path in sorted(args.data_dir.glob("*.csv")):

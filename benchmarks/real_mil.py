@@ -101,7 +101,7 @@ def reference_settings(dim: int, fold: int) -> VGPMILClassifier:
     """The published VGPMIL code's settings, with milgp's implementation."""
     return VGPMILClassifier(
         kernel="rbf", lengthscale=float(np.sqrt(dim)), outputscale=1.0, H=1e12, max_rule="max", damping=1.0,
-        bag_rule="max", calibrate=False, bag_size_cap=None, max_iter=50, tol=0.0, random_state=fold,
+        bag_rule="max", calibrate=False, bag_size_cap=None, bag_mean_inducing=0.0, max_iter=50, tol=0.0, random_state=fold,
     )
 
 

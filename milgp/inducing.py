@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from sklearn.cluster import kmeans_plusplus
 
-__all__ = ["distinct_rows", "kmeans_pp_inducing", "median_lengthscale"]
+__all__ = ["bag_mean_inducing", "distinct_rows", "kmeans_pp_inducing", "median_lengthscale", "mil_inducing"]
 
 
 def kmeans_pp_inducing(
@@ -50,6 +50,60 @@ def kmeans_pp_inducing(
         extra = Z[rng.integers(len(Z), size=num_inducing - len(Z))] + 1e-3 * rng.standard_normal((num_inducing - len(Z), x.shape[1]))
         Z = np.concatenate([Z, extra], 0)
     return Z
+
+
+def bag_mean_inducing(
+    x: np.ndarray, bag_index: np.ndarray, count: int, seed: int = 0, exclude: np.ndarray | None = None
+) -> np.ndarray:
+    """``(k, D)`` inducing points at the bags' mean instances, ``k ≤ count``: every distinct bag
+    mean when there are at most ``count``, else ``count`` of them by k-means++ seeding. Means equal
+    to a row of ``exclude`` ``(K, D)`` (the other inducing points: a bag of one instance is its own
+    mean) are dropped, so no two inducing points coincide.
+
+    Why bag means: a sparse GP with a linear kernel is a linear model whose weights lie in the span
+    of its inducing points, and on wide features (thousands of columns, a few dozen bags) the span
+    of ``M`` instances misses the directions that separate the bags; logistic regression on the
+    bags' mean instances has its weights in the span of those means (the representer theorem), and
+    so has the first gradient step of single-instance learning, ``Σ_b (y_b − p) n_b x̄_b`` at a
+    constant start. ``x`` ``(N, D)``, ``bag_index`` ``(N,)`` with values ``0..B−1``.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    bag_index = np.asarray(bag_index)
+    sizes = np.bincount(bag_index)
+    means = np.zeros((len(sizes), x.shape[1]))
+    np.add.at(means, bag_index, x)
+    means = means[sizes > 0] / sizes[sizes > 0, None]
+    count = min(count, distinct_rows(means))
+    if count < 1:
+        return means[:0]
+    rng = np.random.default_rng(seed)
+    chosen, _ = kmeans_plusplus(means, count, random_state=int(rng.integers(2**31 - 1)))
+    if exclude is not None and len(exclude):
+        exclude = np.asarray(exclude, dtype=np.float64)
+        chosen = chosen[[not (exclude == row).all(1).any() for row in chosen]]
+    return chosen
+
+
+def mil_inducing(
+    x: np.ndarray,
+    bag_index: np.ndarray,
+    instance_bag_labels: np.ndarray,
+    num_inducing: int,
+    bag_mean_share: float = 0.25,
+    seed: int = 0,
+    weights: np.ndarray | None = None,
+) -> np.ndarray:
+    """``(≤ M, D)`` inducing points of the MIL estimators: ``⌊bag_mean_share · M⌋`` (at most one per
+    bag) at the bags' mean instances (:func:`bag_mean_inducing`), the rest at instances
+    (:func:`kmeans_pp_inducing`, ``weights`` as there); ``M = min(num_inducing, N)``. Fewer than
+    ``M`` only where a bag mean equals an instance point. ``bag_mean_share = 0``: instances only.
+    """
+    if not 0 <= bag_mean_share < 1:
+        raise ValueError(f"bag_mean_inducing must be in [0, 1), got {bag_mean_share!r}")
+    M = min(num_inducing, len(x))
+    at_means = min(int(np.max(bag_index)) + 1, int(bag_mean_share * M))
+    Z = kmeans_pp_inducing(x, instance_bag_labels, M - at_means, seed=seed, weights=weights)
+    return np.concatenate([Z, bag_mean_inducing(x, bag_index, at_means, seed=seed, exclude=Z)])
 
 
 def distinct_rows(x: np.ndarray) -> int:

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from milgp.inducing import distinct_rows, kmeans_pp_inducing, median_lengthscale
+from milgp.inducing import bag_mean_inducing, distinct_rows, kmeans_pp_inducing, median_lengthscale, mil_inducing
 
 
 def test_split_between_positive_and_negative_bag_instances():
@@ -66,3 +66,70 @@ def test_median_lengthscale():
     assert median_lengthscale(x) == pytest.approx(1.0)  # distances 1,1,1,1,√2,√2 → median 1
     assert median_lengthscale(np.zeros((5, 2))) == 1.0
     assert median_lengthscale(3 * x) == pytest.approx(3.0)
+
+
+def test_bag_mean_points_are_bag_means_without_copies():
+    """Every returned point is the mean of one bag, no two are equal, and a mean equal to an
+    excluded point (a bag of one instance is its own mean) is dropped: a copy among the inducing
+    points would make K_zz singular."""
+    rng = np.random.default_rng(5)
+    sizes = np.r_[1, 1, rng.integers(2, 6, size=8)]
+    bag_index = np.repeat(np.arange(10), sizes)
+    x = rng.normal(size=(len(bag_index), 4))
+    means = np.stack([x[bag_index == b].mean(0) for b in range(10)])
+    Z = bag_mean_inducing(x, bag_index, 20, seed=0)
+    assert len(Z) == 10 and len(np.unique(Z, axis=0)) == 10
+    assert all(np.isclose(means, z, atol=1e-12, rtol=0).all(1).any() for z in Z)
+    kept = bag_mean_inducing(x, bag_index, 20, seed=0, exclude=x[:2])  # the two one-instance bags
+    assert len(kept) == 8 and not any((kept == row).all(1).any() for row in x[:2])
+
+
+def test_bag_mean_points_seed_among_the_means_when_there_are_more_bags():
+    """With more bags than asked for, ``count`` distinct means are chosen, reproducibly."""
+    rng = np.random.default_rng(6)
+    bag_index = np.repeat(np.arange(40), 3)
+    x = rng.normal(size=(120, 2))
+    Z = bag_mean_inducing(x, bag_index, 7, seed=1)
+    assert Z.shape == (7, 2) and len(np.unique(Z, axis=0)) == 7
+    np.testing.assert_array_equal(Z, bag_mean_inducing(x, bag_index, 7, seed=1))
+    assert bag_mean_inducing(x, bag_index, 0).shape == (0, 2)
+
+
+def test_bag_means_span_what_instances_miss_on_wide_features():
+    """On features wider than M, a linear model restricted to the span of M instance seeds cannot
+    reach the direction that separates the bags' means; with the bag means among the points it
+    can. If the bag-mean points were not bag means, or were dropped, the residual would stay large."""
+    rng = np.random.default_rng(7)
+    B, n, D = 30, 8, 400
+    y = np.r_[np.ones(15), np.zeros(15)]
+    direction = rng.normal(size=D)
+    x = rng.normal(size=(B * n, D)) + 0.3 * np.repeat(y, n)[:, None] * direction
+    bag_index = np.repeat(np.arange(B), n)
+    means = np.stack([x[bag_index == b].mean(0) for b in range(B)])
+    contrast = means[y == 1].mean(0) - means[y == 0].mean(0)  # logistic regression's first step
+    labels = np.repeat(y, n)
+
+    def residual(Z: np.ndarray) -> float:
+        q = np.linalg.qr(Z.T)[0]
+        return float(np.linalg.norm(contrast - q @ (q.T @ contrast)) / np.linalg.norm(contrast))
+
+    instances = mil_inducing(x, bag_index, labels, 20, bag_mean_share=0.0, seed=0)
+    mixed = mil_inducing(x, bag_index, labels, 20, bag_mean_share=0.5, seed=0)
+    assert residual(instances) > 0.6
+    assert residual(mixed) < residual(instances) - 0.2
+
+
+def test_mil_inducing_splits_m_between_instances_and_bag_means():
+    """``⌊share·M⌋`` points are bag means (at most one per bag) and the rest the instance seeds of
+    ``kmeans_pp_inducing``; share 0 is exactly ``kmeans_pp_inducing``; a share of 1 leaves no
+    instance point and is refused."""
+    rng = np.random.default_rng(8)
+    bag_index = np.repeat(np.arange(6), 5)
+    x, labels = rng.normal(size=(30, 3)), np.repeat(np.r_[1, 0, 1, 0, 1, 0], 5)
+    np.testing.assert_array_equal(mil_inducing(x, bag_index, labels, 12, 0.0, seed=2), kmeans_pp_inducing(x, labels, 12, seed=2))
+    Z = mil_inducing(x, bag_index, labels, 12, 0.25, seed=2)
+    np.testing.assert_array_equal(Z[:9], kmeans_pp_inducing(x, labels, 9, seed=2))
+    assert len(Z) == 12 and len(np.unique(Z, axis=0)) == 12
+    assert len(mil_inducing(x, bag_index, labels, 20, 0.5, seed=2)) == 20  # 10 wanted at means, 6 bags: 14 seeds + 6
+    with pytest.raises(ValueError, match="bag_mean_inducing"):
+        mil_inducing(x, bag_index, labels, 12, 1.0)

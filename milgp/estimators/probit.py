@@ -61,6 +61,7 @@ class ProbitMILClassifier(MILClassifierBase):
         inference: str = "vi",
         single_instance: bool | str = "auto",
         num_inducing: int = 100,
+        bag_mean_inducing: float = 0.25,
         bag_rule: str | BagRule = "auto",
         calibrate: bool = True,
         average: bool = True,
@@ -93,6 +94,7 @@ class ProbitMILClassifier(MILClassifierBase):
         self.inference = inference
         self.single_instance = single_instance
         self.num_inducing = num_inducing
+        self.bag_mean_inducing = bag_mean_inducing
         self.bag_rule = bag_rule
         self.calibrate = calibrate
         self.average = average

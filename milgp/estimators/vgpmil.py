@@ -23,6 +23,9 @@ class VGPMILClassifier(MILClassifierBase):
     Args:
         psi: ``"pg"``, ``"gamma"`` or a :class:`milgp.likelihoods.psi.GSMDensity`.
         num_inducing: M.
+        bag_mean_inducing: share of the ``M`` inducing points placed at the training bags' mean
+            instances (:func:`~milgp.inducing.bag_mean_inducing`; at most one per bag), the rest
+            at instances by k-means++; ``0``: instances only, as the reference code.
         H: bag-label noise (Eq. 4 of Castro-Macías et al.; ``H = 10¹²`` as the reference code).
         max_rule: how ``E[max y_{b∖n}]`` enters the π update: ``"auto"`` (default: ``"max"`` at
             every candidate kernel and ``"single"`` at the most flexible ones, averaged, or the
@@ -67,6 +70,7 @@ class VGPMILClassifier(MILClassifierBase):
         self,
         psi: str | GSMDensity = "pg",
         num_inducing: int = 100,
+        bag_mean_inducing: float = 0.25,
         H: float = 1e12,
         max_rule: str = "auto",
         damping: float = 0.5,
@@ -94,6 +98,7 @@ class VGPMILClassifier(MILClassifierBase):
     ):
         self.psi = psi
         self.num_inducing = num_inducing
+        self.bag_mean_inducing = bag_mean_inducing
         self.H = H
         self.max_rule = max_rule
         self.damping = damping

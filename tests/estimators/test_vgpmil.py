@@ -130,6 +130,23 @@ def test_bad_options_raise():
         VGPMILClassifier(dtype="float16", **FAST).fit(bags, y)
     with pytest.raises(ValueError, match="psi"):
         VGPMILClassifier(psi="t", **FAST).fit(bags, y)
+    with pytest.raises(ValueError, match="bag_mean_inducing"):
+        VGPMILClassifier(bag_mean_inducing=1.0, **FAST).fit(bags, y)
+
+
+def test_a_quarter_of_the_inducing_points_sit_at_the_bags_means():
+    """By default M/4 inducing points are standardised training-bag means and the rest are
+    instances; ``bag_mean_inducing=0`` places every point at an instance (the reference code)."""
+    bags, y = toy_bags(B=30, seed=3)
+    for share, at_means in ((0.25, 5), (0.0, 0)):
+        clf = VGPMILClassifier(num_inducing=20, bag_mean_inducing=share, max_iter=8, search_iter=3).fit(bags, y)
+        Z = clf.model_.variational_strategy.inducing_points.detach().numpy()
+        x = [clf.scaler_.transform(torch.as_tensor(b)).numpy() for b in bags]
+        means = np.stack([b.mean(0) for b in x])
+        instances = np.concatenate(x)
+        is_mean = [np.isclose(means, z, rtol=0, atol=1e-12).all(1).any() for z in Z]
+        is_instance = [np.isclose(instances, z, rtol=0, atol=1e-12).all(1).any() for z in Z]
+        assert Z.shape == (20, 2) and sum(is_mean) == at_means and sum(is_instance) == 20 - at_means
 
 
 def test_nan_kernel_raises_cholesky_error_at_predict():
