@@ -93,15 +93,18 @@ def mil_inducing(
     seed: int = 0,
     weights: np.ndarray | None = None,
 ) -> np.ndarray:
-    """``(≤ M, D)`` inducing points of the MIL estimators: ``⌊bag_mean_share · M⌋`` (at most one per
-    bag) at the bags' mean instances (:func:`bag_mean_inducing`), the rest at instances
-    (:func:`kmeans_pp_inducing`, ``weights`` as there); ``M = min(num_inducing, N)``. Fewer than
-    ``M`` only where a bag mean equals an instance point. ``bag_mean_share = 0``: instances only.
+    """``(≤ M, D)`` inducing points of the MIL estimators, ``M = min(num_inducing, N)``. Where the
+    features outnumber them (``D > M``), ``⌊bag_mean_share · M⌋`` (at most one per bag) sit at the
+    bags' mean instances (:func:`bag_mean_inducing`: the span a linear kernel lacks) and the rest
+    at instances (:func:`kmeans_pp_inducing`, ``weights`` as there); with ``D ≤ M`` all are
+    instances, whose span is already all of ``ℝ^D``, so bag means would only thin out the
+    instance points that resolve witnesses. Fewer than ``M`` only where a bag mean equals an
+    instance point. ``bag_mean_share = 0``: instances only.
     """
     if not 0 <= bag_mean_share < 1:
         raise ValueError(f"bag_mean_inducing must be in [0, 1), got {bag_mean_share!r}")
     M = min(num_inducing, len(x))
-    at_means = min(int(np.max(bag_index)) + 1, int(bag_mean_share * M))
+    at_means = min(int(np.max(bag_index)) + 1, int(bag_mean_share * M)) if x.shape[1] > M else 0
     Z = kmeans_pp_inducing(x, instance_bag_labels, M - at_means, seed=seed, weights=weights)
     return np.concatenate([Z, bag_mean_inducing(x, bag_index, at_means, seed=seed, exclude=Z)])
 

@@ -119,17 +119,20 @@ def test_bag_means_span_what_instances_miss_on_wide_features():
     assert residual(mixed) < residual(instances) - 0.2
 
 
-def test_mil_inducing_splits_m_between_instances_and_bag_means():
-    """``⌊share·M⌋`` points are bag means (at most one per bag) and the rest the instance seeds of
-    ``kmeans_pp_inducing``; share 0 is exactly ``kmeans_pp_inducing``; a share of 1 leaves no
-    instance point and is refused."""
+def test_mil_inducing_splits_m_between_instances_and_bag_means_on_wide_features():
+    """With more features than points (D > M), ``⌊share·M⌋`` points are bag means (at most one per
+    bag) and the rest the instance seeds of ``kmeans_pp_inducing``; with D ≤ M, or share 0, all
+    are exactly ``kmeans_pp_inducing``'s; a share of 1 leaves no instance point and is refused."""
     rng = np.random.default_rng(8)
     bag_index = np.repeat(np.arange(6), 5)
-    x, labels = rng.normal(size=(30, 3)), np.repeat(np.r_[1, 0, 1, 0, 1, 0], 5)
+    labels = np.repeat(np.r_[1, 0, 1, 0, 1, 0], 5)
+    x = rng.normal(size=(30, 25))
     np.testing.assert_array_equal(mil_inducing(x, bag_index, labels, 12, 0.0, seed=2), kmeans_pp_inducing(x, labels, 12, seed=2))
     Z = mil_inducing(x, bag_index, labels, 12, 0.25, seed=2)
     np.testing.assert_array_equal(Z[:9], kmeans_pp_inducing(x, labels, 9, seed=2))
     assert len(Z) == 12 and len(np.unique(Z, axis=0)) == 12
     assert len(mil_inducing(x, bag_index, labels, 20, 0.5, seed=2)) == 20  # 10 wanted at means, 6 bags: 14 seeds + 6
+    narrow = x[:, :12]  # D = 12 = M: twelve generic instances already span every direction
+    np.testing.assert_array_equal(mil_inducing(narrow, bag_index, labels, 12, 0.25, seed=2), kmeans_pp_inducing(narrow, labels, 12, seed=2))
     with pytest.raises(ValueError, match="bag_mean_inducing"):
         mil_inducing(x, bag_index, labels, 12, 1.0)

@@ -1,10 +1,10 @@
 """What the MIL classifiers share: validation, standardisation, inducing points, the kernel search,
 the calibrated and averaged bag decision, and the prediction API.
 
-**Fit.** Features are z-scored; of the ``M`` inducing points a quarter (``bag_mean_inducing``) sit
-at the training bags' mean instances (:func:`~milgp.inducing.bag_mean_inducing`) and the rest are
-placed by k-means++, half on instances of positive bags and half on negative (as the VGPMIL
-reference code places all of them). Every likelihood variant
+**Fit.** Features are z-scored; ``M`` inducing points are placed by k-means++, half on instances of
+positive bags and half on negative (as the VGPMIL reference code does), except that on features
+wider than ``M`` a quarter of them (``bag_mean_inducing``) sit at training bags' mean instances
+(:func:`~milgp.inducing.mil_inducing`). Every likelihood variant
 (VGPMIL: the reference code's largest-other-π rule and single-instance learning) is fitted at
 every candidate kernel (``kernel``, ``lengthscale``, ``outputscale``; by default a linear kernel
 and RBF kernels with lengthscale ``√D`` and ``2√D`` at outputscale 1 and 10) by closed-form

@@ -134,11 +134,13 @@ def test_bad_options_raise():
         VGPMILClassifier(bag_mean_inducing=1.0, **FAST).fit(bags, y)
 
 
-def test_a_quarter_of_the_inducing_points_sit_at_the_bags_means():
-    """By default M/4 inducing points are standardised training-bag means and the rest are
-    instances; ``bag_mean_inducing=0`` places every point at an instance (the reference code)."""
-    bags, y = toy_bags(B=30, seed=3)
-    for share, at_means in ((0.25, 5), (0.0, 0)):
+def test_on_wide_features_a_quarter_of_the_inducing_points_sit_at_the_bags_means():
+    """With more features than inducing points, by default M/4 of them are standardised
+    training-bag means and the rest instances; ``bag_mean_inducing=0`` places every point at an
+    instance (the reference code), as does the default on features narrower than M."""
+    bags, y = toy_bags(B=30, seed=3, d=24)
+    for share, at_means, d in ((0.25, 5, 24), (0.0, 0, 24), (0.25, 0, 20)):
+        bags = [b[:, :d] for b in bags]
         clf = VGPMILClassifier(num_inducing=20, bag_mean_inducing=share, max_iter=8, search_iter=3).fit(bags, y)
         Z = clf.model_.variational_strategy.inducing_points.detach().numpy()
         x = [clf.scaler_.transform(torch.as_tensor(b)).numpy() for b in bags]
@@ -146,7 +148,7 @@ def test_a_quarter_of_the_inducing_points_sit_at_the_bags_means():
         instances = np.concatenate(x)
         is_mean = [np.isclose(means, z, rtol=0, atol=1e-12).all(1).any() for z in Z]
         is_instance = [np.isclose(instances, z, rtol=0, atol=1e-12).all(1).any() for z in Z]
-        assert Z.shape == (20, 2) and sum(is_mean) == at_means and sum(is_instance) == 20 - at_means
+        assert Z.shape == (20, d) and sum(is_mean) == at_means and sum(is_instance) == 20 - at_means
 
 
 def test_nan_kernel_raises_cholesky_error_at_predict():
