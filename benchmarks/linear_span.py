@@ -10,8 +10,8 @@ mean pooling" row), fitted on the instances projected onto an orthonormal basis 
 ``Z``: the estimators' k-means++ seeds (``milgp.inducing.kmeans_pp_inducing``, split between
 positive- and negative-bag instances), a uniform draw of training instances, or the top principal
 directions, the training bags' mean instances (``milgp.inducing.bag_mean_inducing``), or the
-estimators' own mix (``milgp.inducing.mil_inducing``: a quarter at bag means, the rest seeds); the full span for comparison, at
-several penalties ``C``. Same folds as
+estimators' own points (``milgp.inducing.mil_inducing``: where ``D > M`` a quarter at bag means,
+the rest seeds); the full span for comparison, at several penalties ``C``. Same folds as
 ``benchmarks.real_mil`` (``StratifiedKFold(5, shuffle=True, random_state=seed)``); prints the bag
 AUC mean (worst fold) and writes ``benchmarks/results/linear_span.json``.
 """
