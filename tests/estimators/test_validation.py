@@ -17,6 +17,22 @@ def test_check_helpers_directly():
     assert check_binary_bag_labels([1, 1], 2, require_both=False).tolist() == [1.0, 1.0]
 
 
+def test_sparse_bags_are_the_same_fit_as_their_dense_arrays():
+    """Bags given as SciPy sparse matrices (word counts, as web_recommendation_1) must fit and
+    predict exactly as their dense arrays; before, check_bags failed with NumPy's 'setting an array
+    element with a sequence'."""
+    from scipy.sparse import csr_matrix
+
+    rng = np.random.default_rng(0)
+    bags = [np.where(rng.random((5, 30)) < 0.1, rng.integers(1, 4, (5, 30)), 0).astype(float) for _ in range(12)]
+    y = np.arange(12) % 2
+    for b, label in zip(bags, y):
+        b[0, 0] += 3 * label
+    dense = VGPMILClassifier(num_inducing=10).fit(bags, y)
+    sparse = VGPMILClassifier(num_inducing=10).fit([csr_matrix(b) for b in bags], y)
+    np.testing.assert_array_equal(sparse.predict_proba([csr_matrix(b) for b in bags]), dense.predict_proba(bags))
+
+
 def test_constant_features_warn_and_are_left_unscaled():
     """Constant training features must be reported in one warning (naming the first) and kept
     finite (scale 1); all-constant features say that only the base rate can be learned."""
