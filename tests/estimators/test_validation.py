@@ -4,6 +4,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from scipy.sparse import csr_matrix
 
 from milgp.estimators import VGPMILClassifier, check_bags, check_binary_bag_labels
 from milgp.estimators._validation import FeatureScaler
@@ -21,8 +22,6 @@ def test_sparse_bags_are_the_same_fit_as_their_dense_arrays():
     """Bags given as SciPy sparse matrices (word counts, as web_recommendation_1) must fit and
     predict exactly as their dense arrays; before, check_bags failed with NumPy's 'setting an array
     element with a sequence'."""
-    from scipy.sparse import csr_matrix
-
     rng = np.random.default_rng(0)
     bags = [np.where(rng.random((5, 30)) < 0.1, rng.integers(1, 4, (5, 30)), 0).astype(float) for _ in range(12)]
     y = np.arange(12) % 2
