@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import torch
+from scipy.sparse import issparse
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.metrics import r2_score
 from sklearn.model_selection import KFold
@@ -229,9 +230,13 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
 
     def _latent(self, X: Any) -> tuple[torch.Tensor, torch.Tensor]:
         check_is_fitted(self, "model_")
-        X = np.asarray(X, dtype=np.float64)
-        if X.ndim != 2 or X.shape[1] != self.n_features_in_:
-            raise ValueError(f"X must be (n, {self.n_features_in_}) individual covariates, got shape {X.shape}")
+        try:
+            X = np.asarray(X.toarray() if issparse(X) else X, dtype=np.float64)
+        except ValueError:  # ragged: a sequence of bags
+            X = None
+        if X is None or X.ndim != 2 or X.shape[1] != self.n_features_in_:
+            got = "a sequence of bags" if X is None or X.ndim == 3 else f"shape {X.shape}"
+            raise ValueError(f"X must be an (n, {self.n_features_in_}) array of individual covariates, got {got}; bag aggregates: predict_bags")
         if not np.isfinite(X).all():
             raise ValueError(f"X has NaN or inf features (first in row {int(np.nonzero(~np.isfinite(X).all(1))[0][0])})")
         return self.model_.variational_strategy.predict_marginals(self._transform(X))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy.sparse import csr_matrix
 from sklearn.base import clone
 
 from milgp.baselines import BagPixelRegressor, ConstantRateRegressor
@@ -88,6 +89,19 @@ def test_predict_latent_is_the_posterior_of_f_behind_the_rate(fitted):
             assert (median <= mean**2 + var + 1e-9).all()
     with pytest.raises(ValueError, match="individual covariates"):
         models["exp"].predict_latent(x[:, 0])
+
+
+def test_bags_given_to_the_instance_predictions_get_a_one_line_error_pointing_to_predict_bags(fitted):
+    """The classifiers' ``predict`` takes bags, this regressor's takes instances. Bags of unequal
+    length used to fail inside NumPy ("setting an array element with a sequence") and bags of equal
+    length as a 3-D shape; both must name the mistake and the method meant for bags."""
+    models, bags, y, weights, x, lam = fitted
+    est = models["exp"]
+    equal = [b[:3] for b in bags]
+    for given in (bags, equal):
+        with pytest.raises(ValueError, match="got a sequence of bags; bag aggregates: predict_bags"):
+            est.predict(given)
+    np.testing.assert_array_equal(est.predict(csr_matrix(x)), est.predict(x))
 
 
 def test_clone_and_params():
