@@ -78,7 +78,6 @@ def test_gibbs_fit_predict(data):
     assert roc_auc_score(yte, pb) > 0.85
 
 
-
 def test_a_pickled_gibbs_classifier_predicts_exactly_as_before(data):
     """A fitted model saved with pickle must predict the same after loading. The Gibbs estimator
     keeps its posterior draws and the orthant rule its quasi-Monte-Carlo points: state that lived
@@ -90,6 +89,7 @@ def test_a_pickled_gibbs_classifier_predicts_exactly_as_before(data):
     for a, b in zip(gb.predict_bag_proba(te), loaded.predict_bag_proba(te)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(np.concatenate(gb.predict_instance_proba(te)), np.concatenate(loaded.predict_instance_proba(te)))
+
 
 def test_sklearn_contract_and_errors(data):
     """If this fails, the estimator breaks the scikit-learn contract (get_params/clone) or accepts

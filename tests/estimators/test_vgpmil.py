@@ -86,7 +86,6 @@ def test_sklearn_clone_gridsearch_cross_val_score():
     assert scores.shape == (2,) and np.isfinite(scores).all()
 
 
-
 def test_a_pickled_fitted_classifier_predicts_exactly_as_before():
     """Users save fitted models (pickle, joblib). The fitted state — every averaged candidate, its
     bag rule and calibration, the instance map, the scaler — must survive the round trip: a
