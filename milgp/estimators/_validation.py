@@ -11,13 +11,19 @@ import numpy as np
 import torch
 from scipy.sparse import issparse
 
-__all__ = ["FeatureScaler", "check_bag_weights", "check_bags", "check_binary_bag_labels", "torch_dtype"]
+__all__ = ["FeatureScaler", "as_float_array", "check_bag_weights", "check_bags", "check_binary_bag_labels", "torch_dtype"]
+
+
+def as_float_array(a: Any) -> np.ndarray:
+    """``a`` as a float64 NumPy array; a SciPy sparse matrix (e.g. word counts) as its dense array,
+    since the standardisation makes every feature dense anyway."""
+    return np.asarray(a.toarray() if issparse(a) else a, dtype=np.float64)
 
 
 def check_bags(bags: Sequence[Any], name: str = "bags", n_features: int | None = None) -> list[np.ndarray]:
     """Validate bags: a non-empty sequence of non-empty 2-D finite float arrays of equal width
-    (``n_features``, where given: the width a fitted model expects). A SciPy sparse matrix (e.g.
-    word counts) is taken as its dense array: the standardisation makes every feature dense."""
+    (``n_features``, where given: the width a fitted model expects); sparse bags are taken as their
+    dense arrays (:func:`as_float_array`)."""
     if isinstance(bags, np.ndarray) and bags.dtype != object and bags.ndim == 2:
         raise ValueError(f"{name} must be a sequence of (n_b, d) arrays, one per bag, not a single 2-D array")
     if len(bags) == 0:
@@ -25,7 +31,7 @@ def check_bags(bags: Sequence[Any], name: str = "bags", n_features: int | None =
     out = []
     width = None
     for b, bag in enumerate(bags):
-        arr = np.asarray(bag.toarray() if issparse(bag) else bag, dtype=np.float64)
+        arr = as_float_array(bag)
         if arr.ndim == 1:
             raise ValueError(f"{name}[{b}] is 1-D with shape {arr.shape}; each bag must be (n_b, d) — use reshape(1, -1) for a bag of one")
         if arr.ndim != 2:

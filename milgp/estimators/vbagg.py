@@ -7,14 +7,13 @@ import math
 
 import numpy as np
 import torch
-from scipy.sparse import issparse
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.metrics import r2_score
 from sklearn.model_selection import KFold
 from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, flatten_bags
-from milgp.estimators._validation import FeatureScaler, check_bag_weights, check_bags, torch_dtype
+from milgp.estimators._validation import FeatureScaler, as_float_array, check_bag_weights, check_bags, torch_dtype
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
 from milgp.likelihoods.aggregate_normal import NormalAggregateLikelihood
@@ -231,7 +230,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     def _latent(self, X: Any) -> tuple[torch.Tensor, torch.Tensor]:
         check_is_fitted(self, "model_")
         try:
-            X = np.asarray(X.toarray() if issparse(X) else X, dtype=np.float64)
+            X = as_float_array(X)
         except ValueError:  # ragged: a sequence of bags
             X = None
         if X is None or X.ndim != 2 or X.shape[1] != self.n_features_in_:
