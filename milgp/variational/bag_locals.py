@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from milgp.data.bags import Bags, split_by_bag
 
 __all__ = ["BagLocals"]
+
+BagIds = Sequence[str | int] | Tensor | np.ndarray
+"""Bag ids, one per bag: strings, or integers (a list, an array or a tensor ``(B,)``)."""
 
 
 class BagLocals(nn.Module):
@@ -27,6 +31,9 @@ class BagLocals(nn.Module):
     order — so the locals travel in a model's checkpoint and load with
     ``torch.load(weights_only=True)``; their shapes are the stored bags', not fixed at construction
     (:attr:`resizes_on_load`).
+
+    Bag ids are strings (a scan's id); integer ids — a list, an array or a tensor ``(B,)`` — are
+    kept under their decimal string, so ``7`` and ``"7"`` name the same bag.
     """
 
     resizes_on_load = True
@@ -49,13 +56,14 @@ class BagLocals(nn.Module):
         """The ids of the stored bags, sorted."""
         return sorted(self._by_id)
 
-    def gather(self, bag_ids: Sequence[str] | None, bags: Bags) -> Tensor | None:
+    def gather(self, bag_ids: BagIds | None, bags: Bags) -> Tensor | None:
         """The stored locals ``(N,)`` of a batch's bags (ids in the order of ``bags``) in its
         instance order, on its device; ``None`` unless every bag has stored locals of its size (the
         fit then initialises them)."""
-        if not bag_ids or not all(b in self._by_id for b in bag_ids):
+        keys = _keys(bag_ids, bags)
+        if not keys or not all(b in self._by_id for b in keys):
             return None
-        parts = [self._by_id[b] for b in bag_ids]
+        parts = [self._by_id[b] for b in keys]
         if [len(p) for p in parts] != bags.sizes.tolist():
             return None
         out = torch.empty(bags.index.shape[0], dtype=torch.float64, device=bags.index.device)
@@ -63,22 +71,23 @@ class BagLocals(nn.Module):
         return out
 
     def store(
-        self, bag_ids: Sequence[str] | None, bags: Bags, locals_: Any, gather: Callable[[Any], list[Any]] | None = None
+        self, bag_ids: BagIds | None, bags: Bags, locals_: Any, gather: Callable[[Any], list[Any]] | None = None
     ) -> None:
         """Keep a batch's locals ``(N,)`` by bag id; nothing when they are not one value per
         instance (e.g. an aggregate likelihood's ``None``). ``gather`` collects every process's list
         of ``(id, locals)`` pairs (a DDP all-gather), so that every rank holds every bag's locals."""
-        if not bag_ids or not isinstance(locals_, Tensor) or locals_.shape != bags.index.shape:
+        keys = _keys(bag_ids, bags)
+        if not keys or not isinstance(locals_, Tensor) or locals_.shape != bags.index.shape:
             return
-        parts = [(b, p.cpu().to(torch.float64, copy=True)) for b, p in zip(bag_ids, split_by_bag(locals_.detach(), bags.index, bags.num_bags))]
+        parts = [(b, p.cpu().to(torch.float64, copy=True)) for b, p in zip(keys, split_by_bag(locals_.detach(), bags.index, bags.num_bags))]
         if gather is not None:
             parts = [pair for process_parts in gather(parts) for pair in process_parts]
         self._by_id.update(parts)
 
-    def cat(self, bag_ids: Sequence[str]) -> Tensor:
+    def cat(self, bag_ids: BagIds) -> Tensor:
         """The stored locals of ``bag_ids``, concatenated in that order (``KeyError`` for a bag
         without locals)."""
-        return torch.cat([self._by_id[b] for b in bag_ids])
+        return torch.cat([self._by_id[b] for b in _keys(bag_ids)])
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         ids = self.ids()
@@ -101,3 +110,14 @@ class BagLocals(nn.Module):
             error_msgs.append(f"{prefix}values: {len(values)} locals, {len(ids)} ids and {len(sizes)} sizes (summing to {int(sizes.sum())}) do not agree")
             return
         self._by_id = dict(zip(ids, values.to(torch.float64, copy=True).split(sizes.tolist())))
+
+
+def _keys(bag_ids: BagIds | None, bags: Bags | None = None) -> list[str]:
+    """The store's keys of ``bag_ids`` (strings; integers as their decimal string); ``[]`` for
+    ``None``. With ``bags``, one id per bag or a one-line ``ValueError``."""
+    if bag_ids is None:
+        return []
+    values = bag_ids.tolist() if isinstance(bag_ids, (Tensor, np.ndarray)) else list(bag_ids)
+    if bags is not None and values and len(values) != bags.num_bags:
+        raise ValueError(f"bag_ids: {len(values)} ids for a batch of {bags.num_bags} bags (one id per bag, in the order of the bags)")
+    return [b if isinstance(b, str) else str(b) for b in values]

@@ -2,6 +2,7 @@
 round-trips whatever the number of bags."""
 import io
 
+import numpy as np
 import pytest
 import torch
 
@@ -46,6 +47,31 @@ def test_unknown_or_resized_bags_and_non_instance_locals_are_not_served():
     assert store.gather(None, bags) is None
     store.store(["b5"], Bags(torch.zeros(3, dtype=torch.long), 1), None)
     assert "b5" not in store and len(store) == 2
+
+
+def test_integer_ids_in_a_tensor_an_array_or_a_list_name_the_same_bags_as_their_strings():
+    """If this failed, a training loop that numbers its bags (a tensor ``(B,)`` of ids, as the
+    README's loop does) would get NumPy's or torch's "truth value is ambiguous" instead of its
+    bags' locals, or store them under keys its next batch never finds."""
+    store = BagLocals()
+    _, bags, values = _batch([("b1", 3), ("b2", 2)], interleave=True)
+    store.store(torch.tensor([1, 2]), bags, values)
+    assert store.ids() == ["1", "2"]
+    torch.testing.assert_close(store.gather(np.array([1, 2]), bags), values, rtol=0, atol=0)
+    torch.testing.assert_close(store.gather(["1", 2], bags), values, rtol=0, atol=0)
+    torch.testing.assert_close(store.cat(torch.tensor([2])), values[bags.index == 1], rtol=0, atol=0)
+
+
+def test_a_count_of_ids_other_than_the_bags_is_refused_in_one_line():
+    """If this failed, three ids for two bags (or one) would be zipped away silently: locals stored
+    under the wrong bags, or a batch that never gets its own back."""
+    store = BagLocals()
+    ids, bags, values = _batch([("b1", 3), ("b2", 2)], interleave=False)
+    for wrong in (ids[:1], ids + ["b3"]):
+        for call in (lambda: store.store(wrong, bags, values), lambda: store.gather(wrong, bags)):
+            with pytest.raises(ValueError, match=rf"^bag_ids: {len(wrong)} ids for a batch of 2 bags") as err:
+                call()
+            assert "\n" not in str(err.value)
 
 
 def test_gathered_pairs_from_every_process_are_all_kept():
