@@ -1,7 +1,10 @@
 """MIL-GP-Probit bag classifier with variational or Gibbs inference."""
 from __future__ import annotations
 
+import warnings
+
 import torch
+from sklearn.exceptions import ConvergenceWarning
 
 from milgp.data.bags import BagBatch, Bags
 from milgp.estimators._mil_base import KERNEL_GRID, MILClassifierBase
@@ -40,7 +43,9 @@ class ProbitMILClassifier(MILClassifierBase):
     instance probabilities come from its draws, bag probabilities from the chosen rule applied to
     them (``"orthant"``/``"joint"``: the exact per-draw product under the FITC conditional, with
     its Monte-Carlo standard error), calibrated by the calibration fitted on the VI out-of-bag
-    predictions. :attr:`gibbs_` holds the draws, :attr:`gibbs_summary_` split-R̂ and ESS.
+    predictions. :attr:`gibbs_` holds the draws, :attr:`gibbs_summary_` split-R̂ and ESS; chains
+    short of :data:`~milgp.sampling.probit_gibbs.RHAT_LIMIT` or
+    :data:`~milgp.sampling.probit_gibbs.ESS_LIMIT` raise a ``ConvergenceWarning`` naming both.
 
     Args:
         inference: ``"vi"`` or ``"gibbs"``.
@@ -161,6 +166,9 @@ class ProbitMILClassifier(MILClassifierBase):
                 seed=self.random_state, progress=self.verbose,
             )
             self.gibbs_summary_ = self.gibbs_.summary()
+            problem = self.gibbs_.convergence_problem()
+            if problem is not None:
+                warnings.warn(f"the Gibbs chains have not converged: {problem}; raise num_samples and burn_in", ConvergenceWarning, stacklevel=4)
 
     def _averages(self) -> bool:
         """The Gibbs sampler runs at one kernel: ``inference="gibbs"`` keeps the best candidate."""

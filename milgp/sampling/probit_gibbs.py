@@ -56,6 +56,15 @@ DEFAULT_INIT_DISPERSION = 4.0
 """Default inflation of the starting covariance: chains start from ``N(m, 4·S)`` for a given
 ``q(v) = N(m, S)`` (twice its standard deviation)."""
 
+RHAT_LIMIT = 1.05
+"""Largest split-R̂ of a monitored latent mean below which the chains count as mixed."""
+ESS_LIMIT = 100.0
+"""Smallest effective sample size (all chains together) of a monitored latent mean that counts as
+enough. Vehtari, Gelman, Simpson, Carpenter & Bürkner (*Rank-normalization, folding, and
+localization: an improved R̂ for assessing convergence of MCMC*, Bayesian Analysis 2021) ask for
+R̂ < 1.01 and ESS > 400 per quantity of interest; the maximum over many monitored instances
+exceeds 1.01 by chance alone, so these limits flag chains that are plainly not done."""
+
 
 @dataclass
 class ProbitGibbsResult:
@@ -97,6 +106,16 @@ class ProbitGibbsResult:
             "chains": int(self.v.shape[0]),
             "seconds": self.seconds,
         }
+
+    def convergence_problem(self, rhat_limit: float = RHAT_LIMIT, ess_limit: float = ESS_LIMIT) -> str | None:
+        """One line naming what is short of the limits (split-R̂ above ``rhat_limit``, ESS below
+        ``ess_limit`` for some monitored latent mean), or ``None``."""
+        s = self.summary()
+        problems = [f"max split-R̂ {s['max_rhat']:.3f} > {rhat_limit}"] if s["max_rhat"] > rhat_limit else []
+        problems += [f"min ESS {s['min_ess']:.0f} < {ess_limit:.0f}"] if s["min_ess"] < ess_limit else []
+        if not problems:
+            return None
+        return f"{' and '.join(problems)} over {len(self.rhat)} monitored latent means ({s['chains']} chains × {s['draws'] // s['chains']} draws)"
 
     # -- predictions: in blocks of at most ``max_elements`` (draw, instance) pairs (docs/probit.md, "Memory") --
     def latent_mean(self, model: ApproximateGP, x: Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:

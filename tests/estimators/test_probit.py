@@ -1,10 +1,12 @@
 """``ProbitMILClassifier`` (VI and Gibbs) through the scikit-learn interface."""
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from sklearn.base import clone
+from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import roc_auc_score
 
 from milgp.data.bags import Bags
@@ -76,6 +78,15 @@ def test_gibbs_fit_predict(data):
     pb, se = gb.predict_bag_proba(te)
     assert ((pb >= 0) & (pb <= 1)).all() and (se >= 0).all()
     assert roc_auc_score(yte, pb) > 0.85
+
+
+def test_too_short_gibbs_chains_raise_a_convergence_warning_at_the_callers_line(data):
+    """If this failed, a Gibbs "reference" of 15 draws per chain, far from mixed, would be used for
+    predictions without a word (``gibbs_summary_`` alone is easy to never look at)."""
+    (tr, ytr, _), _ = data
+    with pytest.warns(ConvergenceWarning, match=r"^the Gibbs chains have not converged: .*min ESS \d+ < 100 .*raise num_samples and burn_in$") as record:
+        ProbitMILClassifier(inference="gibbs", num_samples=15, burn_in=0, num_chains=2, num_inducing=10, max_iter=10).fit(tr, ytr)
+    assert [Path(w.filename).name for w in record if w.category is ConvergenceWarning] == [Path(__file__).name]
 
 
 def test_a_pickled_gibbs_classifier_predicts_exactly_as_before(data):

@@ -13,6 +13,7 @@ from milgp.data.bags import BagBatch, Bags, segment_max
 from milgp.likelihoods import MILProbitLikelihood
 from milgp.models.sparse_gp import SparseGP
 from milgp.sampling import sample_probit_posterior
+from milgp.sampling.probit_gibbs import ProbitGibbsResult
 from milgp.variational.fit import fit_closed_form
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "likelihoods"))
@@ -203,3 +204,16 @@ def test_chains_start_over_dispersed_and_reproducibly(fitted):
     torch.testing.assert_close(one.v_start - q.m, (res.v_start - q.m) / 2.0)
     with pytest.raises(ValueError, match="init_dispersion"):
         sample_probit_posterior(model, batch, num_samples=4, init=q, init_dispersion=0.5)
+
+
+def test_convergence_problem_names_what_is_short_and_nothing_when_all_is_well():
+    """If this failed, chains that have plainly not mixed (split-R̂ 1.2, a latent mean with 20
+    effective draws) would pass as a reference, or well-mixed ones would be flagged."""
+    def result(rhat, ess):
+        return ProbitGibbsResult(v=torch.zeros(4, 250, 3), m_last=torch.zeros(4, 5), rhat=torch.tensor(rhat), ess=torch.tensor(ess), monitored=torch.arange(3))
+    assert result([1.001, 1.02, 1.049], [900.0, 400.0, 101.0]).convergence_problem() is None
+    assert result([1.0, 1.2, 1.0], [900.0, 400.0, 300.0]).convergence_problem() == "max split-R̂ 1.200 > 1.05 over 3 monitored latent means (4 chains × 250 draws)"
+    assert result([1.0, 1.0, 1.0], [20.0, 400.0, 300.0]).convergence_problem() == "min ESS 20 < 100 over 3 monitored latent means (4 chains × 250 draws)"
+    both = result([1.3, 1.0, 1.0], [20.0, 400.0, 300.0]).convergence_problem()
+    assert both.startswith("max split-R̂ 1.300 > 1.05 and min ESS 20 < 100")
+    assert result([1.3, 1.0, 1.0], [20.0, 400.0, 300.0]).convergence_problem(rhat_limit=2.0, ess_limit=10.0) is None
