@@ -44,6 +44,7 @@ from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.shared_gram import SharedGram
 from milgp.models.sparse_gp import SparseGP
 from milgp.prediction import (
+    BAG_RULES,
     AveragedFit,
     BagCalibrator,
     BagDecision,
@@ -176,6 +177,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         :func:`~milgp.prediction.bag_decision.auto_bag_rules`)."""
         if isinstance(self.bag_rule, str) and self.bag_rule == "auto":
             return auto_bag_rules(torch.as_tensor(sizes))
+        if isinstance(self.bag_rule, str) and self.bag_rule not in (*BAG_RULES, "joint"):
+            raise ValueError(f"bag_rule must be 'auto', one of {sorted(BAG_RULES)} or a BagRule instance, got {self.bag_rule!r}")
         return (self._bag_rule_object(),)
 
     def _bag_rule_object(self) -> BagRule:

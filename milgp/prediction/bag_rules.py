@@ -29,8 +29,8 @@ Joint rules (the within-bag covariance of ``q(f*_b)``, bags up to
 * :class:`OrthantRule` — probit model: ``1 − P(all m*_n < 0)``, ``m*_b ~ N(μ*_b, Σ*_b + I)`` (Wang &
   Pinar, *The Multiple Instance Learning Gaussian Process Probit Model*, AISTATS 2021, §3.4).
 
-:func:`make_bag_rule` builds a rule from its name. :data:`DEFAULT_BAG_RULE` is the project's
-default, chosen by the study in ``benchmarks/bag_rules.py`` (docs/core.md).
+:func:`make_bag_rule` builds a rule from its name; :data:`DEFAULT_BAG_RULE` is the rule of a GP
+head before its bag decision is fitted.
 """
 from __future__ import annotations
 
@@ -297,7 +297,9 @@ BAG_RULES: dict[str, Callable[[], BagRule]] = {
 ``"mean"``: the whole bag; ``"joint"`` is accepted for ``"joint_noisy_or"``)."""
 
 DEFAULT_BAG_RULE = "max"
-"""The default rule of the estimators and the Lightning GP head (see the study in docs/core.md)."""
+"""The rule a Lightning GP head with ``bag_rule="auto"`` predicts with, uncalibrated, until its bag
+decision is fitted; the fitted decision, like the estimators' default, picks among
+:func:`~milgp.prediction.bag_decision.auto_bag_rules` (the study in docs/core.md, cause 5)."""
 
 
 def make_bag_rule(rule: str | BagRule) -> BagRule:

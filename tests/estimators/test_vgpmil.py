@@ -137,9 +137,10 @@ def test_predict_validates_width_and_fitted_state():
 
 
 def test_bad_options_raise():
-    """Unknown bag_rule / dtype / psi must raise ValueError naming the option."""
+    """Unknown bag_rule / dtype / psi must raise ValueError naming the option (bag_rule's with
+    every accepted value, the default ``'auto'`` among them)."""
     bags, y = toy_bags(B=10)
-    with pytest.raises(ValueError, match="unknown bag rule"):
+    with pytest.raises(ValueError, match=r"^bag_rule must be 'auto', one of \[.*'top_k_mean'\] or a BagRule instance, got 'median'$"):
         VGPMILClassifier(bag_rule="median", **FAST).fit(bags, y)
     with pytest.raises(ValueError, match="dtype"):
         VGPMILClassifier(dtype="float16", **FAST).fit(bags, y)
