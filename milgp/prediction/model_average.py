@@ -104,9 +104,15 @@ class ModelAverage:
     def instance_moments(self, x: Tensor, marginals: dict[int, tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:
         """Instance probability ``E[p(y=1|f*)]`` and its std ``(N,)`` of the mixture at ``x``
         ``(N, D)``; ``marginals``: each member model's ``q(f)`` mean and variance at ``x`` by
-        ``id``, where already computed (e.g. a fit's own at its training inputs)."""
+        ``id``, where already computed (e.g. a fit's own at its training inputs). Members that are
+        bag rules of one fit share its instance moments, computed once."""
         marginals = self._marginals(x) if marginals is None else marginals
-        return self._mix([m.likelihood.instance_link.moments(*marginals[id(m.model)]) for m in self.members])
+        moments: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        for m in self.members:
+            key = (id(m.model), id(m.likelihood))
+            if key not in moments:
+                moments[key] = m.likelihood.instance_link.moments(*marginals[id(m.model)])
+        return self._mix([moments[(id(m.model), id(m.likelihood))] for m in self.members])
 
     def _marginals(self, x: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
         """``q(f*)`` marginals at ``x`` of each distinct model, by ``id``: the members that are bag

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from milgp.data.bags import Bags
+from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.models.sparse_gp import SparseGP
-from milgp.prediction import BagCalibrator, BagDecision, BagPosterior, ModelAverage, make_bag_rule, pseudo_bma_plus_weights
+from milgp.prediction import AveragedFit, BagCalibrator, BagDecision, BagPosterior, ModelAverage, make_bag_rule, pseudo_bma_plus_weights
 
 
 def test_weights_equal_a_float64_bayesian_bootstrap_reference():
@@ -86,3 +87,28 @@ def test_mixture_is_the_weighted_mean_with_the_law_of_total_variance():
     inst = [m.likelihood.instance_link.moments(*m.model.variational_strategy.predict_marginals(x)) for m in avg.members]
     torch.testing.assert_close(pi, w[0] * inst[0][0] + w[1] * inst[1][0], rtol=1e-12, atol=1e-14)
     assert (si >= 0).all() and (si > torch.minimum(inst[0][1], inst[1][1]) - 1e-12).all()
+
+
+def test_bag_rules_of_one_fit_share_its_instance_moments(monkeypatch):
+    """Two bag rules of one fit are two members with one model: if this failed, instance_moments
+    would mix other moments than each member's own, or compute the quadrature of every fit once per
+    rule (three of the default's 18 members share each fit)."""
+    torch.manual_seed(1)
+    Z = torch.randn(5, 2, dtype=torch.float64)
+    x = torch.randn(9, 2, dtype=torch.float64)
+    shared, other = (_fit(Z, "rbf", 0.4), MILBernoulliLikelihood("pg")), (_fit(Z, "linear", -0.2), MILBernoulliLikelihood("pg"))
+    members = [
+        AveragedFit(*shared, BagDecision(make_bag_rule("max"), BagCalibrator(), 0.0, {}), 0.5),
+        AveragedFit(*shared, BagDecision(make_bag_rule("mean"), BagCalibrator(), 0.0, {}), 0.3),
+        AveragedFit(*other, BagDecision(make_bag_rule("max"), BagCalibrator(), 0.0, {}), 0.2),
+    ]
+    expected = [lik.instance_link.moments(*model.variational_strategy.predict_marginals(x)) for model, lik in (shared, shared, other)]
+    calls = []
+    moments = LogisticLink.moments
+    monkeypatch.setattr(LogisticLink, "moments", lambda link, mean, var: calls.append(mean) or moments(link, mean, var))
+    p, s = ModelAverage(members).instance_moments(x)
+    assert len(calls) == 2
+    ref_p = 0.5 * expected[0][0] + 0.3 * expected[1][0] + 0.2 * expected[2][0]
+    ref_second = sum(w * (sd**2 + pk**2) for w, (pk, sd) in zip((0.5, 0.3, 0.2), expected))
+    torch.testing.assert_close(p, ref_p, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(s, (ref_second - ref_p**2).clamp_min(0).sqrt(), rtol=1e-10, atol=1e-12)
