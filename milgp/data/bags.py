@@ -291,6 +291,27 @@ class BagBatch:
         """The batch's :class:`Bags` (built once per batch)."""
         return Bags(self.bag_index, self.num_bags)
 
+    def check(self) -> "BagBatch":
+        """This batch, or a one-line ``ValueError`` naming the field unless ``bag_index`` is an
+        integer ``(N,)`` tensor for the ``N`` instances of ``x`` whose values are the bags
+        ``0..B-1`` of the ``B`` bag labels, each at least once (a batch built by hand with 1-based
+        bag ids, or with labels of bags that lost their instances). One device synchronisation:
+        the fits call it once, not per step."""
+        index, n, num_bags = self.bag_index, self.num_instances, self.num_bags
+        if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+            raise ValueError(f"bag_index must be an integer tensor, got {index.dtype}")
+        if tuple(index.shape) != (n,):
+            raise ValueError(f"bag_index has shape {tuple(index.shape)}; it must be ({n},), the bag of each instance of x")
+        if self.bag_labels.dim() != 1 or num_bags == 0 or n == 0:
+            raise ValueError(f"a batch needs bag_labels (B,) with B >= 1 and instances, got bag_labels of shape {tuple(self.bag_labels.shape)} and {n} instances")
+        low, high = int(index.min()), int(index.max())
+        if low < 0 or high >= num_bags:
+            raise ValueError(f"bag_index holds bag {low if low < 0 else high}, but the {num_bags} bag labels name bags 0..{num_bags - 1}")
+        empty = torch.nonzero(self.bags.sizes == 0).flatten()
+        if empty.numel():
+            raise ValueError(f"bag {int(empty[0])} has a label but no instances (bag_index never takes that value; {empty.numel()} such bag(s) in all)")
+        return self
+
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "BagBatch":
         """Move tensors to ``device``; ``dtype`` applies to floating ``x`` and weights only."""
 

@@ -147,6 +147,28 @@ def test_error_messages_name_the_bag():
         BagBatchSampler(3, 0)
 
 
+@pytest.mark.parametrize(
+    "index, labels, message",
+    [
+        (torch.tensor([1, 1, 2, 3]), [1.0, 0.0, 1.0], r"^bag_index holds bag 3, but the 3 bag labels name bags 0\.\.2$"),
+        (torch.tensor([0, 0, -1, 1]), [1.0, 0.0], r"^bag_index holds bag -1, but the 2 bag labels name bags 0\.\.1$"),
+        (torch.tensor([0, 0, 1, 1]), [1.0, 0.0, 1.0, 0.0], r"^bag 2 has a label but no instances \(bag_index never takes that value; 2 such bag\(s\) in all\)$"),
+        (torch.tensor([0.0, 0.0, 1.0, 1.0]), [1.0, 0.0], r"^bag_index must be an integer tensor, got torch.float32$"),
+        (torch.tensor([0, 0, 1]), [1.0, 0.0], r"^bag_index has shape \(3,\); it must be \(4,\), the bag of each instance of x$"),
+        (torch.tensor([0, 0, 1, 1]), [[1.0, 0.0]], r"^a batch needs bag_labels \(B,\)"),
+    ],
+)
+def test_check_refuses_a_malformed_batch_naming_the_field(index, labels, message):
+    """If this failed, a batch built by hand with 1-based bag ids would fail deep inside a fit with
+    "index 3 is out of bounds", and a label of a bag without instances would be fitted silently as
+    a bag with no evidence."""
+    batch = BagBatch(torch.randn(4, 2), index, torch.tensor(labels))
+    with pytest.raises(ValueError, match=message):
+        batch.check()
+    good = BagBatch(torch.randn(4, 2), torch.tensor([1, 0, 1, 0]), torch.tensor([1.0, 0.0]))
+    assert good.check() is good
+
+
 def test_random_bags_within_a_budget():
     """Whole bags in random order up to the instance budget, at least one bag even when the first
     drawn is over budget, the same bags from the same generator state; otherwise hyperparameter

@@ -157,3 +157,12 @@ def test_the_elbo_trace_is_the_elbo_of_each_accepted_state() -> None:
         assert len(trace) == 6
         for reported, recomputed in trace:
             assert reported == pytest.approx(recomputed, rel=1e-12, abs=1e-12)
+
+
+def test_a_bag_target_without_instances_is_refused_before_fitting():
+    """If this failed, a target of a bag that has no instances (bag_index never names it) would be
+    fitted as a bag of zero population."""
+    x = torch.randn(6, 2, dtype=torch.float64)
+    batch = BagBatch(x, torch.tensor([0, 0, 0, 2, 2, 2]), torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^bag 1 has a label but no instances"):
+        fit_aggregate(SparseGP(x[:3].clone()), PoissonAggregateLikelihood("exp"), batch, max_iter=2, learn_hyperparameters=False)

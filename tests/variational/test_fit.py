@@ -181,3 +181,12 @@ def test_a_users_own_model_on_the_closed_form_strategy_reaches_the_estimators_el
     assert result.iterations == clf.fit_result_.iterations
     assert result.objective[-1] == pytest.approx(clf.elbo_, rel=1e-8, abs=1e-8)
     assert result.elbo[-1] == pytest.approx(clf.fit_result_.elbo[-1], rel=1e-8, abs=1e-8)
+
+
+def test_a_batch_with_one_based_bag_ids_is_refused_before_fitting():
+    """If this failed, a hand-built batch whose bag ids start at 1 would stop deep inside a sweep
+    with an index error, or (with a label per id) fit a bag without instances."""
+    Z, batch = make_problem()
+    shifted = BagBatch(batch.x, batch.bag_index + 1, batch.bag_labels)
+    with pytest.raises(ValueError, match=rf"^bag_index holds bag {batch.num_bags}, but the {batch.num_bags} bag labels"):
+        fit_closed_form(SparseGP(Z), MILBernoulliLikelihood("pg"), shifted, max_iter=2, learn_hyperparameters=False)
