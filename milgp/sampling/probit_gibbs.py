@@ -62,8 +62,9 @@ ESS_LIMIT = 100.0
 """Smallest effective sample size (all chains together) of a monitored latent mean that counts as
 enough. Vehtari, Gelman, Simpson, Carpenter & Bürkner (*Rank-normalization, folding, and
 localization: an improved R̂ for assessing convergence of MCMC*, Bayesian Analysis 2021) ask for
-R̂ < 1.01 and ESS > 400 per quantity of interest; the maximum over many monitored instances
-exceeds 1.01 by chance alone, so these limits flag chains that are plainly not done."""
+R̂ < 1.01 and ESS > 400 per quantity of interest; applied to the largest R̂ and the smallest ESS
+of several hundred monitored latent means, these looser limits flag chains that are plainly not
+done."""
 
 
 @dataclass
