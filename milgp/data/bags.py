@@ -292,14 +292,14 @@ class BagBatch:
         return Bags(self.bag_index, self.num_bags)
 
     def check(self) -> "BagBatch":
-        """This batch, or a one-line ``ValueError`` naming the field unless ``bag_index`` is an
-        integer ``(N,)`` tensor for the ``N`` instances of ``x`` whose values are the bags
+        """This batch, or a one-line ``ValueError`` naming the field unless ``bag_index`` is a
+        long ``(N,)`` tensor for the ``N`` instances of ``x`` whose values are the bags
         ``0..B-1`` of the ``B`` bag labels, each at least once (a batch built by hand with 1-based
         bag ids, or with labels of bags that lost their instances). One device synchronisation:
         the fits call it once, not per step."""
         index, n, num_bags = self.bag_index, self.num_instances, self.num_bags
-        if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
-            raise ValueError(f"bag_index must be an integer tensor, got {index.dtype}")
+        if index.dtype != torch.long:
+            raise ValueError(f"bag_index must be a long (int64) tensor, got {index.dtype}; use bag_index.long()")
         if tuple(index.shape) != (n,):
             raise ValueError(f"bag_index has shape {tuple(index.shape)}; it must be ({n},), the bag of each instance of x")
         if self.bag_labels.dim() != 1 or num_bags == 0 or n == 0:
