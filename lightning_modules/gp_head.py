@@ -400,6 +400,6 @@ class GPHead(nn.Module):
         """
         posterior = self.bag_posterior(z.to(torch.float64), bags)
         out: dict[str, Any] = {"mean": posterior.mean, "var": posterior.var, "bag_fields": {}}
-        out["instance"], out["instance_std"] = self.likelihood.instance_link.moments(posterior.mean, posterior.var)
+        out["instance"], out["instance_std"] = posterior.instance_moments(self.likelihood.instance_link)  # shared with a marginal bag rule
         out["bag"], out["bag_std"] = self.decide(posterior)
         return out

@@ -18,7 +18,7 @@ from torch import Tensor
 from milgp.likelihoods.instance_link import InstanceLink
 from milgp.metrics import log_loss
 from milgp.prediction.bag_posterior import BagPosterior
-from milgp.prediction.bag_rules import BagRule, MarginalBagRule, MaxRule, TopKMeanRule, make_bag_rule
+from milgp.prediction.bag_rules import BagRule, MaxRule, TopKMeanRule, make_bag_rule
 from milgp.prediction.calibration import BagCalibrator
 
 __all__ = ["AUTO_BAG_RULES", "BagDecision", "auto_bag_rules", "best_decision", "fit_bag_decision", "score_bag_rules"]
@@ -84,14 +84,9 @@ def score_bag_rules(
         raise ValueError("a bag decision needs at least one candidate bag rule")
     y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
     out = []
-    moments = None  # instance moments, computed once for every marginal rule
     for cand in candidates:
         rule = make_bag_rule(cand)
-        if isinstance(rule, MarginalBagRule) and not rule.uses_log_negative:
-            moments = link.moments(heldout.mean, heldout.var) if moments is None else moments
-            p, _ = rule.combine(*moments, heldout.bags)
-        else:
-            p, _ = rule(heldout, link, generator)
+        p, _ = rule(heldout, link, generator)  # marginal rules share the posterior's instance moments
         calibrator = BagCalibrator().fit(p, y) if calibrate else BagCalibrator()
         proba = calibrator(p.detach().to(torch.float64).cpu())[0]
         nll = log_loss(proba, y)

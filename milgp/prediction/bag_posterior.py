@@ -7,7 +7,7 @@ memory is bounded by ``block_budget`` entries however the bag sizes are mixed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -15,6 +15,7 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.data.bags import BagGroup, Bags
+from milgp.likelihoods.instance_link import InstanceLink
 
 __all__ = ["BLOCK_BUDGET", "BagPosterior", "JointBlocks", "MAX_JOINT_INSTANCES"]
 
@@ -61,6 +62,14 @@ class BagPosterior:
     block_source: Callable[[BagGroup], tuple[Tensor, Tensor, Tensor]] | None = None
     block_budget: int | None = None
     chunk_instances: int = 32768
+    _moments: dict = field(default_factory=dict, init=False, repr=False)
+
+    def instance_moments(self, link: InstanceLink) -> tuple[Tensor, Tensor]:
+        """``E[p(y=1|f*_n)]`` and its std ``(N,)`` under ``link``, computed once per link (every
+        marginal bag rule read on this posterior shares them)."""
+        if id(link) not in self._moments:
+            self._moments[id(link)] = link.moments(self.mean, self.var)
+        return self._moments[id(link)]
 
     @classmethod
     def from_model(

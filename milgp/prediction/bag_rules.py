@@ -85,7 +85,7 @@ class MarginalBagRule(BagRule):
     """Whether :meth:`combine` wants ``log E[p(y=0|f)]`` computed directly (accurate near p = 1)."""
 
     def __call__(self, posterior, link, generator=None):
-        p, std = link.moments(posterior.mean, posterior.var)
+        p, std = posterior.instance_moments(link)
         log_negative = link.log_expected_negative(posterior.mean, posterior.var) if self.uses_log_negative else None
         return self.combine(p, std, posterior.bags, log_negative)
 

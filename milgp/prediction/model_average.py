@@ -95,10 +95,12 @@ class ModelAverage:
         """Calibrated positive-bag probability and its std ``(B,)`` of the mixture at inputs ``x``
         ``(N, D)`` of the bags ``bags``."""
         marginals = self._marginals(x)
+        posteriors: dict[int, BagPosterior] = {}  # one per fit: its bag rules share its instance moments
         parts = []
         for m in self.members:
-            posterior = BagPosterior.from_model(m.model, x, bags, marginals=marginals[id(m.model)])
-            parts.append(m.decision(posterior, m.likelihood.instance_link, generator))
+            if id(m.model) not in posteriors:
+                posteriors[id(m.model)] = BagPosterior.from_model(m.model, x, bags, marginals=marginals[id(m.model)])
+            parts.append(m.decision(posteriors[id(m.model)], m.likelihood.instance_link, generator))
         return self._mix(parts)
 
     def instance_moments(self, x: Tensor, marginals: dict[int, tuple[Tensor, Tensor]] | None = None) -> tuple[Tensor, Tensor]:

@@ -91,8 +91,8 @@ def test_mixture_is_the_weighted_mean_with_the_law_of_total_variance():
 
 def test_bag_rules_of_one_fit_share_its_instance_moments(monkeypatch):
     """Two bag rules of one fit are two members with one model: if this failed, instance_moments
-    would mix other moments than each member's own, or compute the quadrature of every fit once per
-    rule (three of the default's 18 members share each fit)."""
+    and bag_probability would mix other values than each member's own, or compute the quadrature
+    of every fit once per rule (three of the default's 18 members share each fit)."""
     torch.manual_seed(1)
     Z = torch.randn(5, 2, dtype=torch.float64)
     x = torch.randn(9, 2, dtype=torch.float64)
@@ -112,3 +112,9 @@ def test_bag_rules_of_one_fit_share_its_instance_moments(monkeypatch):
     ref_second = sum(w * (sd**2 + pk**2) for w, (pk, sd) in zip((0.5, 0.3, 0.2), expected))
     torch.testing.assert_close(p, ref_p, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(s, (ref_second - ref_p**2).clamp_min(0).sqrt(), rtol=1e-10, atol=1e-12)
+    bags = Bags(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2]), 3)
+    reference = [m.decision(BagPosterior.from_model(m.model, x, bags), m.likelihood.instance_link) for m in members]
+    calls.clear()
+    p_bag, _ = ModelAverage(members).bag_probability(x, bags)
+    assert len(calls) == 2
+    torch.testing.assert_close(p_bag, sum(m.weight * ref[0] for m, ref in zip(members, reference)), rtol=1e-12, atol=1e-14)
