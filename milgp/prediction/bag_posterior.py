@@ -67,9 +67,9 @@ class BagPosterior:
     def instance_moments(self, link: InstanceLink) -> tuple[Tensor, Tensor]:
         """``E[p(y=1|f*_n)]`` and its std ``(N,)`` under ``link``, computed once per link (every
         marginal bag rule read on this posterior shares them)."""
-        if id(link) not in self._moments:
-            self._moments[id(link)] = link.moments(self.mean, self.var)
-        return self._moments[id(link)]
+        if id(link) not in self._moments:  # the link is kept with its moments, so its id is never reused
+            self._moments[id(link)] = (link, link.moments(self.mean, self.var))
+        return self._moments[id(link)][1]
 
     @classmethod
     def from_model(
