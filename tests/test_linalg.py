@@ -31,7 +31,7 @@ def test_indefinite_matrix_raises_named_error():
 
 
 def test_nan_matrix_raises_named_error():
-    """NaN entries must be reported as such, before any factorisation attempt."""
+    """NaN entries must be reported as such, not as a matrix that jitter cannot make positive definite."""
     A = torch.eye(3, dtype=torch.float64)
     A[0, 1] = float("nan")
     with pytest.raises(CholeskyError, match="kernel .*NaN"):

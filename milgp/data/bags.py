@@ -62,7 +62,8 @@ def bag_index_from_sizes(sizes: Sequence[int] | Tensor, device: torch.device | N
 def bag_sizes(bag_index: Tensor, num_bags: int | None = None) -> Tensor:
     """Number of instances per bag, ``(B,)``."""
     num_bags = int(bag_index.max()) + 1 if num_bags is None else num_bags
-    return torch.bincount(bag_index, minlength=num_bags)
+    # a scatter, not torch.bincount: on a GPU bincount reads the largest index back to the host
+    return torch.zeros(num_bags, dtype=torch.long, device=bag_index.device).index_add_(0, bag_index, torch.ones_like(bag_index))
 
 
 def random_bags_within(sizes: Tensor, max_instances: int, generator: torch.Generator) -> Tensor:

@@ -131,17 +131,16 @@ def _sweep_layout(mean: Tensor, pi: Tensor, sign: Tensor, log_keep: Tensor, log_
 
 def _parallel_max_update(mean: Tensor, pi: Tensor, bag_index: Tensor, sign: Tensor, num_bags: int, log_h: float) -> Tensor:
     """Reference-code rule: ``E[max y_{b∖n}] ≈ max_{i∈b, i≠n} π_i`` (0 for a bag of one)."""
-    neg_inf = torch.tensor(-math.inf, dtype=pi.dtype, device=pi.device)
     top1 = pi.new_full((num_bags,), -math.inf).scatter_reduce(0, bag_index, pi, "amax", include_self=True)
     is_top = pi == top1[bag_index]
     # the second largest: mask one occurrence of the maximum per bag
-    first_top = torch.zeros_like(is_top)
     cand = torch.where(is_top, torch.arange(len(pi), device=pi.device), torch.full_like(bag_index, len(pi)))
     first_idx = torch.full((num_bags,), len(pi), device=pi.device, dtype=torch.long).scatter_reduce(
         0, bag_index, cand, "amin", include_self=True
     )
-    first_top[first_idx[first_idx < len(pi)]] = True
-    rest = torch.where(first_top, neg_inf, pi)
+    # a bag without instances marks the spare last slot: no boolean indexing (a device synchronisation)
+    first_top = is_top.new_zeros(len(pi) + 1).index_fill_(0, first_idx, True)[:-1]
+    rest = torch.where(first_top, -math.inf, pi)
     top2 = pi.new_full((num_bags,), -math.inf).scatter_reduce(0, bag_index, rest, "amax", include_self=True)
     other_max = torch.where(first_top, top2[bag_index], top1[bag_index])
     other_max = torch.where(torch.isinf(other_max), torch.zeros_like(other_max), other_max)

@@ -11,10 +11,12 @@ from torch import Tensor
 __all__ = ["gauss_hermite_expectation"]
 
 
-@lru_cache(maxsize=8)
-def _nodes(num_points: int) -> tuple[np.ndarray, np.ndarray]:
+@lru_cache(maxsize=16)
+def _nodes(num_points: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Nodes and weights for ``N(0, 1)``, made once per device (a copy to a GPU each call would be
+    a host synchronisation)."""
     x, w = np.polynomial.hermite.hermgauss(num_points)
-    return x * np.sqrt(2.0), w / np.sqrt(np.pi)
+    return torch.as_tensor(x * np.sqrt(2.0), dtype=dtype, device=device), torch.as_tensor(w / np.sqrt(np.pi), dtype=dtype, device=device)
 
 
 def gauss_hermite_expectation(fn: Callable[[Tensor], Tensor], mean: Tensor, var: Tensor, num_points: int = 40) -> Tensor:
@@ -24,8 +26,6 @@ def gauss_hermite_expectation(fn: Callable[[Tensor], Tensor], mean: Tensor, var:
     the result is then ``(K, N)``); 40 nodes integrate smooth functions such as the
     logistic function to well below 1e-6 for the variances that occur in practice.
     """
-    nodes, weights = _nodes(num_points)
-    nodes_t = torch.as_tensor(nodes, dtype=mean.dtype, device=mean.device)
-    weights_t = torch.as_tensor(weights, dtype=mean.dtype, device=mean.device)
+    nodes_t, weights_t = _nodes(num_points, mean.dtype, mean.device)
     f = mean.unsqueeze(-1) + var.clamp_min(0).sqrt().unsqueeze(-1) * nodes_t
     return (fn(f) * weights_t).sum(-1)

@@ -56,9 +56,9 @@ def natural_statistics(A: Tensor, linear: Tensor, precision: Tensor, prior_mean:
     """
     b = linear if prior_mean is None else linear - precision * prior_mean
     h = A @ b
-    if bool((precision >= 0).all()):
+    if A.device.type == "cpu" and bool((precision >= 0).all()):  # the syrk of weighted_gram
         G = weighted_gram(A, precision.sqrt())
-    else:
+    else:  # any sign of λ; on a GPU without the host read (a device synchronisation) of the test
         G = (A * precision.unsqueeze(0)) @ A.mT
         G = 0.5 * (G + G.mT)
     return NaturalStatistics(h=h, G=G)
