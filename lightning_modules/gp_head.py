@@ -59,7 +59,9 @@ class GPHead(nn.Module):
         feature_dim: D.
         num_inducing: M.
         likelihood: any :class:`AugmentedBagLikelihood`; default VGPMIL
-            (:class:`MILBernoulliLikelihood` with ``psi="pg"``, H = 100).
+            (:class:`MILBernoulliLikelihood` with ``psi="pg"``, H = 100, ``max_rule="max"``: the
+            largest-other-π rule of every shipped config — the exact leave-one-out rule saturates
+            in bags of 30+ slices and runs one sequential pass per slice position).
         ard: one lengthscale per feature.
         learn_inducing_locations: make Z trainable.
         constant_mean: constant instead of zero GP mean (``None``: the head's
@@ -114,7 +116,7 @@ class GPHead(nn.Module):
         bag_rule = "joint_noisy_or" if bag_rule == "joint" else bag_rule
         if bag_rule != "auto" and bag_rule not in RULE_NAMES:
             raise ValueError(f"unknown bag rule {bag_rule!r}: use 'auto' or one of {list(RULE_NAMES)}")
-        likelihood = likelihood if likelihood is not None else MILBernoulliLikelihood(psi="pg", H=100.0)
+        likelihood = likelihood if likelihood is not None else MILBernoulliLikelihood(psi="pg", H=100.0, max_rule="max")
         if not isinstance(likelihood, self.likelihood_type):
             raise TypeError(f"{type(self).__name__} needs a likelihood of type {self.likelihood_type.__name__}, got {type(likelihood).__name__} "
                             "(aggregate likelihoods: AggregateGPHead; MIL likelihoods: GPHead)")

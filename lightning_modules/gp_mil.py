@@ -73,7 +73,8 @@ class GPMILModule(BagModuleBase):
             checkpoint's CT preprocessing becomes this model's.
         likelihood: any :class:`AugmentedBagLikelihood` or aggregate likelihood
             (:class:`milgp.likelihoods.aggregate.AggregateLikelihood`; ``class_path``/``init_args``
-            in YAML); default VGPMIL (:class:`milgp.likelihoods.MILBernoulliLikelihood`, ψ = PG, H = 100).
+            in YAML); default VGPMIL (:class:`milgp.likelihoods.MILBernoulliLikelihood`, ψ = PG, H = 100,
+            ``max_rule="max"``).
         num_inducing, ard, learn_inducing_locations, constant_mean, standardize, lengthscale,
             outputscale, bag_rule: the GP head (:class:`lightning_modules.gp_head.GPHead`;
             ``constant_mean=None``: constant for aggregate likelihoods, zero otherwise;
@@ -302,6 +303,14 @@ class GPMILModule(BagModuleBase):
         all_reduce_sum(flat)
         return NaturalStatistics(h=flat[:M], G=flat[M:].reshape(M, M))
 
+    def _global_counts(self, batch: BagBatch) -> tuple[float, float]:
+        """Bags and instances of this step's batch over all DDP ranks (without a process group
+        the batch's own, read on the host)."""
+        if world_size() == 1:
+            return float(batch.num_bags), float(batch.num_instances)
+        counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
+        return float(counts[0]), float(counts[1])
+
     def _reduce_value(self, value: float) -> float:
         """DDP: sum a float over ranks (identity in one process)."""
         return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device))[0])
@@ -315,15 +324,17 @@ class GPMILModule(BagModuleBase):
         if self.extractor is not None and self.mode == "two_stage":
             self.extractor.eval()
         x, w = self.split_inputs(batch)
+        # the step's reads back to the host come before the CNN's forward is queued and its copies to
+        # the host after the whole step is: on a GPU the head's kernels are launched while the CNN runs
+        locals_ = self.bag_locals.gather(batch.bag_ids, batch.bags)
+        global_bags, global_instances = self._global_counts(batch)
+        rho = float(self.aggregate_rho) if self.is_aggregate else 1.0
         h = self.features(x, grad=train_cnn)
         with self._float64():
             z = self.gp.standardize(h)
-            counts = all_reduce_sum(torch.tensor([batch.num_bags, batch.num_instances], dtype=torch.float64, device=self.device))
-            global_bags, global_instances = float(counts[0]), float(counts[1])
             assert self.num_train_bags is not None
             steps = self.gp.fit_steps(
-                z, batch.bags, batch.bag_labels, weights=w, locals_=self.bag_locals.gather(batch.bag_ids, batch.bags),
-                rho=float(self.aggregate_rho) if self.is_aggregate else 1.0, rho_max=self.rho_max,
+                z, batch.bags, batch.bag_labels, weights=w, locals_=locals_, rho=rho, rho_max=self.rho_max,
                 reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
             )
             if global_bags >= self.num_train_bags:
@@ -333,17 +344,17 @@ class GPMILModule(BagModuleBase):
             else:
                 steps.minibatch_step(None, self.schedule(int(self.natural_steps)), self.num_train_bags / global_bags)
             self.natural_steps += 1
-            # under DDP every rank keeps every rank's bags: a bag drawn on another rank later continues from its π
-            self.bag_locals.store(batch.bag_ids, batch.bags, steps.locals, all_gather_objects if world_size() > 1 else None)
-            decide_here = self.decision_bags == "train" and self.gp.makes_decision
-            if decide_here:
-                self._decision_store.add(batch, h)
             if learn:
                 loss_value = self._hyper_steps(opt, x, z, train_cnn, global_instances, steps.hyper_objective)
             else:
                 loss_value = self._count_step(opt)
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
+            # under DDP every rank keeps every rank's bags: a bag drawn on another rank later continues from its π
+            self.bag_locals.store(batch.bag_ids, batch.bags, steps.locals, all_gather_objects if world_size() > 1 else None)
+            decide_here = self.decision_bags == "train" and self.gp.makes_decision
+            if decide_here:
+                self._decision_store.add(batch, h)
             if decide_here and self._last_training_batch(batch_idx):
                 self._fit_decision_on_training_bags()
         self.log("train/rho", steps.step_size, batch_size=batch.num_bags)
