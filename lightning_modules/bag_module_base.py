@@ -139,8 +139,8 @@ class BagModuleBase(pl.LightningModule, ABC):
 
     # -- batches ---------------------------------------------------------------------------------
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        if isinstance(batch, BagBatch):
-            return batch.to(device)
+        if isinstance(batch, BagBatch):  # asynchronous from pinned memory (the CT data module pins on a GPU)
+            return batch.to(device, non_blocking=torch.device(device).type == "cuda")
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     # -- records ---------------------------------------------------------------------------------

@@ -41,6 +41,8 @@ class CTCacheDataModule(pl.LightningDataModule):
         train_split, val_split, test_split, predict_split: split names (``"all"``: every bag).
         num_workers: DataLoader workers. seed: seed of the training order and the augmentation
             (both a function of ``(seed, epoch)``, see :class:`~lightning_modules.data.sampler.EpochSampler`).
+        pin_memory: batches in page-locked memory, so that their copy to the GPU overlaps the
+            computation (``None``: when a CUDA device is present).
 
     A folder that is not a cache is reported when the data module is made; :meth:`setup` checks
     the bag labels before any training work (0 or 1 for a MIL classifier; present for the splits a
@@ -63,6 +65,7 @@ class CTCacheDataModule(pl.LightningDataModule):
         predict_split: str = "all",
         num_workers: int = 0,
         seed: int = 0,
+        pin_memory: bool | None = None,
     ):
         super().__init__()
         if not (Path(cache_dir) / "params.json").is_file():
@@ -74,6 +77,7 @@ class CTCacheDataModule(pl.LightningDataModule):
         self.max_slices, self.augment = max_slices, augment
         self.train_split, self.val_split, self.test_split, self.predict_split = train_split, val_split, test_split, predict_split
         self.num_workers, self.seed = num_workers, seed
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         self._train: CTBagDataset | None = None
 
     @functools.cached_property
@@ -165,7 +169,7 @@ class CTCacheDataModule(pl.LightningDataModule):
     def _loader(self, ds: CTBagDataset, batch_size: int, sampler: EpochSampler | None = None) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
             ds, batch_size=batch_size, sampler=sampler, collate_fn=collate_bags, num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory,
         )
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:

@@ -98,8 +98,10 @@ class BagAugment:
             [[cos, -sin, -2.0 * params.translate[0]], [sin, cos, -2.0 * params.translate[1]]],
             dtype=x.dtype, device=x.device,
         )
-        grid = F.affine_grid(theta.expand(x.shape[0], 2, 3), list(x.shape), align_corners=False)
-        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        # one grid for the whole bag: its slices and channels are sampled as the channels of one image
+        S, C, H, W = x.shape
+        grid = F.affine_grid(theta.unsqueeze(0), [1, S * C, H, W], align_corners=False)
+        x = F.grid_sample(x.reshape(1, S * C, H, W), grid, mode="bilinear", padding_mode="zeros", align_corners=False).reshape(S, C, H, W)
         return (x * params.contrast + params.brightness).clamp_(0.0, 1.0)
 
     def __call__(self, slices: Tensor, generator: torch.Generator) -> Tensor:

@@ -216,7 +216,14 @@ def flatten_bags(bags: Sequence[Any]) -> tuple[Tensor, Tensor]:
                 f"but bag 0 has {tuple(tensors[0].shape[1:])}"
             )
         tensors.append(t)
-    x = torch.cat(tensors, 0)
+    out = None
+    first = tensors[0]
+    if torch.utils.data.get_worker_info() is not None and all(t.dtype == first.dtype and t.device == first.device for t in tensors):
+        # in a DataLoader worker, straight into shared memory (as torch's default collate does), so
+        # that the batch is not copied once more to reach the main process
+        storage = first._typed_storage()._new_shared(sum(t.numel() for t in tensors), device=first.device)
+        out = first.new(storage).resize_(sum(t.shape[0] for t in tensors), *first.shape[1:])
+    x = torch.cat(tensors, 0, out=out)
     sizes = [t.shape[0] for t in tensors]
     return x, bag_index_from_sizes(sizes, device=x.device)
 
@@ -313,15 +320,16 @@ class BagBatch:
             raise ValueError(f"bag {int(empty[0])} has a label but no instances (bag_index never takes that value; {empty.numel()} such bag(s) in all)")
         return self
 
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> "BagBatch":
-        """Move tensors to ``device``; ``dtype`` applies to floating ``x`` and weights only."""
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None, non_blocking: bool = False) -> "BagBatch":
+        """Move tensors to ``device``; ``dtype`` applies to floating ``x`` and weights only.
+        ``non_blocking``: copy asynchronously (from pinned memory, :meth:`pin_memory`, to a GPU)."""
 
         def move(t: Tensor | None, cast: bool) -> Tensor | None:
             if t is None:
                 return None
             if cast and dtype is not None and t.is_floating_point():
-                return t.to(device=device, dtype=dtype)
-            return t.to(device=device)
+                return t.to(device=device, dtype=dtype, non_blocking=non_blocking)
+            return t.to(device=device, non_blocking=non_blocking)
 
         return replace(
             self,
@@ -331,6 +339,13 @@ class BagBatch:
             instance_labels=move(self.instance_labels, False),
             instance_weights=move(self.instance_weights, True),
         )
+
+    def pin_memory(self) -> "BagBatch":
+        """This batch with its tensors in page-locked host memory, so that ``to(gpu,
+        non_blocking=True)`` copies while the GPU computes (a ``DataLoader`` with
+        ``pin_memory=True`` calls this in its pinning thread)."""
+        tensors = ("x", "bag_index", "bag_labels", "instance_labels", "instance_weights")
+        return replace(self, **{f: t.pin_memory() for f in tensors if (t := getattr(self, f)) is not None})
 
     def select_bags(self, bags: Tensor | Sequence[int]) -> "BagBatch":
         """The sub-batch holding the given bags (re-indexed ``0..len(bags)-1``)."""

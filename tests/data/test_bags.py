@@ -262,3 +262,39 @@ def test_groups_never_pad_short_bags_to_a_long_one():
     for g in sizes:
         n = g.local.bincount()
         assert g.num_bags * int(n.max()) ** 2 <= 2 * int((n * n).sum())
+
+
+def _bag_items(n: int) -> list[tuple]:
+    g = torch.Generator().manual_seed(n)
+    return [(torch.rand(3 + b, 2, 5, generator=g), torch.ones(3 + b), float(b % 2), f"bag{b}") for b in range(n)]
+
+
+class _Bags(torch.utils.data.Dataset):
+    def __init__(self, items: list[tuple]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple:
+        return self.items[i]
+
+
+def _collate_reporting_shared(items: list[tuple]) -> tuple:
+    batch = collate_bags(items)
+    return batch, batch.x.is_shared()  # read in the worker, before the batch is sent
+
+
+def test_collate_in_a_loader_worker_writes_the_batch_into_shared_memory_once() -> None:
+    """In a DataLoader worker ``collate_bags`` concatenates straight into shared memory (a batch
+    in ordinary memory is copied once more to reach the main process: for CT batches of hundreds
+    of slices that copy cost as much as the collate). The batch must equal the in-process one."""
+    items = _bag_items(4)
+    expected = collate_bags(items)
+    assert not expected.x.is_shared()
+    loader = torch.utils.data.DataLoader(_Bags(items), batch_size=4, collate_fn=_collate_reporting_shared, num_workers=1)
+    ((batch, shared_in_worker),) = list(loader)
+    assert shared_in_worker
+    torch.testing.assert_close(batch.x, expected.x)
+    torch.testing.assert_close(batch.bag_index, expected.bag_index)
+    assert batch.bag_ids == expected.bag_ids

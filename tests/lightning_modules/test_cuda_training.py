@@ -117,3 +117,22 @@ def test_ddp_on_one_cuda_device_trains_the_two_stage_gp(tmp_path: Path) -> None:
         p = np.array([r["bag_prob"] for r in model.eval().predict_records(batch.to(model.device))])
     y = np.array(data["bag_labels"])
     assert np.isfinite(p).all() and p[y == 1].mean() > p[y == 0].mean()
+
+
+def test_the_ct_cache_loader_pins_batches_on_a_gpu_machine_and_they_copy_without_blocking(tiny_cache: str) -> None:
+    """With a GPU present the CT data module pins its batches (``pin_memory=None``) and the
+    modules copy them with ``non_blocking=True``; otherwise the copy to the GPU would wait for every
+    queued kernel and the loader's pages would be copied twice. The copy must equal the batch."""
+    from lightning_modules import CTCacheDataModule
+
+    dm = CTCacheDataModule(tiny_cache, batch_size=2)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert dm.pin_memory and loader.pin_memory
+    batch = next(iter(loader))
+    assert batch.x.is_pinned() and batch.bag_index.is_pinned() and batch.bag_labels.is_pinned()
+    moved = AttentionMILModule(SmallCNN(feature_dim=8, widths=(4, 8))).transfer_batch_to_device(batch, torch.device("cuda"), 0)
+    torch.cuda.synchronize()
+    assert moved.x.device.type == "cuda"
+    torch.testing.assert_close(moved.x.cpu(), batch.x)
+    torch.testing.assert_close(moved.bag_index.cpu(), batch.bag_index)

@@ -78,6 +78,18 @@ def test_augmentation_changes_every_epoch_without_reloading(tiny_cache: str) -> 
     assert all(not torch.equal(model.seen[(0, b)], model.seen[(1, b)]) for b in reference.bag_ids)
 
 
+def test_the_ct_cache_loader_pins_memory_only_where_a_gpu_can_use_it(tiny_cache: str) -> None:
+    """``pin_memory=None`` pins batches when a CUDA device is present (their copy to it then
+    overlaps the computation) and not on a CPU-only machine, where pinning has nothing to gain;
+    an explicit value is what the loader gets."""
+    dm = CTCacheDataModule(tiny_cache, batch_size=2)
+    dm.setup("fit")
+    assert dm.pin_memory == torch.cuda.is_available() and dm.train_dataloader().pin_memory == dm.pin_memory
+    off = CTCacheDataModule(tiny_cache, batch_size=2, pin_memory=False)
+    off.setup("fit")
+    assert off.train_dataloader().pin_memory is False
+
+
 def test_split_and_patient_lookups_read_the_cache_once(tiny_cache: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """split_of/patient_of (called per bag by FeatureWriter) must be dict lookups over maps built once, with
     the right answers; re-reading the manifest per call made feature extraction quadratic in the bags."""
