@@ -84,22 +84,28 @@ def _attcnn_step(model: AttentionMILModule, opt: torch.optim.Optimizer, amp: boo
     return step
 
 
+def gp_head_update(model: GPMILModule, opt: torch.optim.Optimizer, h: torch.Tensor, bag_index: torch.Tensor, labels: torch.Tensor) -> None:
+    """The GP head's part of :meth:`GPMILModule.training_step` on features ``h`` ``(N, D)`` of bags
+    ``bag_index`` with ``labels`` ``(B,)``: the closed-form natural step (a minibatch step of size
+    ½ scaled ×10) and the locals, then the hyperparameter objective, its backward (into ``h``) and
+    an optimiser step."""
+    z = model.gp.standardize(h.float())
+    steps = model.gp.fit_steps(z, Bags(bag_index, len(labels)), labels)
+    steps.minibatch_step(None, 0.5, 10.0)
+    loss = -steps.hyper_objective(z) / len(z)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    model.gp.strategy.clear_caches()
+
+
 def _gp_step(model: GPMILModule, opt: torch.optim.Optimizer, amp: bool, device: str) -> Callable:
     def step(x: torch.Tensor, bag_index: torch.Tensor, labels: torch.Tensor) -> None:
         ctx = torch.autocast(device_type=device, dtype=torch.float16) if amp else nullcontext()
         with ctx:
             h = model.extractor(x)
-        with torch.autocast(device_type=device, enabled=False):
-            z = model.gp.standardize(h.float())
-            B = len(labels)
-            # the training step's closed-form step and hyperparameter objective (GPMILModule.training_step)
-            steps = model.gp.fit_steps(z, Bags(bag_index, B), labels)
-            steps.minibatch_step(None, 0.5, 10.0)
-            loss = -steps.hyper_objective(z) / len(z)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        model.gp.strategy.clear_caches()
+        with torch.autocast(device_type=device, enabled=False):  # the head in float64
+            gp_head_update(model, opt, h, bag_index, labels)
     return step
 
 
