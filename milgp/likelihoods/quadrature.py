@@ -14,9 +14,11 @@ __all__ = ["gauss_hermite_expectation"]
 @lru_cache(maxsize=16)
 def _nodes(num_points: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
     """Nodes and weights for ``N(0, 1)``, made once per device (a copy to a GPU each call would be
-    a host synchronisation)."""
+    a host synchronisation) — as ordinary tensors even when first asked for under
+    ``torch.inference_mode`` (e.g. Lightning's validation), so that gradients can flow past them later."""
     x, w = np.polynomial.hermite.hermgauss(num_points)
-    return torch.as_tensor(x * np.sqrt(2.0), dtype=dtype, device=device), torch.as_tensor(w / np.sqrt(np.pi), dtype=dtype, device=device)
+    with torch.inference_mode(False):
+        return torch.as_tensor(x * np.sqrt(2.0), dtype=dtype, device=device), torch.as_tensor(w / np.sqrt(np.pi), dtype=dtype, device=device)
 
 
 def gauss_hermite_expectation(fn: Callable[[Tensor], Tensor], mean: Tensor, var: Tensor, num_points: int = 40) -> Tensor:
