@@ -7,16 +7,20 @@ for CT intracranial hemorrhage detection* (Artificial Intelligence, 2024), Secti
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_modules.attention_pooling import AttentionPooling
-from lightning_modules.bag_module_base import BagModuleBase
+from lightning_modules.bag_module_base import BagModuleBase, records_metrics
 from lightning_modules.extractors.small_cnn import SmallCNN
 from milgp.data.bags import BagBatch, Bags
+from milgp.metrics import log_loss
+from milgp.prediction import BagCalibrator, cross_fitted_calibration
 
 __all__ = ["AttentionMILModule"]
 
@@ -32,6 +36,14 @@ class AttentionMILModule(BagModuleBase):
     the literature) and ``slice_probs = sigmoid(classifier(h_n))``, the bag classifier applied to one
     slice's embedding. ``predict`` also returns the per-slice features ``h_n`` (``D`` columns) that
     the two-stage GP is fitted on (:class:`lightning_modules.callbacks.FeatureWriter`).
+
+    Bag probabilities are the bag output ``σ(logit)`` Platt-calibrated
+    (:class:`milgp.prediction.BagCalibrator`) on the validation bags at the end of every validation
+    epoch; the calibration is in the state dict, so a checkpoint predicts as the trained module did.
+    Binary cross-entropy on a few hundred scans leaves ``σ(logit)`` near ½ long after the bags are
+    ranked. The logged ``val/bag_nll`` is cross-fitted (each half of the validation bags calibrated
+    on the other half: :func:`milgp.prediction.cross_fitted_calibration`), so that model selection
+    on it does not reward a calibration fitted on the bags it is scored on.
 
     Args:
         extractor: the per-slice CNN (any module ``(N, C, H, W) -> (N, D)`` with ``feature_dim``);
@@ -66,6 +78,7 @@ class AttentionMILModule(BagModuleBase):
         self.pooling = AttentionPooling(dim, attention_dim, gated)
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(dim, 1)
+        self.calibrator = BagCalibrator()
         self.lr, self.weight_decay = lr, weight_decay
         self.pos_weight = pos_weight
         self.instance_score = instance_score
@@ -88,16 +101,52 @@ class AttentionMILModule(BagModuleBase):
     @torch.no_grad()
     def predict_records(self, batch: BagBatch) -> list[dict]:
         out = self(batch.x, batch.bags)
-        bag_p = torch.sigmoid(out["logits"].float())
+        bag_score = torch.sigmoid(out["logits"].float())
         slice_p = torch.sigmoid(self.classifier(out["features"]).squeeze(-1).float())
         scores = out["attention"] if self.instance_score == "attention" else slice_p
-        return self.make_records(
-            batch, bag_p, None, slice_p, None, slice_scores=scores,
+        records = self.make_records(
+            batch, self.calibrator(bag_score)[0], None, slice_p, None, slice_scores=scores,
             extra={"features": out["features"].float(), "attention": out["attention"]},
         )
+        for record, score in zip(records, bag_score.tolist()):
+            record["bag_score"] = score  # the uncalibrated σ(logit), refitted on at validation
+        return records
+
+    def stage_metrics(self, records: list[dict], stage: str) -> dict[str, float]:
+        """The records' metrics; at validation the calibration is first refitted on the validation
+        bags (their records' bag probabilities rewritten with it) and ``bag_nll`` is the
+        cross-fitted one. A validation set of one class keeps the previous calibration (a warning
+        says so)."""
+        if stage != "val":
+            return records_metrics(records)
+        labelled = [r for r in records if math.isfinite(float(r["bag_label"]))]
+        scores = torch.tensor([r["bag_score"] for r in labelled], dtype=torch.float64)
+        labels = torch.tensor([r["bag_label"] for r in labelled], dtype=torch.float64)
+        if labels.numel() == 0 or labels.min() == labels.max():
+            rank_zero_warn("the validation bags are all of one class: the bag calibration is not refitted this epoch")
+            return records_metrics(records)
+        probs = self.calibrator.fit(scores, labels)(scores)[0]
+        for record, p in zip(labelled, probs.tolist()):
+            record["bag_prob"] = p
+        metrics = records_metrics(records)
+        heldout = cross_fitted_calibration(scores, labels)
+        if heldout is None:
+            rank_zero_warn("fewer than two validation bags of a class: val/bag_nll is computed on the bags the calibration was fitted on")
+        else:
+            metrics["bag_nll"] = log_loss(heldout, labels)
+        return metrics
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """A checkpoint written before the module had a calibration loads as uncalibrated."""
+        state = dict(state_dict)
+        for key, value in BagCalibrator().state_dict(prefix="calibrator.").items():
+            state.setdefault(key, value)
+        return super().load_state_dict(state, strict=strict, assign=assign)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "attention_dim": self.pooling.V.out_features, "gated": self.pooling.gated}
+        return {**super().describe(), "attention_dim": self.pooling.V.out_features, "gated": self.pooling.gated,
+                "calibrated": bool(self.calibrator.fitted), "calibration_slope": float(self.calibrator.slope),
+                "calibration_intercept": float(self.calibrator.intercept)}
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

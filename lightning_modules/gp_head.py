@@ -42,6 +42,7 @@ from milgp.prediction import (
     auto_bag_rules,
     fit_bag_decision,
     make_bag_rule,
+    stratified_folds,
 )
 from milgp.variational.leave_bag_out import leave_bag_out_posterior
 from milgp.variational.natural_update import NaturalStatistics
@@ -328,11 +329,9 @@ class GPHead(nn.Module):
         ``z`` ``(N, D)`` are the bags' standardised features, ``labels`` ``(B,)`` in {0, 1}."""
         y = labels.to(torch.float64).cpu()
         bag_index, num_bags = bags.index, bags.num_bags
-        pos, neg = torch.nonzero(y > 0.5).flatten(), torch.nonzero(y <= 0.5).flatten()
-        if min(len(pos), len(neg)) < folds:
+        fold = stratified_folds(y, folds)
+        if fold is None:
             return None
-        fold = torch.empty(num_bags, dtype=torch.long)
-        fold[pos], fold[neg] = torch.arange(len(pos)) % folds, torch.arange(len(neg)) % folds
         p_out = torch.empty(num_bags, dtype=torch.float64)
 
         def subset(ids: Tensor) -> BagPosterior:

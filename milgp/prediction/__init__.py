@@ -15,7 +15,7 @@ from milgp.prediction.bag_rules import (
     TopKMeanRule,
     make_bag_rule,
 )
-from milgp.prediction.calibration import BagCalibrator
+from milgp.prediction.calibration import BagCalibrator, cross_fitted_calibration, stratified_folds
 from milgp.prediction.instance_calibration import InstanceCalibrator
 from milgp.prediction.model_average import AveragedFit, ModelAverage, pseudo_bma_plus_weights
 
@@ -32,6 +32,8 @@ __all__ = [
     "BAG_RULES",
     "DEFAULT_BAG_RULE",
     "BagCalibrator",
+    "cross_fitted_calibration",
+    "stratified_folds",
     "InstanceCalibrator",
     "BagPosterior",
     "BagRule",

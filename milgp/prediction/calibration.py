@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["BagCalibrator"]
+__all__ = ["BagCalibrator", "cross_fitted_calibration", "stratified_folds"]
 
 _EPS = 1e-9
 
@@ -90,3 +90,32 @@ class BagCalibrator(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"slope={float(self.slope):.4g}, intercept={float(self.intercept):.4g}, fitted={bool(self.fitted)}"
+
+
+def stratified_folds(labels: Tensor, folds: int) -> Tensor | None:
+    """Fold ``0..folds-1`` of each of ``B`` bags ``(B,)`` (labels in {0, 1}), dealt in turn within
+    each class so that every fold holds both; ``None`` when a class has fewer bags than folds."""
+    y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
+    pos, neg = torch.nonzero(y > 0.5).flatten(), torch.nonzero(y <= 0.5).flatten()
+    if min(len(pos), len(neg)) < folds:
+        return None
+    fold = torch.empty(len(y), dtype=torch.long)
+    fold[pos], fold[neg] = torch.arange(len(pos)) % folds, torch.arange(len(neg)) % folds
+    return fold
+
+
+def cross_fitted_calibration(scores: Tensor, labels: Tensor, folds: int = 2) -> Tensor | None:
+    """Out-of-fold calibrated probabilities ``(B,)`` of held-out bag scores: the bags are dealt into
+    ``folds`` folds (:func:`stratified_folds`) and each fold is calibrated by a
+    :class:`BagCalibrator` fitted on the others — an honest NLL of a calibration fitted on the same
+    bags; ``None`` when a class has fewer bags than folds."""
+    s = torch.as_tensor(scores, dtype=torch.float64).reshape(-1).cpu()
+    y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
+    fold = stratified_folds(y, folds)
+    if fold is None:
+        return None
+    out = torch.empty_like(s)
+    for k in range(folds):
+        held = fold == k
+        out[held] = BagCalibrator().fit(s[~held], y[~held])(s[held])[0]
+    return out

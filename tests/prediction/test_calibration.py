@@ -128,3 +128,25 @@ def test_score_bag_rules_keeps_each_rules_heldout_probabilities():
             assert d.heldout_nll == pytest.approx(log_loss(d.heldout_proba, y), rel=1e-12)
             if not calibrate:
                 torch.testing.assert_close(d.heldout_proba, d.rule(post, link)[0], rtol=1e-12, atol=1e-14)
+
+
+def test_cross_fitted_calibration_scores_each_fold_with_the_other_folds_calibration():
+    """Out-of-fold probabilities: each bag is calibrated by a Platt map fitted without it (the
+    folds dealt in turn within each class), so the NLL of a calibration fitted on the same bags is
+    not optimistic; every fold holds both classes; too few bags of a class gives None."""
+    from milgp.prediction import cross_fitted_calibration, stratified_folds
+
+    g = torch.Generator().manual_seed(3)
+    y = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 0, 1], dtype=torch.float64)
+    s = torch.sigmoid(1.5 * (2 * y - 1) + torch.randn(12, generator=g, dtype=torch.float64))
+    fold = stratified_folds(y, 2)
+    for k in range(2):
+        assert set(y[fold == k].tolist()) == {0.0, 1.0}
+    out = cross_fitted_calibration(s, y, folds=2)
+    for k in range(2):
+        held = fold == k
+        expected = BagCalibrator().fit(s[~held], y[~held])(s[held])[0]
+        torch.testing.assert_close(out[held], expected)
+    in_sample = BagCalibrator().fit(s, y)(s)[0]
+    assert not torch.allclose(out, in_sample)
+    assert cross_fitted_calibration(s[:3], torch.tensor([0.0, 1.0, 1.0]), folds=2) is None
