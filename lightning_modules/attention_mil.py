@@ -113,11 +113,12 @@ class AttentionMILModule(BagModuleBase):
         return records
 
     def stage_metrics(self, records: list[dict], stage: str) -> dict[str, float]:
-        """The records' metrics; at validation the calibration is first refitted on the validation
-        bags (their records' bag probabilities rewritten with it) and ``bag_nll`` is the
-        cross-fitted one. A validation set of one class keeps the previous calibration (a warning
-        says so)."""
-        if stage != "val":
+        """The records' metrics; at a validation epoch of ``fit`` the calibration is first refitted
+        on the validation bags (their records' bag probabilities rewritten with it) and ``bag_nll``
+        is the cross-fitted one. A validation set of one class keeps the previous calibration (a
+        warning says so); the sanity check, ``validate`` and ``test`` never refit it."""
+        trainer = self.trainer
+        if stage != "val" or trainer.state.fn != "fit" or trainer.sanity_checking:
             return records_metrics(records)
         labelled = [r for r in records if math.isfinite(float(r["bag_label"]))]
         scores = torch.tensor([r["bag_score"] for r in labelled], dtype=torch.float64)

@@ -15,15 +15,15 @@ from milgp.metrics import log_loss
 from milgp.prediction import BagCalibrator, cross_fitted_calibration
 
 
-def _trained(root: Path) -> tuple[AttentionMILModule, BagArrayDataModule]:
+def _trained(root: Path) -> tuple[AttentionMILModule, BagArrayDataModule, pl.Trainer]:
     pl.seed_everything(0, workers=True)
     data = feature_bags(num_bags=40, dim=32, seed=1)  # the default extractor's 32 features
     dm = BagArrayDataModule(**data, splits=["train"] * 24 + ["val"] * 16, batch_size=8)
     module = AttentionMILModule(attention_dim=8, lr=1e-2)
     trainer = pl.Trainer(accelerator="cpu", max_epochs=4, default_root_dir=str(root), logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=2)
     trainer.fit(module, dm)
-    return module, dm
+    return module, dm, trainer
 
 
 def _val_scores(module: AttentionMILModule, dm: BagArrayDataModule) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,8 +38,9 @@ def test_validation_fits_the_calibration_and_logs_a_cross_fitted_nll(tmp_path: P
     """After a validation epoch the module predicts σ(logit) through a Platt calibration fitted on
     the validation bags (without it, a network trained by cross-entropy on a few hundred scans
     predicts ≈ ½ for every scan); the logged bag NLL is that of calibrations fitted on the other
-    half of the bags, not of the calibration fitted on the bags it scores."""
-    module, dm = _trained(tmp_path)
+    half of the bags, not of the calibration fitted on the bags it scores. ``validate`` on a trained
+    module scores its calibration and never refits it (a checkpoint must predict as it was saved)."""
+    module, dm, trainer = _trained(tmp_path)
     assert bool(module.calibrator.fitted)
     _, scores, labels = _val_scores(module, dm)
     expected = BagCalibrator().fit(scores, labels)
@@ -51,6 +52,10 @@ def test_validation_fits_the_calibration_and_logs_a_cross_fitted_nll(tmp_path: P
     for r in predicted:
         assert r["bag_prob"] == pytest.approx(float(module.calibrator(torch.tensor([r["bag_score"]]))[0]), abs=1e-6)
         assert r["bag_prob"] == pytest.approx(records[r["bag_id"]]["bag_prob"], abs=1e-5)
+    module.calibrator.fit(scores[:8].flip(0), labels[:8])  # any other calibration: validate must keep it
+    kept = {k: v.clone() for k, v in module.calibrator.state_dict().items()}
+    trainer.validate(module, dm, verbose=False)
+    assert all(torch.equal(v, module.calibrator.state_dict()[k]) for k, v in kept.items())
 
 
 def test_a_checkpoint_without_a_calibration_loads_as_uncalibrated() -> None:
