@@ -36,13 +36,10 @@ Results: ``benchmarks/results/cache_loading.json`` (``--quick``: ``cache_loading
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
-import importlib
 import json
 import multiprocessing
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -55,10 +52,10 @@ import yaml
 
 from benchmarks.common import RESULTS, machine, markdown_table
 from lightning_modules.data import CTCacheDataModule
+from lightning_modules.module_config import instantiate
 from milgp.ct.cache import CacheParams, build_cache
 from milgp.ct.rsna import index_rsna
 from milgp.ct.synthetic import write_rsna_dataset
-from milgp.data.bags import BagBatch
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = ["configs/rsna_attcnn.yaml", "configs/rsna_gp_end_to_end.yaml"]
@@ -121,15 +118,6 @@ def evict_page_cache(folder: Path) -> int:
 
 
 # -- configs ------------------------------------------------------------------------------------
-def _instantiate(value: Any) -> Any:
-    """A ``{class_path, init_args}`` mapping of a LightningCLI config as the object it names."""
-    if isinstance(value, dict) and "class_path" in value:
-        module, _, name = value["class_path"].rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        return cls(**{k: _instantiate(v) for k, v in (value.get("init_args") or {}).items()})
-    return value
-
-
 def data_settings(config: str) -> dict[str, Any]:
     """The ``data.init_args`` of a training config whose data module is :class:`CTCacheDataModule`."""
     path = Path(config) if Path(config).is_file() else REPO / config
@@ -159,12 +147,6 @@ def write_repeated_splits(cache_dir: str, init_args: dict[str, Any], repeat: int
 
 
 # -- timing -------------------------------------------------------------------------------------
-def to_device(batch: BagBatch, device: torch.device) -> BagBatch:
-    """``batch`` on ``device``, every tensor copied with ``non_blocking=True``."""
-    move = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return dataclasses.replace(batch, **{k: v.to(device, non_blocking=True) for k, v in move.items() if isinstance(v, torch.Tensor)})
-
-
 def time_pass(loader, epoch: int, device: torch.device | None, cold_dir: Path | None) -> dict[str, Any]:
     """One pass over ``loader`` (sampler epoch ``epoch``): batches, bags, slices, seconds, first batch."""
     if cold_dir is not None:
@@ -177,7 +159,7 @@ def time_pass(loader, epoch: int, device: torch.device | None, cold_dir: Path | 
         if first is None:
             first = time.perf_counter() - t0
         if device is not None:
-            batch = to_device(batch, device)
+            batch = batch.to(device, non_blocking=True)
         batches += 1
         bags += batch.num_bags
         slices += batch.num_instances
@@ -191,7 +173,7 @@ def time_pass(loader, epoch: int, device: torch.device | None, cold_dir: Path | 
 
 def run_setting(config: str, init_args: dict[str, Any], cache_dir: str, splits_file: str | None, workers: int,
                 epochs: int, device: torch.device | None, cold: bool) -> dict[str, Any]:
-    kwargs = {k: _instantiate(v) for k, v in init_args.items()}
+    kwargs = {k: instantiate(v) if isinstance(v, dict) and "class_path" in v else v for k, v in init_args.items()}
     kwargs.update(cache_dir=cache_dir, num_workers=workers)
     if splits_file:
         kwargs["splits_file"] = splits_file
@@ -305,9 +287,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"\ntarget: >= {TARGET_SLICES_PER_S:.0f} slices/s (RSNA epoch of {RSNA_EPOCH_SLICES:,} slices in 10 min); "
           f"page cache {'evicted before every pass' if args.cold else 'hot'}; device {args.device}; total {total_s:.1f} s")
 
-    info = machine()
-    info["processor"] = platform.processor() or platform.machine()
-    info["cpu_count"] = os.cpu_count()
+    info = machine()  # CPU model and cores
     info["device"] = torch.cuda.get_device_name(device) if device is not None else "cpu"
     result = {
         "benchmark": "cache_loading",

@@ -8,7 +8,7 @@ for CT intracranial hemorrhage detection* (Artificial Intelligence, 2024), Secti
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,9 @@ class AttentionMILModule(BagModuleBase):
         instance_score: ``"attention"`` or ``"classifier"``: which per-slice score feeds the
             instance AUROC.
     """
+
+    optional_state: ClassVar[tuple[str, ...]] = ("calibrator.slope", "calibrator.intercept", "calibrator.fitted")
+    """State entries older checkpoints lack (:func:`lightning_modules.checkpoints.check_state`)."""
 
     def __init__(
         self,
@@ -137,12 +140,11 @@ class AttentionMILModule(BagModuleBase):
             metrics["bag_nll"] = log_loss(heldout, labels)
         return metrics
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """A checkpoint written before the module had a calibration loads as uncalibrated."""
-        state = dict(state_dict)
-        for key, value in BagCalibrator().state_dict(prefix="calibrator.").items():
-            state.setdefault(key, value)
-        return super().load_state_dict(state, strict=strict, assign=assign)
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the module had a calibration load as uncalibrated
+        for key, value in BagCalibrator().state_dict(prefix=prefix + "calibrator.").items():
+            state_dict.setdefault(key, value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "attention_dim": self.pooling.V.out_features, "gated": self.pooling.gated,
