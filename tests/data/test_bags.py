@@ -1,5 +1,6 @@
 """Bag utilities: flat instances + bag_index (one ``(N, D)`` tensor and a bag id per instance)."""
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
@@ -169,6 +170,23 @@ def test_check_refuses_a_malformed_batch_naming_the_field(index, labels, message
         batch.check()
     good = BagBatch(torch.randn(4, 2), torch.tensor([1, 0, 1, 0]), torch.tensor([1.0, 0.0]))
     assert good.check() is good
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_check_of_a_cuda_batch_synchronises_with_the_device_once():
+    """If this failed, ``check`` would read the device more than once (the fits call it on every
+    GPU fit; each read waits for all queued kernels), against its docstring."""
+    batch = BagBatch(torch.randn(6, 2, device="cuda"), torch.tensor([0, 0, 1, 1, 2, 2], device="cuda"), torch.ones(3, device="cuda"))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            batch.check()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert sum("called a synchronizing CUDA operation" in str(w.message) for w in caught) == 1  # not the mode's own notice
 
 
 def test_random_bags_within_a_budget():
