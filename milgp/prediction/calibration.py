@@ -13,7 +13,8 @@ training bags, :mod:`milgp.variational.leave_bag_out`), with Platt's smoothed ta
 keeps the ranking of the rule; a model whose held-out scores rank worse than chance gets
 ``a = 0`` (the base rate) rather than a reversed ranking. The standard deviation of a calibrated
 probability is the delta-method transform of the score's: ``σ_cal = a · p_cal(1 − p_cal) /
-(s(1 − s)) · σ_s``.
+(s(1 − s)) · σ_s``, at most ``sqrt(p_cal(1 − p_cal))``, the largest std of a quantity in ``[0, 1]``
+with mean ``p_cal`` (the linearisation overshoots for a wide score near 0 or 1).
 
 It is a ``torch.nn.Module`` whose parameters are buffers, so it travels in a checkpoint.
 """
@@ -86,7 +87,8 @@ class BagCalibrator(torch.nn.Module):
         if std is None:
             return p_cal, None
         pc = p.clamp(_EPS, 1 - _EPS)
-        return p_cal, a * p_cal * (1 - p_cal) / (pc * (1 - pc)) * std
+        bound = (p_cal * (1 - p_cal)).sqrt()  # the largest std of any probability with mean p_cal
+        return p_cal, torch.minimum(a * p_cal * (1 - p_cal) / (pc * (1 - pc)) * std, bound)
 
     def extra_repr(self) -> str:
         return f"slope={float(self.slope):.4g}, intercept={float(self.intercept):.4g}, fitted={bool(self.fitted)}"

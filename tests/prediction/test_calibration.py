@@ -65,6 +65,21 @@ def test_identity_until_fitted_and_delta_method_std():
     torch.testing.assert_close(s, 2.0 * pc * (1 - pc) / (0.3 * 0.7) * 0.1)
 
 
+def test_calibrated_std_never_exceeds_that_of_a_probability_with_its_mean():
+    """A wide score near 0 (a bag far from every training bag under a flexible kernel) makes the
+    delta method's linear factor huge; a probability with mean p has std at most sqrt(p(1 − p)).
+    If this failed, a bag could be reported as p = 0.8 ± 0.8 (seen for a flexible kernel's bag far
+    from the training bags: stds up to 2.3)."""
+    cal = BagCalibrator()
+    cal.slope.fill_(1.5)
+    cal.intercept.fill_(3.0)
+    cal.fitted.fill_(True)
+    x = torch.tensor([0.02, 0.3], dtype=torch.float64)
+    p, s = cal(x, torch.tensor([0.1, 0.01], dtype=torch.float64))
+    assert s[0].item() == pytest.approx(math.sqrt(p[0].item() * (1 - p[0].item())), rel=1e-12)
+    torch.testing.assert_close(s[1], 1.5 * p[1] * (1 - p[1]) / (0.3 * 0.7) * 0.01)  # a narrow score keeps the delta method
+
+
 def test_state_dict_round_trip():
     """The fitted map travels in a state dict (a checkpoint) and is restored exactly."""
     cal = BagCalibrator().fit(torch.tensor([0.2, 0.4, 0.6, 0.8]), torch.tensor([0.0, 1.0, 0.0, 1.0]))
