@@ -18,6 +18,7 @@ sampling noise. The mixture's bag probability is ``Σ_k w_k p_k`` and its varian
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from gpytorch.models import ApproximateGP
@@ -35,9 +36,18 @@ MIN_WEIGHT = 1e-3
 """Candidates below this weight are dropped from the mixture (and the rest renormalised)."""
 
 
-def pseudo_bma_plus_weights(heldout_loglik: Tensor, num_bootstrap: int = 1000, generator: torch.Generator | None = None) -> Tensor:
+@lru_cache(maxsize=2)
+def _bayesian_bootstrap(num_bootstrap: int, num_bags: int, seed: int) -> Tensor:
+    """``(num_bootstrap, num_bags)`` weights ``α ~ Dirichlet(1, …, 1)`` (normalised exponentials,
+    float64, drawn on the CPU from ``seed``). Cached: an estimator averages the same training bags
+    twice (its bag decision and, for the instance probabilities, its MIL fits)."""
+    gamma = torch.empty(num_bootstrap, num_bags, dtype=torch.float64).exponential_(generator=torch.Generator().manual_seed(seed))
+    return gamma / gamma.sum(1, keepdim=True)
+
+
+def pseudo_bma_plus_weights(heldout_loglik: Tensor, num_bootstrap: int = 1000, seed: int = 0) -> Tensor:
     """Pseudo-BMA+ weights ``(K,)`` from held-out log predictive densities ``(B, K)`` (bags ×
-    candidates); see the module docstring. ``generator``: a CPU generator for the bootstrap.
+    candidates); see the module docstring. ``seed``: the Bayesian bootstrap's draws.
     Raises ``ValueError`` on a non-finite density."""
     ll = torch.as_tensor(heldout_loglik, dtype=torch.float64).cpu()
     if ll.ndim != 2 or ll.shape[0] == 0 or ll.shape[1] == 0:
@@ -46,9 +56,7 @@ def pseudo_bma_plus_weights(heldout_loglik: Tensor, num_bootstrap: int = 1000, g
         k = int(torch.nonzero(~torch.isfinite(ll))[0, 1])
         raise ValueError(f"candidate {k} has a non-finite held-out log density")
     B = ll.shape[0]
-    gamma = torch.empty(num_bootstrap, B, dtype=torch.float64).exponential_(generator=generator)
-    alpha = gamma / gamma.sum(1, keepdim=True)  # Dirichlet(1, …, 1) by normalised exponentials
-    return torch.softmax(B * alpha @ ll, dim=1).mean(0)
+    return torch.softmax(B * _bayesian_bootstrap(num_bootstrap, B, seed) @ ll, dim=1).mean(0)
 
 
 @dataclass
@@ -81,7 +89,7 @@ class ModelAverage:
         y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
         p = torch.stack([d.heldout_proba.to(torch.float64).cpu() for _, _, d in candidates], 1).clamp(1e-7, 1 - 1e-7)
         loglik = torch.where(y.unsqueeze(1) > 0.5, p.log(), torch.log1p(-p))
-        weights = pseudo_bma_plus_weights(loglik, generator=torch.Generator().manual_seed(seed))
+        weights = pseudo_bma_plus_weights(loglik, seed=seed)
         keep = [k for k in torch.argsort(weights, descending=True).tolist() if weights[k] >= MIN_WEIGHT]
         total = float(weights[keep].sum())
         return cls([AveragedFit(*candidates[k], float(weights[k]) / total) for k in keep])

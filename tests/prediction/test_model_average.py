@@ -18,8 +18,7 @@ def test_weights_equal_a_float64_bayesian_bootstrap_reference():
     bootstrap or a softmax over bags instead of candidates would all differ)."""
     rng = np.random.default_rng(0)
     ll = np.log(rng.uniform(0.2, 0.9, size=(30, 4)))
-    g = torch.Generator().manual_seed(5)
-    w = pseudo_bma_plus_weights(torch.as_tensor(ll), num_bootstrap=500, generator=g).numpy()
+    w = pseudo_bma_plus_weights(torch.as_tensor(ll), num_bootstrap=500, seed=5).numpy()
     g = torch.Generator().manual_seed(5)
     e = torch.empty(500, 30, dtype=torch.float64).exponential_(generator=g).numpy()
     alpha = e / e.sum(1, keepdims=True)
@@ -39,7 +38,7 @@ def test_weights_follow_the_heldout_likelihood_and_spread_over_near_ties():
     assert float(pseudo_bma_plus_weights(ll)[0]) > 0.999
     a = torch.log(torch.linspace(0.3, 0.9, 40, dtype=torch.float64))
     tie = torch.stack([a, a.flip(0) + 1e-3], 1)  # total log density 0.04 higher for the second
-    w = pseudo_bma_plus_weights(tie, generator=torch.Generator().manual_seed(0))
+    w = pseudo_bma_plus_weights(tie, seed=0)
     assert 0.2 < float(w[0]) < 0.5 and 0.5 < float(w[1]) < 0.8
 
 
