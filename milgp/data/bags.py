@@ -312,7 +312,7 @@ class BagBatch:
             raise ValueError(f"bag_index has shape {tuple(index.shape)}; it must be ({n},), the bag of each instance of x")
         if self.bag_labels.dim() != 1 or num_bags == 0 or n == 0:
             raise ValueError(f"a batch needs bag_labels (B,) with B >= 1 and instances, got bag_labels of shape {tuple(self.bag_labels.shape)} and {n} instances")
-        sizes = torch.zeros(num_bags, dtype=torch.long, device=index.device).index_add_(0, index.clamp(0, num_bags - 1), torch.ones_like(index))
+        sizes = bag_sizes(index.clamp(0, num_bags - 1), num_bags)  # clamped: an out-of-range id is reported below
         low, high, num_empty = torch.stack([index.min(), index.max(), (sizes == 0).sum()]).tolist()  # the one synchronisation
         if low < 0 or high >= num_bags:
             raise ValueError(f"bag_index holds bag {low if low < 0 else high}, but the {num_bags} bag labels name bags 0..{num_bags - 1}")
