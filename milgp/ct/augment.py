@@ -1,10 +1,6 @@
-"""Train-time augmentation of whole CT bags: one random transform per bag, applied to every slice.
-
-A scan's slices are one 3-D object, so they must move together: the same horizontal flip, the
-same small affine transform (rotation, translation, scale) and the same intensity jitter for all
-slices of a bag. Randomness comes from a ``torch.Generator`` the caller seeds (the dataset seeds
-it from ``(seed, epoch, bag)``), so augmentation is reproducible and independent of DataLoader
-workers.
+"""Train-time augmentation of whole CT bags: one random transform per bag, applied to every slice
+(a scan's slices are one 3-D object, so they move together), drawn from a ``torch.Generator`` the
+caller seeds (``docs/ct_data.md``, "Dataset and augmentation").
 """
 from __future__ import annotations
 

@@ -1,26 +1,12 @@
-"""Preprocessed per-bag cache of windowed, resized CT slices: building it and reading it.
+"""Preprocessed per-bag cache of windowed, resized CT slices: building it (:func:`build_cache`) and reading it.
 
 Reading and windowing DICOM files costs far more than a training step, so a :class:`BagIndex` is
-preprocessed once (:func:`build_cache`) into::
-
-    cache_dir/
-      params.json            preprocessing parameters (windows, size, dtype, format version)
-      index.json             the index of the last build
-      manifest.json          the cached bags of that index: id, patient, labels, slice count, shape,
-                             dtype, SHA-256, source identity, file
-      skipped.json           bags and files left out, bags rebuilt, warnings -- with reasons
-      milgp-cache.lock       present while a writer runs (PID inside)
-      bags/<stem>.npy        (S, C, H, W) slices of one bag, in scan order
-      bags/<stem>.json       per-bag marker: what the bag was made from and what was written
-
-Parameters and the uint8 storage are described in :mod:`milgp.ct.cache_params`. Bags are stored
-as uncompressed ``.npy`` so that the dataset can memory-map them and read only the slices it
-subsamples.
-
-Robustness (described in ``docs/ct_data.md``, "The cache"): atomic writes, one writer at a time
-(:mod:`milgp.ct.cache_lock`), a bag reused only after it verifies (:mod:`milgp.ct.cache_bag`), one
-bag never stopping a build (:mod:`milgp.ct.worker_pool`), bags checked when :class:`CTCache` opens
-them, and ``milgp-cache verify`` (:mod:`milgp.ct.cache_verify`).
+preprocessed once. The cache folder (``params.json``, ``index.json``, ``manifest.json``,
+``skipped.json``, ``milgp-cache.lock``, and per bag ``bags/<stem>.npy`` plus its ``.json`` marker),
+the uint8 storage and the robustness measures are described in ``docs/ct_data.md``, "The cache".
+Bags are uncompressed ``.npy`` so that the dataset can memory-map them and read only the slices it
+subsamples. The pieces: :mod:`milgp.ct.cache_params`, :mod:`milgp.ct.cache_lock`,
+:mod:`milgp.ct.cache_bag`, :mod:`milgp.ct.worker_pool`, :mod:`milgp.ct.cache_verify`.
 """
 from __future__ import annotations
 
@@ -28,7 +14,7 @@ import functools
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -36,8 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from milgp.data.atomic import atomic_write_json, remove_stale_temporaries
-from milgp.ct.bag_array_file import open_array_file
-from milgp.ct.cache_bag import BagResult, bag_file_stem, process_bag_isolated
+from milgp.ct.cache_bag import BagResult, bag_file_stem, open_array_file, process_bag_isolated
 from milgp.ct.cache_lock import CacheLock
 from milgp.ct.cache_params import (
     CacheParams,
@@ -46,7 +31,6 @@ from milgp.ct.cache_params import (
     read_cache_params,
     write_cache_params,
 )
-from milgp.ct.cache_report import CacheReport
 from milgp.ct.index import BagIndex
 from milgp.ct.report_entry import ReportEntry, printable
 from milgp.ct.worker_pool import run_isolated
@@ -58,11 +42,94 @@ __all__ = [
     "CacheParams",
     "CacheParamsMismatch",
     "CacheReport",
+    "REPORT_FILE_NAME",
     "build_cache",
     "check_cache_params",
     "read_manifest",
     "repair_hint",
 ]
+
+#: Name of the report file inside a cache folder.
+REPORT_FILE_NAME = "skipped.json"
+_SHOWN = 10
+
+
+@dataclass
+class CacheReport:
+    """Summary of one :func:`build_cache` run: ``skipped.json`` and the printed summary.
+
+    Attributes:
+        cache_dir: the cache.
+        done: bags computed in this run (rebuilt ones included).
+        reused: bags whose cached copy verified.
+        rebuilt: bags computed again because their cached copy was corrupt or stale (subset of
+            ``done``), with the file at fault and the reason.
+        failed: bags that produced nothing in this run, with the reason.
+        refused: bags the index left out whole (invalid label, refused series).
+        skipped_files: files left out (by the index, or slices left out of a cached bag).
+        warnings: findings that did not leave anything out (gaps, assumed rescale, clamped air).
+        slices_written: slices stored in this run.
+        seconds: wall time of this run.
+        lock_note: set when this run took over a stale writer lock.
+    """
+
+    cache_dir: str
+    done: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    rebuilt: list[ReportEntry] = field(default_factory=list)
+    failed: list[ReportEntry] = field(default_factory=list)
+    refused: list[ReportEntry] = field(default_factory=list)
+    skipped_files: list[ReportEntry] = field(default_factory=list)
+    warnings: list[ReportEntry] = field(default_factory=list)
+    slices_written: int = 0
+    seconds: float = 0.0
+    lock_note: str = ""
+
+    @property
+    def report_path(self) -> Path:
+        return Path(self.cache_dir) / REPORT_FILE_NAME
+
+    def summary_line(self) -> str:
+        """One line with every count, for stderr."""
+        cached = len(self.done) + len(self.reused)
+        return (
+            f"milgp-cache: {cached} bags cached ({len(self.done)} computed, of which {len(self.rebuilt)} rebuilt; "
+            f"{len(self.reused)} reused), {len(self.failed)} failed, {len(self.refused)} refused at indexing, "
+            f"{len(self.skipped_files)} files skipped, {len(self.warnings)} warnings; all listed in {printable(self.report_path)}"
+        )
+
+    def summary(self) -> str:
+        """A few human-readable lines: the counts, then the first entries of each list."""
+        lines = [
+            f"cache {printable(self.cache_dir)}: {len(self.done)} bags computed ({len(self.rebuilt)} rebuilt, "
+            f"{self.slices_written} slices, {self.seconds:.1f} s), {len(self.reused)} reused, {len(self.failed)} failed, "
+            f"{len(self.refused)} refused at indexing, {len(self.skipped_files)} files skipped, {len(self.warnings)} warnings"
+        ]
+        if self.lock_note:
+            lines.append(f"  {self.lock_note}")
+        more = 0
+        for label, entries in (("rebuilt", self.rebuilt), ("failed", self.failed), ("refused", self.refused),
+                               ("skipped", self.skipped_files), ("warning", self.warnings)):
+            lines += [f"  {label}: {e}" for e in entries[:_SHOWN]]
+            more += max(0, len(entries) - _SHOWN)
+        if more:
+            lines.append(f"  ... and {more} more, see {printable(self.report_path)}")
+        return "\n".join(lines)
+
+    def to_json_dict(self) -> dict:
+        return {
+            "format": "milgp-ct-cache-report",
+            "failed_bags": [e.to_json_dict() for e in self.failed],
+            "refused_bags": [e.to_json_dict() for e in self.refused],
+            "rebuilt_bags": [e.to_json_dict() for e in self.rebuilt],
+            "skipped_files": [e.to_json_dict() for e in self.skipped_files],
+            "warnings": [e.to_json_dict() for e in self.warnings],
+        }
+
+    def write(self) -> None:
+        """Write ``skipped.json`` atomically."""
+        atomic_write_json(self.report_path, self.to_json_dict())
+
 
 _WORKER_DIED = ("the worker process died while caching this bag (killed by a signal: a crash in a decoder, or out "
                 "of memory); the other bags were cached")

@@ -9,8 +9,7 @@ Examples::
     milgp-cache verify cache/rsna --repair
     milgp-cache synthetic --layout rsna --out data/synthetic --scans 20
 
-Rerunning an interrupted command resumes it. One input never stops a run: what cannot be read or
-written is left out and listed in ``OUT/skipped.json``, with one summary line on stderr. Also runs as
+Resuming and reporting are described in ``docs/ct_data.md``, "Quick start". Also runs as
 ``python -m milgp.ct.cache_cli``.
 
 The modules that index, read and cache (and pull in torch) are imported by the command that needs

@@ -1,14 +1,11 @@
 """The writer lock of a CT cache: one writing process per cache folder at a time.
 
-``<cache>/milgp-cache.lock`` holds an exclusive ``flock`` for as long as a writer runs, and records
-who holds it (PID, host, start time) so that a refused writer can say whom it waits for. The kernel
-releases a ``flock`` when its holder dies, so a lock file left by a killed writer (its PID dead or
-reused by another program) is simply taken over by the next writer, which reports it. The file is
-removed on release; a writer checks after locking that the file it locked is still the one in the
-folder, so a release racing with a new writer never leaves two holders.
-
-The lock is re-entrant within a process (the CLI holds it around indexing, ``build_cache`` and the
-splits; ``build_cache`` takes it again), and it is not inherited by forked pool workers.
+How a second writer is refused or waits, and how the lock file of a killed writer is taken over, is
+described in ``docs/ct_data.md``, "The cache". The file is removed on release; a writer checks after
+locking that the file it locked is still the one in the folder, so a release racing with a new
+writer never leaves two holders. The lock is re-entrant within a process (the CLI holds it around
+indexing, ``build_cache`` and the splits; ``build_cache`` takes it again), and it is not inherited
+by forked pool workers.
 """
 from __future__ import annotations
 
@@ -23,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
 
 from milgp.data.atomic import current_umask
 from milgp.ct.report_entry import printable
@@ -50,13 +46,13 @@ def _holder_text(lock_path: Path) -> tuple[str, int | None]:
 
 
 class CacheLock:
-    """Exclusive writer lock on a cache folder (a context manager).
+    """Exclusive writer lock on a cache folder (a context manager); says on stderr when it waits for
+    another writer or takes over a stale lock.
 
     Args:
         cache_dir: the cache folder (created if missing).
         wait_s: how long to wait for another writer to finish: ``0`` refuses at once (default),
             ``math.inf`` waits without limit.
-        log: where to say that this writer waits, or took over a stale lock (default stderr).
 
     Raises:
         CacheLockedError: on enter, naming the lock file and the PID holding it, when another
@@ -65,19 +61,15 @@ class CacheLock:
 
     _held: dict[str, "CacheLock"] = {}
 
-    def __init__(self, cache_dir: str | os.PathLike[str], wait_s: float = 0.0, log: TextIO | None = None):
+    def __init__(self, cache_dir: str | os.PathLike[str], wait_s: float = 0.0):
         self.root = Path(cache_dir)
         self.path = self.root / LOCK_FILE_NAME
         self.wait_s = float(wait_s)
-        self.log = log
         self.took_over: str = ""
         self._fd: int | None = None
         self._depth = 0
         self._owner_pid = 0
         self._outer: CacheLock | None = None
-
-    def _say(self, text: str) -> None:
-        print(f"milgp-cache: {text}", file=self.log if self.log is not None else sys.stderr)
 
     def _try_lock(self) -> bool:
         """One attempt: lock the file now in the folder; ``True`` when this process holds it."""
@@ -119,13 +111,13 @@ class CacheLock:
                 )
             if not announced:
                 limit = "" if math.isinf(self.wait_s) else f" (at most {self.wait_s:g} s)"
-                self._say(f"waiting for {holder}, which holds {printable(self.path)}{limit}")
+                print(f"milgp-cache: waiting for {holder}, which holds {printable(self.path)}{limit}", file=sys.stderr)
                 announced = True
             time.sleep(_POLL_S)
         previous, pid = _holder_text(self.path)
         if pid is not None and pid != os.getpid():
             self.took_over = f"took over the stale lock {printable(self.path)} left by {previous}, which no longer holds it"
-            self._say(self.took_over)
+            print(f"milgp-cache: {self.took_over}", file=sys.stderr)
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, (json.dumps(record) + "\n").encode("utf-8"), 0)

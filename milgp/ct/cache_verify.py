@@ -1,16 +1,9 @@
 """``milgp-cache verify``: check a whole CT cache, and repair it from the sources it records.
 
-The check covers what training would be served: ``params.json`` and ``manifest.json`` readable;
-for every bag in the manifest, a readable marker that agrees with the manifest entry, an array file
-whose header, shape, dtype, size and SHA-256 match, and source files that did not change since
-(sources that are gone are noted, not held against the bag: the cached copy is then the only
-copy); every bag of ``splits.json`` in the manifest.
-
-Repair reruns :func:`milgp.ct.cache.build_cache` on the index the cache was built from
-(``index.json``, or the index rows recorded in the markers when ``index.json`` is missing or
-unreadable): bags that verify are reused, corrupt or stale bags are rebuilt, bags that cannot be
-rebuilt leave the manifest, and ``splits.json`` loses the bags the manifest no longer lists. Then the
-cache is checked again; what is still wrong is reported.
+What the check covers (what training would be served) and what the repair does are described in
+``docs/ct_data.md``, "The cache": the repair reruns :func:`milgp.ct.cache.build_cache` on the
+recorded index (``index.json``, or the index rows in the markers when it is missing or
+unreadable), drops from ``splits.json`` the bags the manifest no longer lists, and checks again.
 """
 from __future__ import annotations
 
@@ -154,7 +147,7 @@ def _fix_splits(root: Path) -> list[str]:
 def verify_cache(
     cache_dir: str | os.PathLike[str], repair: bool = False, wait_s: float = 0.0, workers: int = 1, progress: bool = False
 ) -> VerifyReport:
-    """Check a cache (module docstring); with ``repair``, rebuild what can be rebuilt and check again.
+    """Check a cache (what ``docs/ct_data.md``, "The cache", lists); with ``repair``, rebuild what can be rebuilt and check again.
 
     Holds the cache's writer lock throughout (``wait_s`` as in :class:`milgp.ct.cache_lock.CacheLock`).
 

@@ -4,19 +4,8 @@ Layout: one folder per study, e.g. ``CQ500CT1 CQ500CT1/Unknown Study/CT 5mm/*.dc
 several series (thin and thick reconstructions, bone kernels, sometimes post-contrast), and
 ``reads.csv`` with columns ``name`` (``CQ500-CT-1``), ``Category``, ``R1:ICH``, ``R2:ICH``,
 ``R3:ICH``, ... The bag label is the majority vote of the three readers' ``ICH`` reads. Slice
-labels are unknown (``None``).
-
-Series selection rule (:func:`choose_series`), applied to the series of one study:
-
-1. keep axial series only: the slice normal within ``SeriesPolicy.max_tilt_deg`` (40 degrees) of
-   the patient z axis, the rule every layout's series check applies (series without geometry are
-   kept); with ``allow_non_axial`` the others are kept too, ranked after every axial one;
-2. drop contrast-enhanced series: ContrastBolusAgent set to anything but empty/``NONE``/``NO``,
-   or a SeriesDescription matching ``POST``, ``CONTRAST``, ``C+`` or ``CE`` -- unless it says
-   ``PRE``/``NON``/``NO``/``WITHOUT``/``W/O`` contrast, or ``PLAIN``;
-3. among the rest prefer, in order: a soft/plain kernel over a bone kernel (``BONE`` in the
-   description or ConvolutionKernel), slice thickness closest to 5 mm, most slices, and finally
-   the smallest SeriesInstanceUID (for determinism).
+labels are unknown (``None``). The series selection rule (:func:`choose_series`) is listed in
+``docs/ct_data.md``, "Layouts" (CQ500).
 """
 from __future__ import annotations
 
@@ -28,10 +17,9 @@ from typing import Sequence
 
 import numpy as np
 
-from milgp.ct.csv_table import read_csv_rows
 from milgp.ct.index import BagIndex
-from milgp.ct.dicom import SliceHeader, read_headers, walk_files
-from milgp.ct.label_rule import LabelRule
+from milgp.ct.dicom import SliceHeader, read_folder_headers
+from milgp.ct.label_rule import LabelRule, read_csv_rows
 from milgp.ct.report_entry import ReportEntry, printable
 from milgp.ct.series_check import tilt_deg
 from milgp.ct.series_policy import SeriesPolicy
@@ -111,7 +99,9 @@ def read_cq500_labels(
 
 
 def is_contrast_series(description: str, contrast_agent: str) -> bool:
-    """Whether a series looks contrast-enhanced (rule 2 of the module docstring)."""
+    """Whether a series looks contrast-enhanced: ContrastBolusAgent set to anything but empty/``NONE``/``NO``,
+    or a SeriesDescription matching ``POST``, ``CONTRAST``, ``C+`` or ``CE`` -- unless it says
+    ``PRE``/``NON``/``NO``/``WITHOUT``/``W/O`` contrast, or ``PLAIN``."""
     if contrast_agent.strip().upper() not in _NO_AGENT:
         return True
     if _NEGATED_CONTRAST_RE.search(description):
@@ -154,8 +144,10 @@ class SeriesSummary:
 
 
 def choose_series(series: Sequence[SeriesSummary], allow_non_axial: bool = False) -> SeriesSummary | None:
-    """Pick one non-contrast series of a study by the rule in the module docstring (``None`` if none
-    qualifies); ``allow_non_axial`` admits non-axial series after every axial one."""
+    """Pick one non-contrast series of a study (``None`` if none qualifies): axial series only
+    (series without geometry count as axial; ``allow_non_axial`` admits the others, ranked after
+    every axial one), then a soft/plain kernel over a bone kernel (``BONE`` in the description or
+    ConvolutionKernel), slice thickness closest to 5 mm, most slices, smallest SeriesInstanceUID."""
     candidates = [s for s in series if (s.axial or allow_non_axial) and not is_contrast_series(s.description, s.contrast_agent)]
     if not candidates:
         return None
@@ -214,7 +206,7 @@ def index_cq500(
     if not studies:
         raise ValueError(f"{printable(root)}: no CQ500 study folders (expected names like 'CQ500CT1 CQ500CT1')")
     skipped = [ReportEntry("", str(reads_csv), r) for r in unattributed]
-    files_of: dict[int, list[str]] = {}
+    folders: dict[str, Path] = {}  # the studies whose folders are read, by their reads.csv name
     for number, folder in sorted(studies.items()):
         bag = labels[number][0] if number in labels else f"CQ500-CT-{number}"
         if number in ambiguous:
@@ -224,26 +216,23 @@ def index_cq500(
         elif number not in labels:
             refused.append(ReportEntry(bag, str(folder), f"study CQ500-CT-{number} has no row in {printable(reads_csv)}"))
         else:
-            files, problems = walk_files(folder)
-            skipped += [ReportEntry(bag, e.path, e.reason) for e in problems]
-            files_of[number] = files
-    study_of = {f: number for number, files in files_of.items() for f in files}
-    headers, bad = read_headers(list(study_of), workers=workers, progress=progress)
-    skipped += [ReportEntry(labels[study_of[p]][0], p, r) for p, r in bad]
-    by_study: dict[int, dict[str, list[SliceHeader]]] = {number: {} for number in files_of}
-    for h in headers:
-        problem = policy.slice_problem(h)
-        if problem:
-            skipped.append(ReportEntry(labels[study_of[h.path]][0], h.path, problem))
-        else:
-            by_study[study_of[h.path]].setdefault(h.series_uid, []).append(h)
+            folders[bag] = folder
+    headers_of, unread = read_folder_headers(folders, workers, progress)
+    skipped += unread
+    by_study: dict[str, dict[str, list[SliceHeader]]] = {name: {} for name in folders}
+    for name, headers in headers_of.items():
+        for h in headers:
+            problem = policy.slice_problem(h)
+            if problem:
+                skipped.append(ReportEntry(name, h.path, problem))
+            else:
+                by_study[name].setdefault(h.series_uid, []).append(h)
     index = BagIndex([], skipped, refused)
-    for number, by_series in by_study.items():
-        name, label = labels[number]
-        folder = studies[number]
+    label_of = dict(labels.values())
+    for name, by_series in by_study.items():
         chosen = choose_series([SeriesSummary.from_headers(hs, policy) for hs in by_series.values()], policy.allow_non_axial)
         if chosen is None:
-            index.refused.append(ReportEntry(name, str(folder), f"study {name}: no axial non-contrast CT series among {len(by_series)}"))
+            index.refused.append(ReportEntry(name, str(folders[name]), f"study {name}: no axial non-contrast CT series among {len(by_series)}"))
             continue
-        index.add_series(name, by_series[chosen.series_uid], label, None, name, policy, str(folder))
+        index.add_series(name, by_series[chosen.series_uid], label_of[name], None, name, policy, str(folders[name]))
     return index

@@ -28,6 +28,7 @@ __all__ = [
     "header_from_dataset",
     "header_window",
     "read_dataset",
+    "read_folder_headers",
     "read_headers",
     "read_slice_header",
     "walk_files",
@@ -341,3 +342,26 @@ def read_headers(
     headers = [r for r in results if isinstance(r, SliceHeader)]
     skipped = [r for r in results if not isinstance(r, SliceHeader)]
     return headers, skipped
+
+
+def read_folder_headers(
+    folders: dict[str, Path], workers: int = 0, progress: bool = False
+) -> tuple[dict[str, list[SliceHeader]], list[ReportEntry]]:
+    """:func:`read_headers` of all files of every bag's folder (:func:`walk_files`), in one pool.
+
+    Returns:
+        ``({bag_id: image headers in file order}, skipped)``: every bag of ``folders``, in that
+        order; ``skipped`` holds the walk problems, then the unreadable files, naming their bag.
+    """
+    bag_of: dict[str, str] = {}
+    skipped: list[ReportEntry] = []
+    for bag_id, folder in folders.items():
+        files, problems = walk_files(folder)
+        skipped += [ReportEntry(bag_id, e.path, e.reason) for e in problems]
+        bag_of.update({f: bag_id for f in files})
+    headers, unread = read_headers(list(bag_of), workers=workers, progress=progress)
+    skipped += [ReportEntry(bag_of[p], p, r) for p, r in unread]
+    by_bag: dict[str, list[SliceHeader]] = {bag_id: [] for bag_id in folders}
+    for h in headers:
+        by_bag[bag_of[h.path]].append(h)
+    return by_bag, skipped

@@ -6,22 +6,17 @@ Layout::
     labels.csv                     bag_id,label[,patient_id]
     slice_labels.csv (optional)    bag_id,file,label   (file: path relative to root/<bag_id>)
 
-Slices are checked and ordered by :func:`milgp.ct.series_check.check_series`. Without
-``patient_id`` each bag is its own patient. Labels are validated by a
-:class:`~milgp.ct.label_rule.LabelRule`: 0/1 for MIL (a mapping for other encodings), or finite
-non-negative numbers for aggregate targets. A listed bag that cannot be indexed (no folder, invalid
-or conflicting label, no readable slice, a slice without a label, a refused series) is left out
-whole and reported in ``BagIndex.refused``.
+Without ``patient_id`` each bag is its own patient. How labels are validated and when a listed bag
+is left out whole (reported in ``BagIndex.refused``) is described in ``docs/ct_data.md``, "Layouts".
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from milgp.ct.csv_table import read_csv_rows
 from milgp.ct.index import BagIndex
-from milgp.ct.dicom import SliceHeader, read_headers, walk_files
-from milgp.ct.label_rule import LabelRule
+from milgp.ct.dicom import read_folder_headers
+from milgp.ct.label_rule import LabelRule, read_csv_rows
 from milgp.ct.report_entry import ReportEntry, printable
 from milgp.ct.series_policy import SeriesPolicy
 
@@ -136,8 +131,7 @@ def index_generic(
         if d.is_dir() and d.name not in listed
     ]
     refused = [ReportEntry(b, str(labels_csv), f"bag left out: {why}") for b, why in invalid.items()]
-    bag_of: dict[str, str] = {}
-    by_bag: dict[str, list[SliceHeader]] = {}  # the bags whose folders were walked, in labels_csv order
+    folders: dict[str, Path] = {}  # the bags whose folders are read, in labels_csv order
     for bag_id in bag_labels:
         folder = root_path / bag_id
         if bag_id in invalid_slices:
@@ -145,14 +139,9 @@ def index_generic(
         elif not folder.is_dir():
             refused.append(ReportEntry(bag_id, str(folder), f"bag left out: listed in {printable(labels_csv)} but not a folder"))
         else:
-            files, problems = walk_files(folder)
-            skipped += [ReportEntry(bag_id, e.path, e.reason) for e in problems]
-            bag_of.update({f: bag_id for f in files})
-            by_bag[bag_id] = []
-    headers, unread = read_headers(list(bag_of), workers=workers, progress=progress)
-    skipped += [ReportEntry(bag_of[p], p, r) for p, r in unread]
-    for h in headers:
-        by_bag[bag_of[h.path]].append(h)
+            folders[bag_id] = folder
+    by_bag, unread = read_folder_headers(folders, workers, progress)
+    skipped += unread
     index = BagIndex([], skipped, refused)
     for bag_id, series in by_bag.items():
         label, patient = bag_labels[bag_id]

@@ -16,7 +16,7 @@ from pydicom.pixels import get_decoder
 
 from milgp.ct.dicom import DicomReadError, element_value, first_value, header_from_dataset, read_dataset, required_int
 from milgp.ct.report_entry import ReportEntry, printable
-from milgp.ct.series_policy import SeriesPolicy, value_units
+from milgp.ct.series_policy import SeriesPolicy
 
 __all__ = [
     "RSNA_12BIT_AIR_BAND",
@@ -173,7 +173,8 @@ def read_slice_values(path: str | os.PathLike[str], allow_non_ct: bool = False) 
         values = (raw.astype(np.float32) * np.float32(slope) + np.float32(intercept)).astype(np.float32)
     if not np.isfinite(values).all():
         raise DicomReadError(path, f"rescaled values are not finite (RescaleSlope {slope}, RescaleIntercept {intercept})")
-    return SliceValues(values, value_units(header.modality), slope_assumed or intercept_assumed, repaired, clamped)
+    units = "HU" if header.modality == "CT" else f"{header.modality or 'unknown modality'} rescaled values (not HU)"
+    return SliceValues(values, units, slope_assumed or intercept_assumed, repaired, clamped)
 
 
 @dataclass

@@ -19,8 +19,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from milgp.data.atomic import atomic_open, atomic_write_json
-from milgp.ct.csv_table import read_csv_rows
 from milgp.ct.dicom import SliceHeader
+from milgp.ct.label_rule import read_csv_rows
 from milgp.ct.report_entry import ReportEntry, printable
 from milgp.ct.series_check import check_series
 from milgp.ct.series_policy import SeriesPolicy
@@ -147,11 +147,6 @@ class BagIndex:
     @property
     def bag_ids(self) -> list[str]:
         return [b.bag_id for b in self.bags]
-
-    @property
-    def bag_labels(self) -> np.ndarray:
-        """``(B,)`` float64 bag labels."""
-        return np.array([b.bag_label for b in self.bags], dtype=np.float64)
 
     def subset(self, bag_ids: Iterable[str]) -> "BagIndex":
         """The bags with the given ids, in index order (unknown ids raise ``KeyError`` naming one)."""

@@ -1,17 +1,23 @@
-"""Validation of bag and slice labels read from label files.
+"""Label files: reading the CSVs (:func:`read_csv_rows`) and validating their labels (:class:`LabelRule`).
 
-A MIL label is 0 or 1; anything else (2, -1, 0.5, ``nan``, ``yes``) is refused unless a mapping
-says what it means (``--label-map yes=1,no=0``). An aggregate target (a count or amount per bag)
-must be a finite, non-negative number. Indexers use one :class:`LabelRule` per run; a row it
-refuses leaves its bag out of the index (and of everything built from it), reported with the file,
-the line and the reason.
+Label files come from spreadsheets and scripts: a UTF-8 byte-order mark (Excel), spaces around
+column names, short rows, blank lines, another text encoding. :func:`read_csv_rows` accepts the
+harmless ones and turns the others into a ``ValueError`` naming the file. A label is 0/1 for MIL
+unless a mapping says what other text means, a finite non-negative number for aggregate targets;
+a refused row leaves its bag out of the index, reported with the file and the line
+(``docs/ct_data.md``, "Layouts").
 """
 from __future__ import annotations
 
+import csv
 import math
+import os
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
 
-__all__ = ["LABEL_TARGETS", "LabelRule", "parse_label_map"]
+from milgp.ct.report_entry import printable
+
+__all__ = ["LABEL_TARGETS", "LabelRule", "parse_label_map", "read_csv_rows"]
 
 #: ``"binary"``: MIL labels 0/1; ``"aggregate"``: finite non-negative bag targets.
 LABEL_TARGETS: tuple[str, ...] = ("binary", "aggregate")
@@ -93,3 +99,40 @@ class LabelRule:
         if problem:
             raise ValueError(f"label {raw!r}: {problem}")
         return value
+
+
+def read_csv_rows(
+    path: str | os.PathLike[str], required: Sequence[str], errors: str = "strict"
+) -> Iterator[tuple[int, dict[str, str]]]:
+    """Yield ``(line number, row)`` for each non-blank data row of a CSV file with a header.
+
+    Column names are stripped; a missing value (a short row) reads as ``""``; values are stripped.
+    ``errors="surrogateescape"`` reads files that hold undecodable file names written by
+    :meth:`milgp.ct.index.BagIndex.save`.
+
+    Raises:
+        ValueError: naming the file when it cannot be read, is not UTF-8, is empty, or lacks a
+            ``required`` column.
+    """
+    name = printable(path)
+    try:
+        with open(path, newline="", encoding="utf-8-sig", errors=errors) as fh:
+            reader = csv.reader(fh)
+            header = next(reader, None)
+            if header is None:
+                raise ValueError(f"{name}: empty file (expected a header with columns {list(required)})")
+            columns = [c.strip() for c in header]
+            missing = [c for c in required if c not in columns]
+            if missing:
+                raise ValueError(f"{name}: missing columns {missing} (the header is {columns})")
+            for values in reader:
+                if not any(v.strip() for v in values):
+                    continue
+                row = {c: (values[i].strip() if i < len(values) else "") for i, c in enumerate(columns)}
+                yield reader.line_num, row
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{name}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
+    except csv.Error as err:
+        raise ValueError(f"{name}: malformed CSV ({err})") from None
+    except OSError as err:
+        raise ValueError(f"{name}: cannot read the file ({err.strerror or err})") from None

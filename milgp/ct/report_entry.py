@@ -1,8 +1,7 @@
 """One line of a data report: a file or bag left out, or a warning, with the reason.
 
 Indexers, :func:`milgp.ct.series.load_series` and the cache never abort a batch because of one
-input: they leave the file or bag out and say so with a :class:`ReportEntry` naming the bag, the
-file and the reason. The cache writes them all to ``skipped.json``.
+input: they leave it out and say so with a :class:`ReportEntry` (the cache writes them to ``skipped.json``).
 """
 from __future__ import annotations
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from milgp.ct.csv_table import read_csv_rows
 from milgp.ct.index import BagIndex
 from milgp.ct.dicom import SliceHeader, read_headers
-from milgp.ct.label_rule import LabelRule
+from milgp.ct.label_rule import LabelRule, read_csv_rows
 from milgp.ct.report_entry import ReportEntry, printable
 from milgp.ct.series_policy import SeriesPolicy
 

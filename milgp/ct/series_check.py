@@ -2,20 +2,10 @@
 
 :func:`check_series` takes the headers of the files that claim to be one series and returns them
 ordered along the scan axis, with the files it left out and the warnings, or refuses the series
-(:class:`SeriesRefused`, one line naming the files):
-
-1. files that are not slices of an axial CT stack are left out (:meth:`SeriesPolicy.slice_problem`:
-   MR, US, NM, SEG, RT dose, palette colour, multi-frame, localizers);
-2. one SeriesInstanceUID and one image size, one orientation (else refused);
-3. order by ImagePositionPatient projected on the slice normal (:func:`order_slices`);
-4. the slice normal within ``max_tilt_deg`` of the patient z axis (else refused as non-axial);
-5. acquisitions (AcquisitionNumber) must cover disjoint ranges of the scan axis: sequential head
-   CT numbers each rotation's block of slices, which is fine; two acquisitions over the same
-   range are two scans interleaved in one series (refused);
-6. slices at the same position: byte-identical pixel data -> one kept, the copies reported;
-   different pixel data -> refused (no way to tell which one belongs to the scan);
-7. spacing that alternates between two values (a second stack offset between the first one's
-   slices) is refused; a spacing larger than ``gap_factor`` times the median is a warning (gap).
+(:class:`SeriesRefused`, one line naming the files). Its steps (files that are not axial CT slices
+left out; one series, size and orientation; order along the slice normal; axial; disjoint
+acquisitions; duplicates at one position; alternating spacing and gaps) are listed in
+``docs/ct_data.md``, "Slice order and series checks"; the thresholds are :class:`SeriesPolicy`'s.
 """
 from __future__ import annotations
 
@@ -237,7 +227,7 @@ def _check_spacing(headers: Sequence[SliceHeader], positions: np.ndarray, name: 
 
 
 def check_series(headers: Sequence[SliceHeader], bag_id: str, policy: SeriesPolicy = SeriesPolicy()) -> CheckedSeries:
-    """Screen, check and order the headers of one series (module docstring, steps 1-7).
+    """Screen, check and order the headers of one series (the steps of ``docs/ct_data.md``, "Slice order and series checks").
 
     Args:
         headers: the files claiming to be one series (any order).

@@ -1,10 +1,10 @@
 """What the CT data path accepts as a slice of an axial CT series, and the thresholds of the series checks.
 
-Archives hold more than axial CT: MR, ultrasound, nuclear medicine, segmentations, RT dose grids,
-palette-colour screenshots, dose reports, scout (localizer) images inside CT series, sagittal and
-coronal reformats. Their pixel values are not Hounsfield units, or their slices do not stack along
-the head's z axis; windowed as head CT they would be served as ordinary scans. A
-:class:`SeriesPolicy` refuses them, with the reason, unless an explicit option accepts them.
+Archives hold more than axial CT (MR, US, NM, SEG, RT dose, palette colour, dose reports, scouts,
+reformats: ``docs/ct_data.md``, "Faults and what happens"): their values are not Hounsfield units,
+or their slices do not stack along the head's z axis, yet windowed as head CT they would be served
+as ordinary scans. A :class:`SeriesPolicy` refuses them, with the reason, unless an explicit option
+accepts them.
 """
 from __future__ import annotations
 
@@ -16,16 +16,11 @@ from pydicom.uid import UID
 if TYPE_CHECKING:
     from milgp.ct.dicom import SliceHeader
 
-__all__ = ["CT_IMAGE_STORAGE", "SeriesPolicy", "value_units"]
+__all__ = ["CT_IMAGE_STORAGE", "SeriesPolicy"]
 
 #: SOP Class UID of CT Image Storage (one single-frame CT slice per file).
 CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
 _GRAYSCALE = ("MONOCHROME1", "MONOCHROME2")
-
-
-def value_units(modality: str) -> str:
-    """The unit of rescaled pixel values of an image of ``modality``: ``"HU"`` for CT only."""
-    return "HU" if modality == "CT" else f"{modality or 'unknown modality'} rescaled values (not HU)"
 
 
 def _sop_name(uid: str) -> str:

@@ -1,19 +1,12 @@
 """Synthetic head-CT datasets written as real DICOM files (for demos and tests).
 
-Each scan is a phantom head: an ellipsoidal skull shell (~+1000 HU) around brain (~35 HU) with
-two CSF ventricles (~5 HU), air (-1000 HU) outside, and Gaussian noise. Positive scans carry one
-hemorrhage-like hyperdense blob (60-90 HU) inside the brain, spanning a few contiguous slices;
-those slices are the positive instances.
-
-Slices are written as CT Image Storage files (explicit VR little endian, full file meta, UIDs,
-patient/study/series, geometry, rescale and window tags). File names are random and files are
-written in random order, so the file order is not the anatomical order; InstanceNumber counts
-from the top of the head down (as on many scanners, and in pydicom's CT5N series), so only the
-geometry gives ascending scan-axis order. Everything is deterministic given ``seed``.
-
-Writers for the three layouts the indexers read: :func:`write_rsna_dataset`,
+The phantom heads (positive scans carry one hyperdense blob; its slices are the positive
+instances), the tags written and the deliberately scrambled order (random file names, files written
+in random order, InstanceNumber counting from the top of the head down as in pydicom's CT5N series,
+so only the geometry gives ascending scan-axis order) are described in ``docs/ct_data.md``,
+"Synthetic data". Writers for the three layouts the indexers read: :func:`write_rsna_dataset`,
 :func:`write_cq500_dataset`, :func:`write_generic_dataset`; each returns the ground truth
-(:class:`SyntheticDataset`).
+(:class:`SyntheticDataset`). Everything is deterministic given ``seed``.
 """
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Process pools for the CT data path: workers that die with their parent, and runs that survive a dying worker.
+"""Process pools for the CT data path (``docs/ct_data.md``, "The cache": parallel, fault isolation).
 
-A ``ProcessPoolExecutor`` worker outlives its parent when the parent is killed with ``SIGKILL``
-(the pool's shutdown code never runs), and keeps writing into a cache that a rerun is about to
-rebuild. Workers made by :func:`process_pool` ask the kernel to kill them when their parent dies
-(``prctl(PR_SET_PDEATHSIG, SIGKILL)`` on Linux) or, where that call does not exist, watch
-``os.getppid()`` from a daemon thread and exit once it changes.
-
-The other way round, a worker that dies (a decoder crash, the out-of-memory killer) breaks the
-whole pool: every unfinished task fails with ``BrokenProcessPool``. :func:`run_isolated` then
-retries the unfinished items one per fresh single-process pool, so that only an item that kills
-its worker again is lost, and reports it.
+A ``ProcessPoolExecutor`` worker outlives a parent killed with ``SIGKILL`` (the pool's shutdown code
+never runs): :func:`process_pool` makes workers that die with their parent (:func:`die_with_parent`).
+A worker that dies breaks the whole pool (``BrokenProcessPool`` for every unfinished task):
+:func:`run_isolated` retries those items one per fresh process, so only an item that kills its
+worker again is lost, and reported.
 """
 from __future__ import annotations
 
