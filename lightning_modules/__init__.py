@@ -1,11 +1,5 @@
 """PyTorch Lightning modules, data modules and command-line tools for milgp (imports the library;
-the library never imports Lightning).
-
-* :class:`AttentionMILModule` — AttCNN: per-slice CNN, (gated) attention pooling, bag classifier.
-* :class:`GPMILModule` — sparse-GP bag classifier on CNN features, two-stage or end-to-end.
-* data modules (:mod:`lightning_modules.data`), extractors (:mod:`lightning_modules.extractors`),
-  callbacks (:mod:`lightning_modules.callbacks`), ``milgp-train`` (:mod:`lightning_modules.cli`),
-  ``milgp-predict`` (:mod:`lightning_modules.predict`) and the demo (:mod:`lightning_modules.demo`).
+the library never imports Lightning); docs/lightning.md lists the pieces and what each does.
 
 The names below are imported on first use, so that the command-line tools answer ``--help``
 without importing torch and Lightning.

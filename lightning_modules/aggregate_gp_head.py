@@ -126,9 +126,8 @@ class AggregateGPHead(GPHead):
         fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"]}
         if bag_targets is not None:
             fields["bag_nll"] = -bag_log_predictive(
-                self.gp, lik, z, bags, bag_targets.to(z), w, samples=self.nll_samples,
-                generator=torch.Generator(device=z.device).manual_seed(self.seed), chunk_instances=self.chunk_instances,
-                block_budget=self.block_budget, moments=bag,
+                self.gp, lik, z, bags, bag_targets.to(z), w, samples=self.nll_samples, generator=self.generator(z.device),
+                chunk_instances=self.chunk_instances, block_budget=self.block_budget, moments=bag,
             )
         return {"mean": mean, "var": var, "instance": lik.rate_mean(mean, var), "instance_std": lik.link.variance(mean, var).clamp_min(0).sqrt(),
                 "bag": bag["y_mean"], "bag_std": bag["y_var"].clamp_min(0).sqrt(), "bag_fields": fields}

@@ -37,13 +37,9 @@ class AttentionMILModule(BagModuleBase):
     slice's embedding. ``predict`` also returns the per-slice features ``h_n`` (``D`` columns) that
     the two-stage GP is fitted on (:class:`lightning_modules.callbacks.FeatureWriter`).
 
-    Bag probabilities are the bag output ``σ(logit)`` Platt-calibrated
-    (:class:`milgp.prediction.BagCalibrator`) on the validation bags at the end of every validation
-    epoch; the calibration is in the state dict, so a checkpoint predicts as the trained module did.
-    Binary cross-entropy on a few hundred scans leaves ``σ(logit)`` near ½ long after the bags are
-    ranked. The logged ``val/bag_nll`` is cross-fitted (each half of the validation bags calibrated
-    on the other half: :func:`milgp.prediction.cross_fitted_calibration`), so that model selection
-    on it does not reward a calibration fitted on the bags it is scored on.
+    Bag probabilities are the bag output ``σ(logit)`` Platt-calibrated on the validation bags at the
+    end of every validation epoch of ``fit`` and kept in the state dict; the logged ``val/bag_nll``
+    is cross-fitted (docs/lightning.md, "The bag decision and model selection").
 
     Args:
         extractor: the per-slice CNN (any module ``(N, C, H, W) -> (N, D)`` with ``feature_dim``);

@@ -1,10 +1,8 @@
 """Reading checkpoints: one-line errors, state dicts checked before loading, another model's extractor.
 
-Every checkpoint of a milgp module carries ``checkpoint["milgp"] = {"module": class path,
-"preprocessing": the CT windows and slice size its inputs were made with (or None)}``
-(:meth:`lightning_modules.bag_module_base.BagModuleBase.on_save_checkpoint`), and its saved
-hyperparameters hold the configuration of its extractor and likelihood, so the checkpoint alone
-rebuilds the model (``Module.load_from_checkpoint(path)``, :func:`load_module`).
+Every checkpoint of a milgp module carries its class and input preprocessing (``checkpoint["milgp"]``)
+and the configuration of its extractor and likelihood, so the checkpoint alone rebuilds the model
+(:func:`load_module`; docs/lightning.md, "Checkpoints a model can be rebuilt from").
 """
 from __future__ import annotations
 

@@ -59,9 +59,7 @@ def main(args: Sequence[str] | None = None) -> int:
         print(HELP)
         return 0
     from lightning_modules.input_error import run_reporting_input_errors
-    from lightning_modules.quiet import quiet_entry_point
 
-    quiet_entry_point()
     return run_reporting_input_errors("milgp-train", lambda: run_cli(argv))
 
 

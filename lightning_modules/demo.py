@@ -2,13 +2,8 @@
 AttCNN → two GP heads, tested on scans like the training ones and on an external thin-slice set.
 
 Every stage goes through the machinery of real runs (``milgp-cache``, ``milgp-train`` with the
-YAML files ``configs/demo_*.yaml``, ``milgp-predict``): synthetic head CTs written as DICOM and
-cached with a patient-grouped 50/20/30 split, and an external set re-sliced ``slice_factor``×
-more finely (:func:`milgp.ct.synthetic.write_rsna_dataset`); the AttCNN, then a two-stage GP on its
-features and a CNN + GP end to end, each tested on both sets; ``milgp-predict`` on new DICOM scans;
-the paper's noisy-OR beside the calibrated default bag rule on the thin-slice set; last
-``<out>/metrics.json``, plots beside it and a summary on stdout. The README ("The demo") has the
-stages in detail and the measured results.
+YAML files ``configs/demo_*.yaml``, ``milgp-predict``); the README ("The demo") has the stages in
+detail and the measured results.
 
 Every model's run folder (checkpoints, logs, reports) is ``<out>/<model>``. ``--quick`` shrinks
 everything for the tests (a smoke test, not a result).
@@ -16,13 +11,14 @@ everything for the tests (a smoke test, not a result).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import yaml
 
@@ -157,7 +153,7 @@ def rule_comparison(records: list[dict], link: Any, threshold: float = 0.5) -> d
 
 
 def run_demo(out: str | Path | None = None, seed: int = 0, quick: bool = False, progress: bool = False, threads: int = 1) -> dict[str, Any]:
-    """Run every stage (module docstring) and return the ``metrics.json`` content.
+    """Run every stage (README, "The demo") and return the ``metrics.json`` content.
 
     ``threads``: torch's intra-op threads (default 1: the GP head's tensors are small, and on a
     shared 2-core machine more threads only wait for each other; the results are reproducible for
@@ -181,7 +177,12 @@ def run_demo(out: str | Path | None = None, seed: int = 0, quick: bool = False, 
     cfg = _write_configs(out, _settings(size, seed, progress, quick))
     timings: dict[str, float] = {}
 
-    def lap(name: str, t0: float) -> None:
+    @contextlib.contextmanager
+    def stage(banner: str, name: str) -> Iterator[None]:
+        """Print the stage's banner and record its wall time as ``timings[name]``."""
+        _banner(banner)
+        t0 = time.perf_counter()
+        yield
         timings[name] = round(time.perf_counter() - t0, 1)
 
     def cache(name: str, dataset: Any, splits: bool) -> None:
@@ -190,18 +191,16 @@ def run_demo(out: str | Path | None = None, seed: int = 0, quick: bool = False, 
         if cache_cli.main(args) != 0:
             raise InputError(f"milgp-cache could not build {out / name}")
 
-    _banner(f"1/6 synthetic CT: {size.scans} scans of {size.slices[0]}-{size.slices[1]} slices, {size.external_scans} external "
-            f"scans re-sliced {size.slice_factor}x thinner, {size.size}x{size.size} pixels, as DICOM")
-    t0 = time.perf_counter()
-    internal = write_rsna_dataset(out / "data", n_scans=size.scans, slices=size.slices, size=size.size, seed=seed,
-                                  n_patients=max(1, (size.scans * 4) // 5), **PHANTOMS)
-    cache("cache", internal, splits=True)
-    external = write_rsna_dataset(out / "external_data", n_scans=size.external_scans, slices=size.slices, size=size.size,
-                                  seed=seed + 1000, slice_factor=size.slice_factor, **PHANTOMS)
-    cache("external_cache", external, splits=False)
-    new_scans = write_rsna_dataset(out / "new_scans", n_scans=size.new_scans, slices=size.slices, size=size.size, seed=seed + 2000,
-                                   slice_factor=size.slice_factor, prevalence=0.5, **PHANTOMS)
-    lap("data_and_cache", t0)
+    with stage(f"1/6 synthetic CT: {size.scans} scans of {size.slices[0]}-{size.slices[1]} slices, {size.external_scans} external "
+               f"scans re-sliced {size.slice_factor}x thinner, {size.size}x{size.size} pixels, as DICOM", "data_and_cache"):
+        internal = write_rsna_dataset(out / "data", n_scans=size.scans, slices=size.slices, size=size.size, seed=seed,
+                                      n_patients=max(1, (size.scans * 4) // 5), **PHANTOMS)
+        cache("cache", internal, splits=True)
+        external = write_rsna_dataset(out / "external_data", n_scans=size.external_scans, slices=size.slices, size=size.size,
+                                      seed=seed + 1000, slice_factor=size.slice_factor, **PHANTOMS)
+        cache("external_cache", external, splits=False)
+        new_scans = write_rsna_dataset(out / "new_scans", n_scans=size.new_scans, slices=size.slices, size=size.size, seed=seed + 2000,
+                                       slice_factor=size.slice_factor, prevalence=0.5, **PHANTOMS)
     data_summary = {name: {"scans": len(ds.scans), "slices": sum(len(s.paths) for s in ds.scans),
                            "positive_scans": int(sum(s.bag_label > 0.5 for s in ds.scans))}
                     for name, ds in (("internal", internal), ("external_thin", external), ("new_dicom", new_scans))}
@@ -221,32 +220,24 @@ def run_demo(out: str | Path | None = None, seed: int = 0, quick: bool = False, 
             if name in GP_MODELS:
                 links[name] = cli.model.gp.likelihood.instance_link
 
-    _banner("2/6 AttCNN: fit, test (internal, external thin-slice), extract features")
-    t0 = time.perf_counter()
-    run_cli(["fit", "--config", cfg["demo_attcnn"]])
-    test("attcnn", cfg["demo_attcnn"])
-    extract = run_cli(["predict", "--config", cfg["demo_attcnn"], "--config", cfg["demo_extract"], "--ckpt_path", "best"])
-    features = next(c.written for c in extract.trainer.callbacks if isinstance(c, FeatureWriter))
-    att_best = str(out / "attcnn" / "checkpoints" / "best.ckpt")
-    lap("attcnn", t0)
+    with stage("2/6 AttCNN: fit, test (internal, external thin-slice), extract features", "attcnn"):
+        run_cli(["fit", "--config", cfg["demo_attcnn"]])
+        test("attcnn", cfg["demo_attcnn"])
+        extract = run_cli(["predict", "--config", cfg["demo_attcnn"], "--config", cfg["demo_extract"], "--ckpt_path", "best"])
+        features = next(c.written for c in extract.trainer.callbacks if isinstance(c, FeatureWriter))
+        att_best = str(out / "attcnn" / "checkpoints" / "best.ckpt")
 
-    _banner("3/6 two-stage GP on the frozen AttCNN features")
-    t0 = time.perf_counter()
-    inputs = ["--data.init_args.path", features, "--model.init_args.extractor_checkpoint", att_best]
-    run_cli(["fit", "--config", cfg["demo_gp_two_stage"], *inputs])
-    test("gp_two_stage", cfg["demo_gp_two_stage"], ["--data.init_args.path", features])
-    lap("gp_two_stage", t0)
+    with stage("3/6 two-stage GP on the frozen AttCNN features", "gp_two_stage"):
+        inputs = ["--data.init_args.path", features, "--model.init_args.extractor_checkpoint", att_best]
+        run_cli(["fit", "--config", cfg["demo_gp_two_stage"], *inputs])
+        test("gp_two_stage", cfg["demo_gp_two_stage"], ["--data.init_args.path", features])
 
-    _banner("4/6 end-to-end CNN + GP (CNN initialised from the AttCNN)")
-    t0 = time.perf_counter()
-    run_cli(["fit", "--config", cfg["demo_gp_end_to_end"], "--model.init_args.extractor_checkpoint", att_best])
-    test("gp_end_to_end", cfg["demo_gp_end_to_end"])
-    lap("gp_end_to_end", t0)
+    with stage("4/6 end-to-end CNN + GP (CNN initialised from the AttCNN)", "gp_end_to_end"):
+        run_cli(["fit", "--config", cfg["demo_gp_end_to_end"], "--model.init_args.extractor_checkpoint", att_best])
+        test("gp_end_to_end", cfg["demo_gp_end_to_end"])
 
-    _banner(f"5/6 milgp-predict on {size.new_scans} new DICOM scans")
-    t0 = time.perf_counter()
-    predicted = predict(out / "gp_two_stage" / "checkpoints" / "best.ckpt", [new_scans.image_dir], progress=progress)
-    lap("predict_dicom", t0)
+    with stage(f"5/6 milgp-predict on {size.new_scans} new DICOM scans", "predict_dicom"):
+        predicted = predict(out / "gp_two_stage" / "checkpoints" / "best.ckpt", [new_scans.image_dir], progress=progress)
 
     _banner("6/6 summary")
     comparison = {name: {t: rule_comparison(test_records[t][name], links[name]) for t in TEST_SETS} for name in GP_MODELS}
@@ -302,9 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     args = parser.parse_args(argv)
     from lightning_modules.input_error import run_reporting_input_errors
-    from lightning_modules.quiet import quiet_entry_point
 
-    quiet_entry_point()
     return run_reporting_input_errors("demo", lambda: run_demo(args.out, seed=args.seed, quick=args.quick, progress=args.progress,
                                                                      threads=args.threads))
 

@@ -1,19 +1,8 @@
 """The feature-file format: per-slice features written by a frozen extractor, read by the GP.
 
-One row per instance (slice), rows of a bag contiguous and in scan order. Two encodings with the
-same columns, chosen by the file suffix:
-
-``.npz`` (default; ``numpy.load(path, allow_pickle=False)``)::
-
-    format           "milgp-features"          version      1
-    features         float32 (N, D)            bag_index    int64 (N,)   0..B-1, rows grouped by bag
-    slice_index      int64 (N,)  position in the bag (scan order)
-    instance_labels  float32 (N,)  slice label 0/1, NaN when unknown
-    bag_ids          str (B,)    bag_labels   float64 (B,)
-    patient_ids      str (B,)  ("" unknown)   splits       str (B,)  ("train"/"val"/"test", "" unknown)
-
-``.csv``: header ``bag_id,patient_id,split,bag_label,slice_index,instance_label,f0,…,f{D-1}``; one
-row per instance, ``instance_label`` empty when unknown.
+One row per instance (slice), rows of a bag contiguous and in scan order, as ``.npz`` (default) or
+``.csv`` with the same columns, chosen by the file suffix; the columns are in the README
+("Feature-file format").
 """
 from __future__ import annotations
 
@@ -36,7 +25,7 @@ VERSION = 1
 
 @dataclass
 class FeatureTable:
-    """Feature file contents (see the module docstring for the columns)."""
+    """Feature file contents (the columns: README, "Feature-file format")."""
 
     features: np.ndarray
     bag_index: np.ndarray

@@ -1,23 +1,16 @@
 """The GP-MIL head as a plain ``nn.Module`` (float64): standardisation, sparse GP, bag likelihood.
 
 Wraps :class:`milgp.models.SparseGP` and any :class:`milgp.likelihoods.AugmentedBagLikelihood`
-(MIL classification; :class:`~lightning_modules.aggregate_gp_head.AggregateGPHead` is the same
-head for aggregate outputs) with what a trainer needs around them: the feature standardisation,
-inducing points and initial lengthscale (:meth:`GPHead.initialize`), the library's fit steps of
-its likelihood on a training batch (:meth:`GPHead.fit_steps`), and predictions with uncertainty
-(:meth:`GPHead.predict`, the same keys on both heads) through the head's **bag decision**: a bag
-rule and a Platt calibration of its score, fitted on held-out bags (:meth:`GPHead.fit_decision`)
-and stored in the head's state dict, so a checkpoint alone predicts exactly as the trained head
-did (docs/lightning.md).
-
-Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
+with what a trainer needs around them; predictions go through the head's calibrated bag decision,
+kept in its state dict (docs/lightning.md, "The bag decision and model selection").
+:class:`~lightning_modules.aggregate_gp_head.AggregateGPHead` is the same head for aggregate
+outputs. Everything here runs in float64; callers cast features with :meth:`GPHead.standardize`.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Callable, ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -171,11 +164,7 @@ class GPHead(nn.Module):
             self.feature_scale.copy_(torch.where(scale > 1e-12, scale, torch.ones_like(scale)))
         z = ((x - self.feature_mean.cpu()) / self.feature_scale.cpu()).numpy()
         labels = instance_bag_labels.detach().cpu().numpy()
-        M = self.num_inducing
-        Z = kmeans_pp_inducing(z, labels, M, seed=self.seed)
-        if len(Z) < M:  # fewer training instances than inducing points
-            rng = np.random.default_rng(self.seed)
-            Z = np.concatenate([Z, Z[rng.integers(len(Z), size=M - len(Z))] + 1e-3 * rng.standard_normal((M - len(Z), Z.shape[1]))])
+        Z = kmeans_pp_inducing(z, labels, self.num_inducing, seed=self.seed)  # M points, jittered copies when fewer are distinct
         device = self.feature_mean.device
         self.strategy.inducing_points.data.copy_(torch.as_tensor(Z, dtype=torch.float64, device=device))
         ls = self.init_lengthscale if self.init_lengthscale is not None else median_lengthscale(z, seed=self.seed)
@@ -328,23 +317,16 @@ class GPHead(nn.Module):
 
         ``z`` ``(N, D)`` are the bags' standardised features, ``labels`` ``(B,)`` in {0, 1}."""
         y = labels.to(torch.float64).cpu()
-        bag_index, num_bags = bags.index, bags.num_bags
         fold = stratified_folds(y, folds)
         if fold is None:
             return None
-        p_out = torch.empty(num_bags, dtype=torch.float64)
-
-        def subset(ids: Tensor) -> BagPosterior:
-            ids = ids.to(bag_index.device)
-            keep = torch.isin(bag_index, ids)
-            new_id = torch.full((num_bags,), -1, dtype=torch.long, device=bag_index.device)
-            new_id[ids] = torch.arange(len(ids), device=bag_index.device)
-            return self.bag_posterior(z[keep], Bags(new_id[bag_index[keep]], len(ids)))
-
+        p_out = torch.empty(bags.num_bags, dtype=torch.float64)
+        batch = BagBatch(z, bags.index, labels.to(z))
         for k in range(folds):
             fit_bags, out_bags = torch.nonzero(fold != k).flatten(), torch.nonzero(fold == k).flatten()
-            _, decision = self.fit_decision(subset(fit_bags), y[fit_bags])
-            posterior = subset(out_bags)
+            fit, out = batch.select_bags(fit_bags), batch.select_bags(out_bags)  # each re-indexed 0..len-1
+            _, decision = self.fit_decision(self.bag_posterior(fit.x, fit.bags), y[fit_bags])
+            posterior = self.bag_posterior(out.x, out.bags)
             p_out[out_bags] = decision(posterior, self.likelihood.instance_link, self.generator(posterior.mean.device))[0].cpu()
         return log_loss(p_out, y)
 

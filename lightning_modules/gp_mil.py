@@ -2,34 +2,11 @@
 
 The deep pipeline of Castro-Macías et al., *Hyperbolic secant representation of the logistic
 function: application to probabilistic multiple instance learning for CT intracranial hemorrhage
-detection* (Artificial Intelligence, 2024), Section 6.3. Every training step is one iteration of
-its Algorithm 1 on the batch's bags:
-
-1. features ``h = CNN(x)`` (or the batch's precomputed features), standardised to float64 ``z``;
-2. **natural step** on q(v) with ``z`` detached, from the likelihood's additive statistics
-   ``NaturalStatistics(h, G)`` summed over DDP ranks: exact (ρ = 1) when the global batch holds
-   every training bag, else a stochastic step scaled by ``training bags / global batch bags``
-   with a Robbins–Monro step size ``ρ_t = (t + τ)^(−κ)``;
-3. the persistent locals (e.g. VGPMIL's ``π``) of the batch's instances are updated in closed form
-   under the new q(f) and stored per bag id (checkpointed);
-4. **Adam** (after ``warmup_epochs``) on the kernel hyperparameters — and, end-to-end, on the CNN
-   weights — through the ELBO's data terms with q(v) and the locals held fixed (detached).
-
-Modes: ``"two_stage"``, on extracted features (:class:`FeatureDataModule`) or on images through a
-frozen ``extractor`` (with the whole training set as one batch, each epoch is the iteration of
-:func:`milgp.variational.fit_closed_form`); ``"end_to_end"``, images through a trainable
-``extractor`` (optionally initialised from an AttCNN checkpoint, optionally in mixed precision; the
-GP head always runs in float64 outside autocast).
-
-MIL likelihoods predict bags with the head's calibrated **bag decision** (:meth:`GPHead.fit_decision`),
-fitted on held-out bags (``decision_bags``) and saved in the state dict. Aggregate likelihoods (VBAgg)
-get the :class:`~lightning_modules.aggregate_gp_head.AggregateGPHead`: real-valued bag targets,
-instance populations, no locals and no bag decision. docs/lightning.md has the details of both.
-
-Standardisation statistics, inducing points (k-means++) and the initial lengthscale are set at the
-start of the first fit from the training features (through the initial extractor end-to-end) and
-saved in the checkpoint with q(v), the kernel, the locals and the step counter, so a resumed run
-continues exactly.
+detection* (Artificial Intelligence, 2024), Section 6.3: every training step is one iteration of
+its Algorithm 1 on the batch's bags. docs/lightning.md ("The GP module's training step", "The bag
+decision and model selection") has its steps, the two modes, the heads (:class:`GPHead`, or
+:class:`~lightning_modules.aggregate_gp_head.AggregateGPHead` for aggregate likelihoods), the set-up
+from the training features and what a checkpoint holds so that a resumed run continues exactly.
 """
 from __future__ import annotations
 
@@ -316,7 +293,7 @@ class GPMILModule(BagModuleBase):
         return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device))[0])
 
     def training_step(self, batch: BagBatch, batch_idx: int) -> Tensor:
-        """Algorithm 1 on this batch (module docstring) with the library's fit steps
+        """Algorithm 1 on this batch (docs/lightning.md) with the library's fit steps
         (:meth:`GPHead.fit_steps`): the natural step, then ``hyper_steps`` Adam steps."""
         opt = self.optimizers()
         learn = self.current_epoch >= self.warmup_epochs and self.hyper_steps > 0
@@ -355,7 +332,7 @@ class GPMILModule(BagModuleBase):
             decide_here = self.decision_bags == "train" and self.gp.makes_decision
             if decide_here:
                 self._decision_store.add(batch, h)
-            if decide_here and self._last_training_batch(batch_idx):
+            if decide_here and (self.trainer.is_last_batch or batch_idx + 1 >= self.trainer.num_training_batches):
                 self._fit_decision_on_training_bags()
         self.log("train/rho", steps.step_size, batch_size=batch.num_bags)
         if steps.elbo_estimate is not None:
@@ -372,9 +349,6 @@ class GPMILModule(BagModuleBase):
         opt.zero_grad(set_to_none=True)
         opt.step()
         return torch.tensor(float("nan"))
-
-    def _last_training_batch(self, batch_idx: int) -> bool:
-        return bool(self.trainer.is_last_batch) or batch_idx + 1 >= self.trainer.num_training_batches
 
     # -- bag decision ----------------------------------------------------------------------------
     def _adopt_decision(self, posterior: Any, labels: Tensor, where: str) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+from lightning_modules.quiet import quiet_entry_point
+
 __all__ = ["InputError", "find_input_error", "run_reporting_input_errors"]
 
 
@@ -26,8 +28,11 @@ def find_input_error(err: BaseException) -> InputError | None:
 
 
 def run_reporting_input_errors(prog: str, fn: Callable[[], Any]) -> int:
-    """Run ``fn``: exit status 0, or 2 with ``<prog>: error: <message>`` on stderr when bad input
-    stopped it; any other exception keeps its traceback."""
+    """Run ``fn`` as the command-line tool ``prog``, with the known warnings of its dependencies
+    silenced (:func:`lightning_modules.quiet.quiet_entry_point`): exit status 0, or 2 with
+    ``<prog>: error: <message>`` on stderr when bad input stopped it; any other exception keeps its
+    traceback."""
+    quiet_entry_point()
     try:
         fn()
     except Exception as err:

@@ -37,16 +37,11 @@ def _constructor_message(err: ValueError) -> str:
 
 class MilgpCLI(LightningCLI):
     """LightningCLI with milgp's model/data base classes in subclass mode, where every output path
-    derives from ``trainer.default_root_dir`` (:mod:`lightning_modules.run_folder`):
-
-    * ``checkpoint`` (a ``ModelCheckpoint``): ``<run>/checkpoints/best.ckpt`` (lowest validation
-      bag NLL; ``--checkpoint.monitor``/``--checkpoint.mode`` change it) and ``last.ckpt``;
-    * ``report`` (:class:`ReportWriter`) and ``prediction`` (:class:`PredictionWriter`);
-    * the logger: ``<run>/<subcommand>/version_<n>``, a new version per command;
-    * ``--ckpt_path best`` / ``last`` name this folder's checkpoints.
-
-    The folder rules (a second fit refused unless it resumes, a checkpoint that exists) are checked
-    right after parsing, before anything is built.
+    derives from ``trainer.default_root_dir`` (:mod:`lightning_modules.run_folder`), with the groups
+    ``checkpoint`` (a ``ModelCheckpoint``: ``best.ckpt``, the lowest validation bag NLL unless
+    ``--checkpoint.monitor``/``--checkpoint.mode`` say otherwise, and ``last.ckpt``), ``report``
+    (:class:`ReportWriter`) and ``prediction`` (:class:`PredictionWriter`). The folder's layout and
+    rules (docs/lightning.md, "CLI") are checked right after parsing, before anything is built.
     """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:

@@ -88,9 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point: 0 on success, 2 on bad input (one line on stderr)."""
     args = build_parser().parse_args(argv)
     from lightning_modules.input_error import run_reporting_input_errors
-    from lightning_modules.quiet import quiet_entry_point
 
-    quiet_entry_point()
     return run_reporting_input_errors("milgp-predict", lambda: predict(
         args.checkpoint, args.inputs, args.out, args.max_slices, args.batch_size, args.threshold, not args.no_plots, args.accelerator))
 

@@ -1,22 +1,6 @@
-"""The run folder: every output of ``milgp-train`` and ``milgp-predict`` lives under one folder.
-
-::
-
-    <run>/                                  trainer.default_root_dir
-      checkpoints/best.ckpt, last.ckpt      fit: best validation bag NLL, last epoch
-      fit/version_<n>/                      metrics.csv, hparams.yaml, config.yaml, training_curves.png
-      validate/version_<n>/, test/version_<n>/
-                                            metrics.json, predictions.json, predictions.csv,
-                                            calibration.png, scans/*.png
-      predict/version_<n>/                  predictions.csv, slices.csv, predictions.json, scans/*.png,
-                                            features.npz (feature extraction)
-
-Every command writes a new version folder of its subcommand and never touches another's. A folder
-holds one training history: a fit into a folder whose ``checkpoints/`` is not empty must resume
-from one of those checkpoints (``--ckpt_path last``) and is refused otherwise, so checkpoints of
-two runs are never mixed. A resumed fit writes ``fit/version_<n+1>``, whose ``metrics.csv`` starts
-with the rows of the latest earlier version up to the checkpoint's epoch: the log (and the
-training-curve plot) covers the whole run.
+"""The run folder: every output of ``milgp-train`` and ``milgp-predict`` lives under one folder;
+its layout and rules (one training history per folder, a resumed fit continuing the earlier
+``metrics.csv``) are in docs/lightning.md ("The run folder").
 """
 from __future__ import annotations
 
@@ -39,7 +23,7 @@ _VERSION = re.compile(r"^version_(\d+)$")
 
 
 class RunFolder:
-    """Paths and rules of one run folder (module docstring).
+    """Paths and rules of one run folder (docs/lightning.md, "The run folder").
 
     Args:
         root: the folder (``trainer.default_root_dir``).

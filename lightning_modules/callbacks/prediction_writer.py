@@ -1,7 +1,6 @@
 """Predictions for new scans from ``predict``: per scan and per slice, CSV + JSON + one PNG per scan."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -9,8 +8,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import BasePredictionWriter
 
 from lightning_modules.bag_module_base import BagModuleBase
-from lightning_modules.callbacks.run_metadata import run_metadata, slice_positions
-from lightning_modules.callbacks.tables import csv_text
+from lightning_modules.callbacks.run_metadata import csv_text, finite_or_none, run_metadata, slice_positions
 from milgp.data.atomic import atomic_write_json, atomic_write_text
 from milgp.ct.cache_bag import bag_file_stem
 from milgp.metrics import json_safe
@@ -26,20 +24,10 @@ def flatten_records(predictions: Any) -> list[dict]:
     return [r for item in predictions for r in flatten_records(item)]
 
 
-def _std(value: Any) -> float | None:
-    return None if value is None or not math.isfinite(float(value)) else float(value)
-
-
 class PredictionWriter(BasePredictionWriter):
-    """At the end of ``predict``, writes into the run's version folder (``<run>/predict/version_<n>``):
-
-    * ``predictions.csv``: one row per scan — id, number of slices, probability that the scan is
-      positive ± std, the decision at ``threshold`` (the model's calibrated ½), and the label when
-      the input has one;
-    * ``slices.csv``: one row per slice in scan order — scan id, slice number, position along the
-      scan axis (mm for DICOM input, the slice index otherwise), probability ± std;
-    * ``predictions.json``: the same, nested per scan, with the model, checkpoint and data used;
-    * ``scans/<id>.png`` (``plots``): every scan's slice probabilities ± std along the scan axis.
+    """At the end of ``predict``, writes ``predictions.csv`` (per scan), ``slices.csv`` (per slice),
+    ``predictions.json`` and ``scans/<id>.png`` into the run's version folder
+    (``<run>/predict/version_<n>``; docs/lightning.md, "Outputs and metrics").
 
     Aggregate-output models write their predicted aggregate (``prediction``) instead of a
     probability and no decision. Under DDP the ranks' scans are gathered and rank 0 writes.
@@ -70,18 +58,18 @@ class PredictionWriter(BasePredictionWriter):
             positions, axis = slice_positions(trainer, r["bag_id"], len(r["slice_probs"]))
             stds = r.get("slice_stds") or [None] * len(r["slice_probs"])
             labels = r.get("slice_labels") or [None] * len(r["slice_probs"])
-            scan = {"bag_id": r["bag_id"], "num_slices": len(r["slice_probs"]), value: float(r["bag_prob"]), "std": _std(r.get("bag_std")),
-                    "bag_label": float(r["bag_label"]) if math.isfinite(float(r["bag_label"])) else None, "position_axis": axis}
+            scan = {"bag_id": r["bag_id"], "num_slices": len(r["slice_probs"]), value: float(r["bag_prob"]),
+                    "std": finite_or_none(r.get("bag_std")), "bag_label": finite_or_none(r["bag_label"]), "position_axis": axis}
             if not aggregate:
                 scan["decision"] = int(r["bag_prob"] > self.threshold)
-            scan["slices"] = [{"slice": k, "position": float(x), value: float(pk), "std": _std(sk), "label": lk}
+            scan["slices"] = [{"slice": k, "position": float(x), value: float(pk), "std": finite_or_none(sk), "label": lk}
                               for k, (x, pk, sk, lk) in enumerate(zip(positions, r["slice_probs"], stds, labels))]
             scans.append(scan)
             slice_rows += [[r["bag_id"], s["slice"], s["position"], s[value], s["std"], s["label"]] for s in scan["slices"]]
             if self.plots:
                 plot_scan_predictions(
                     out / "scans" / f"{bag_file_stem(r['bag_id'])}.png", r["slice_probs"], r.get("slice_stds"), r.get("slice_labels"),
-                    r["bag_label"], r["bag_prob"], _std(r.get("bag_std")), title=r["bag_id"], positions=positions, position_label=axis,
+                    r["bag_label"], r["bag_prob"], finite_or_none(r.get("bag_std")), title=r["bag_id"], positions=positions, position_label=axis,
                     threshold=None if aggregate else self.threshold, score_name="E[rate]" if aggregate else "P(slice positive)",
                 )
         header = ["bag_id", "num_slices", value, "std"] + ([] if aggregate else ["decision"]) + ["bag_label"]

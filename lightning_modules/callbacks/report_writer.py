@@ -5,14 +5,11 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_only
 
-from lightning_modules.callbacks.run_metadata import run_metadata, slice_positions
-from lightning_modules.callbacks.scan_selection import OUTCOMES, outcome, scans_to_plot
-from lightning_modules.callbacks.tables import csv_text
+from lightning_modules.callbacks.run_metadata import csv_text, finite_or_none, run_metadata, slice_positions
 from milgp.data.atomic import atomic_write_json, atomic_write_text
 from milgp.ct.cache_bag import bag_file_stem
 from milgp.metrics import json_safe
@@ -21,20 +18,43 @@ from milgp.plots import plot_calibration, plot_scan_predictions, plot_training_c
 __all__ = ["ReportWriter"]
 
 _KEEP = ("bag_id", "bag_label", "bag_prob", "bag_std", "slice_probs", "slice_stds", "slice_labels", "slice_scores")
+OUTCOMES = ("true positive", "false positive", "false negative", "true negative")
+
+
+def outcome(record: dict, threshold: float) -> str | None:
+    """The decision's outcome for a labelled scan (``None`` without a bag label)."""
+    label = float(record["bag_label"])
+    if not math.isfinite(label):
+        return None
+    called = record["bag_prob"] > threshold
+    if label > 0.5:
+        return "true positive" if called else "false negative"
+    return "false positive" if called else "true negative"
+
+
+def scans_to_plot(records: list[dict], threshold: float, per_kind: int) -> list[tuple[str, dict]]:
+    """Up to ``per_kind`` scans of each kind, most confident first: true positives (highest
+    probability), false positives (highest probability: the most confident false alarms) and false
+    negatives (lowest probability: the most confident misses); scans without labels are drawn
+    as ``"unlabelled"``, the most probable first."""
+    by_kind: dict[str, list[dict]] = {"true positive": [], "false positive": [], "false negative": [], "unlabelled": []}
+    for r in records:
+        kind = outcome(r, threshold) or "unlabelled"
+        if kind in by_kind:
+            by_kind[kind].append(r)
+    chosen = []
+    for kind, rs in by_kind.items():
+        rs = sorted(rs, key=lambda r: (r["bag_prob"] if kind == "false negative" else -r["bag_prob"], r["bag_id"]))
+        chosen += [(kind, r) for r in rs[:per_kind]]
+    return chosen
 
 
 class ReportWriter(Callback):
     """Writes, on rank 0, into the run's version folder (``trainer.log_dir``, e.g. ``<run>/test/version_0``):
-
-    * after ``test`` and ``validate``: ``metrics.json`` (the metrics, and which model, checkpoint and
-      data they were computed on), ``predictions.json`` (per scan: id, label, probability ± std,
-      slice probabilities ± std, slice labels), ``predictions.csv`` (one row per scan with the
-      decision at the threshold and its outcome), ``calibration.png`` (reliability diagram with the
-      number of scans per bin) and ``scans/<outcome>_<k>_<id>.png``: per-slice plots of the true
-      positives, the most confident false positives and the most confident false negatives (by bag
-      label, so also for external sets without slice labels). Aggregate-output models (counts,
-      ``pl_module.is_aggregate``) get the JSON files only;
-    * after ``fit``: ``training_curves.png`` from the run's ``metrics.csv``.
+    after ``test`` and ``validate`` the files ``metrics.json``, ``predictions.json``,
+    ``predictions.csv``, ``calibration.png`` and ``scans/<outcome>_<k>_<id>.png`` (docs/lightning.md,
+    "Outputs and metrics"; aggregate-output models, ``pl_module.is_aggregate``, get the JSON files
+    only), after ``fit`` ``training_curves.png`` from the run's ``metrics.csv``.
 
     Args:
         name: the model's name in the reports (default: its class name).
@@ -100,10 +120,9 @@ class ReportWriter(Callback):
                              title=f"{self._name(pl_module)}: bag calibration ({subcommand})")
         for k, (kind, r) in enumerate(scans_to_plot(records, self.threshold, self.plots_per_kind)):
             positions, axis = slice_positions(trainer, r["bag_id"], len(r["slice_probs"]))
-            std = r.get("bag_std")
             plot_scan_predictions(
                 out / "scans" / f"{kind.replace(' ', '_')}_{k}_{bag_file_stem(r['bag_id'])}.png", r["slice_probs"], r.get("slice_stds"),
-                r.get("slice_labels"), r["bag_label"], r["bag_prob"], None if std is None or not np.isfinite(std) else std,
+                r.get("slice_labels"), r["bag_label"], r["bag_prob"], finite_or_none(r.get("bag_std")),
                 title=r["bag_id"], positions=positions, position_label=axis, threshold=self.threshold,
                 heading=f"{self._name(pl_module)}: {kind}",
             )

@@ -1,12 +1,16 @@
-"""What every report and prediction file records about its run: model, checkpoint, data, folder."""
+"""What the report and prediction writers share: what every file records about its run (model,
+checkpoint, data, folder), slice positions and CSV text."""
 from __future__ import annotations
 
-from typing import Any
+import csv
+import io
+import math
+from typing import Any, Sequence
 
 import numpy as np
 import pytorch_lightning as pl
 
-__all__ = ["run_metadata", "slice_positions"]
+__all__ = ["csv_text", "finite_or_none", "run_metadata", "slice_positions"]
 
 
 def run_metadata(trainer: pl.Trainer, pl_module: pl.LightningModule, subcommand: str) -> dict[str, Any]:
@@ -35,3 +39,23 @@ def slice_positions(trainer: pl.Trainer, bag_id: str, num_slices: int) -> tuple[
         return np.arange(num_slices, dtype=float), "slice (scan order)"
     return np.asarray(found[0], dtype=float), found[1]
 
+
+def finite_or_none(value: Any) -> float | None:
+    """``value`` as a float, ``None`` when it is ``None`` or not finite (a std that is not there)."""
+    return None if value is None or not math.isfinite(float(value)) else float(value)
+
+
+def csv_text(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """CSV with ``header``; ``None`` and non-finite floats are written as empty cells, floats with
+    full precision."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows([[_cell(v) for v in row] for row in rows])
+    return buf.getvalue()
+
+
+def _cell(value: Any) -> Any:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return ""
+    return repr(value) if isinstance(value, float) else value

@@ -12,16 +12,11 @@ __all__ = ["EpochSampler"]
 class EpochSampler(torch.utils.data.DistributedSampler):
     """Training order of a dataset as a function of ``(seed, epoch)`` only, sharded under DDP.
 
-    Lightning calls :meth:`set_epoch` before every training epoch, whether or not the dataloaders
-    are rebuilt; it also hands the epoch to the dataset's own ``set_epoch`` when there is one
-    (:class:`milgp.ct.dataset.CTBagDataset` seeds its augmentation with it), so every epoch
-    gets a fresh, reproducible augmentation draw. A shuffled order is ``randperm`` from a generator
-    seeded with ``seed + epoch``, never the global RNG, so a run resumed from a checkpoint visits
-    the bags in the same order as the uninterrupted run.
-
-    Being a :class:`~torch.utils.data.DistributedSampler`, Lightning uses it as is under DDP (it
-    neither replaces nor wraps it): rank ``r`` of ``R`` serves every ``R``-th position of the shared
-    order, padded by repetition to equal length per rank, as Lightning's own sampler does.
+    :meth:`set_epoch` (called by Lightning before every training epoch) also hands the epoch to the
+    dataset's own ``set_epoch``, and a shuffled order comes from a generator seeded with
+    ``seed + epoch``, never the global RNG: every epoch gets a fresh, reproducible augmentation draw
+    and a resumed run visits the bags in the same order (docs/lightning.md, "GPU and DDP"). Being a
+    :class:`~torch.utils.data.DistributedSampler`, Lightning uses it as is under DDP.
 
     Args:
         dataset: the (sized) dataset.
