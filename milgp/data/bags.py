@@ -266,6 +266,10 @@ def from_padded(padded: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     return padded[mask], bag_index
 
 
+_TENSOR_FIELDS = ("x", "bag_index", "bag_labels", "instance_labels", "instance_weights")
+"""The tensor fields of :class:`BagBatch` (what :meth:`BagBatch.to` and :meth:`BagBatch.pin_memory` move)."""
+
+
 @dataclass
 class BagBatch:
     """A minibatch of whole bags in the flat representation.
@@ -332,21 +336,13 @@ class BagBatch:
                 return t.to(device=device, dtype=dtype, non_blocking=non_blocking)
             return t.to(device=device, non_blocking=non_blocking)
 
-        return replace(
-            self,
-            x=move(self.x, True),
-            bag_index=move(self.bag_index, False),
-            bag_labels=move(self.bag_labels, False),
-            instance_labels=move(self.instance_labels, False),
-            instance_weights=move(self.instance_weights, True),
-        )
+        return replace(self, **{f: move(getattr(self, f), f in ("x", "instance_weights")) for f in _TENSOR_FIELDS})
 
     def pin_memory(self) -> "BagBatch":
         """This batch with its tensors in page-locked host memory, so that ``to(gpu,
         non_blocking=True)`` copies while the GPU computes (a ``DataLoader`` with
         ``pin_memory=True`` calls this in its pinning thread)."""
-        tensors = ("x", "bag_index", "bag_labels", "instance_labels", "instance_weights")
-        return replace(self, **{f: t.pin_memory() for f in tensors if (t := getattr(self, f)) is not None})
+        return replace(self, **{f: t.pin_memory() for f in _TENSOR_FIELDS if (t := getattr(self, f)) is not None})
 
     def select_bags(self, bags: Tensor | Sequence[int]) -> "BagBatch":
         """The sub-batch holding the given bags (re-indexed ``0..len(bags)-1``)."""

@@ -94,7 +94,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     Subclasses store their ``__init__`` arguments (scikit-learn style) and implement
     :meth:`_make_likelihood`; they may override :attr:`kernel_grid`, :meth:`_likelihood_variants`,
-    :meth:`_single_instance`, :meth:`_after_fit` and :meth:`_bag_probability`.
+    :meth:`_after_fit` and :meth:`_bag_probability`.
     """
 
     kernel_grid: tuple[tuple[str, float, float], ...] = KERNEL_GRID
@@ -133,16 +133,11 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """Variants of the likelihood to choose among at the first kernel (``(None,)``: one)."""
         return (None,)
 
-    def _single_instance(self, variant: Any) -> bool:
-        """Whether the likelihood variant is single-instance learning (every instance of a positive
-        bag labelled positive; the variant ``"single"`` of both classifiers), which :meth:`_plan`
-        fits at the most flexible kernels only."""
-        return variant == "single"
-
     def _plan(self, candidates: list[tuple[str, float, float]]) -> list[tuple[tuple[str, float, float], Any]]:
         """The ``(kernel, likelihood variant)`` pairs the search fits, in order (the first is fitted
         from scratch and warm-starts the others): every variant at every candidate kernel, except
-        that single-instance learning is fitted only at the most flexible kernels, the largest
+        that single-instance learning (the variant ``"single"`` of both classifiers: every instance
+        of a positive bag labelled positive) is fitted only at the most flexible kernels, the largest
         prior variance and, for RBF, the shortest lengthscale among the candidates (the others
         carried almost no weight; docs/core.md, cause 9). Its linear kernel has an intercept
         (``"affine"``, ``s² (xᵀx'/D + 1)``): a zero-mean linear latent on z-scored features cannot
@@ -157,7 +152,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
         plan = []
         for v in self._likelihood_variants():
-            if not self._single_instance(v):
+            if v != "single":
                 plan += [(c, v) for c in candidates]
             else:
                 plan += [(("affine", *c[1:]) if c[0] == "linear" else c, v) for c in candidates if flexible(c)]
@@ -200,7 +195,13 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         fits = self._search(batch, Z, candidates, rules)
         if self.learn_hyperparameters:
             best = min(fits, key=lambda c: c.decision.heldout_nll)
-            self.fit_result_ = self._learn_hyperparameters(batch, best.model, best.likelihood, best.fit)
+            # Adam steps on the kernel (on the objective of hyperparameter_terms) alternating with the
+            # natural steps, from the best candidate and its local variables (Algorithm 1)
+            self.fit_result_ = fit_closed_form(
+                best.model, best.likelihood, batch, max_iter=self.max_iter, tol=self.tol, learn_hyperparameters=True,
+                lr=self.lr, hyper_steps=self.hyper_steps, initial_locals=best.fit.locals,
+                bags_per_batch=self.bags_per_batch, seed=self.random_state, progress=self.verbose,
+            ).after(best.fit)
             heldout = leave_bag_out_posterior(best.model, best.likelihood, batch, self.fit_result_.locals)
             scored = score_bag_rules(heldout, best.likelihood.instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
             self.ensemble_ = ModelAverage([AveragedFit(best.model, best.likelihood, best_decision(scored), 1.0)])
@@ -298,19 +299,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
                 {"kernel": kind, "lengthscale": ls if kind == "rbf" else None, "outputscale": scale, "likelihood": variant,
                  "heldout_nll": best.heldout_nll, "rule": repr(best.rule), "iterations": result.iterations}
             )
-            fits.extend(CandidateFit(model, likelihood, result, d, self._single_instance(variant)) for d in scored)
+            fits.extend(CandidateFit(model, likelihood, result, d, variant == "single") for d in scored)
         return fits
-
-    def _learn_hyperparameters(
-        self, batch: BagBatch, model: SparseGP, likelihood: AugmentedBagLikelihood, start: FitResult
-    ) -> FitResult:
-        """Adam steps on the kernel (on the objective of :meth:`hyperparameter_terms`) alternating
-        with the natural steps, from a fitted candidate and its local variables (Algorithm 1)."""
-        return fit_closed_form(
-            model, likelihood, batch, max_iter=self.max_iter, tol=self.tol, learn_hyperparameters=True,
-            lr=self.lr, hyper_steps=self.hyper_steps, initial_locals=start.locals,
-            bags_per_batch=self.bags_per_batch, seed=self.random_state, progress=self.verbose,
-        ).after(start)
 
     # -- data --------------------------------------------------------------------------------------
     def _to_tensor(self, bags: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from sklearn.exceptions import ConvergenceWarning
@@ -21,6 +22,7 @@ PROBIT_KERNEL_GRID = tuple((kind, factor, scale / PROBIT_LOGISTIC_SCALE**2) for 
 docs/probit.md)."""
 
 
+@dataclass(eq=False, repr=False)  # __init__ stores the parameters as given (scikit-learn); BaseEstimator's repr and ==
 class ProbitMILClassifier(MILClassifierBase):
     """MIL-GP-Probit bag classifier (Wang & Pinar, *The Multiple Instance Learning Gaussian Process
     Probit Model*, AISTATS 2021), with VI or Gibbs inference.
@@ -61,73 +63,38 @@ class ProbitMILClassifier(MILClassifierBase):
         Other arguments as :class:`VGPMILClassifier`.
     """
 
-    def __init__(
-        self,
-        inference: str = "vi",
-        single_instance: bool | str = "auto",
-        num_inducing: int = 100,
-        bag_mean_inducing: float = 0.25,
-        bag_rule: str | BagRule = "auto",
-        calibrate: bool = True,
-        average: bool = True,
-        bag_size_cap: float | str | None = "median",
-        kernel: str = "auto",
-        lengthscale: float | None = None,
-        outputscale: float | None = None,
-        max_iter: int = 24,
-        search_iter: int = 8,
-        tol: float = 1e-4,
-        learn_hyperparameters: bool = False,
-        lr: float = 0.01,
-        hyper_steps: int = 5,
-        ard: bool = False,
-        learn_inducing_locations: bool = False,
-        standardize: bool = True,
-        bags_per_batch: int | None = None,
-        num_qmc_points: int = 1024,
-        qmc_replicates: int = 8,
-        num_samples: int = 1000,
-        burn_in: int = 500,
-        thin: int = 1,
-        num_chains: int = 4,
-        init_dispersion: float = 4.0,
-        dtype: str = "float64",
-        device: str = "cpu",
-        random_state: int = 0,
-        verbose: bool = False,
-    ):
-        self.inference = inference
-        self.single_instance = single_instance
-        self.num_inducing = num_inducing
-        self.bag_mean_inducing = bag_mean_inducing
-        self.bag_rule = bag_rule
-        self.calibrate = calibrate
-        self.average = average
-        self.bag_size_cap = bag_size_cap
-        self.kernel = kernel
-        self.lengthscale = lengthscale
-        self.outputscale = outputscale
-        self.max_iter = max_iter
-        self.search_iter = search_iter
-        self.tol = tol
-        self.learn_hyperparameters = learn_hyperparameters
-        self.lr = lr
-        self.hyper_steps = hyper_steps
-        self.ard = ard
-        self.learn_inducing_locations = learn_inducing_locations
-        self.standardize = standardize
-        self.bags_per_batch = bags_per_batch
-        self.num_qmc_points = num_qmc_points
-        self.qmc_replicates = qmc_replicates
-        self.num_samples = num_samples
-        self.burn_in = burn_in
-        self.thin = thin
-        self.num_chains = num_chains
-        self.init_dispersion = init_dispersion
-        self.dtype = dtype
-        self.device = device
-        self.random_state = random_state
-        self.verbose = verbose
+    inference: str = "vi"
+    single_instance: bool | str = "auto"
+    num_inducing: int = 100
+    bag_mean_inducing: float = 0.25
+    bag_rule: str | BagRule = "auto"
+    calibrate: bool = True
+    average: bool = True
+    bag_size_cap: float | str | None = "median"
+    kernel: str = "auto"
+    lengthscale: float | None = None
+    outputscale: float | None = None
+    max_iter: int = 24
+    search_iter: int = 8
+    tol: float = 1e-4
+    learn_hyperparameters: bool = False
+    lr: float = 0.01
+    hyper_steps: int = 5
+    ard: bool = False
+    learn_inducing_locations: bool = False
+    standardize: bool = True
+    bags_per_batch: int | None = None
+    num_qmc_points: int = 1024
+    qmc_replicates: int = 8
+    num_samples: int = 1000
+    burn_in: int = 500
+    thin: int = 1
+    num_chains: int = 4
+    init_dispersion: float = 4.0
+    dtype: str = "float64"
+    device: str = "cpu"
+    random_state: int = 0
+    verbose: bool = False
 
     kernel_grid = PROBIT_KERNEL_GRID
 

@@ -1,6 +1,7 @@
 """VBAgg: individual-level GP regression from bag-level aggregate outputs."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import math
@@ -32,6 +33,7 @@ CV_FOLDS = 3
 _VBAGG_DEFAULT_LINK = {"poisson": "exp", "normal": "identity", "exponential": "exp"}
 
 
+@dataclass(eq=False, repr=False)  # __init__ stores the parameters as given (scikit-learn); BaseEstimator's repr and ==
 class VBAggRegressor(RegressorMixin, BaseEstimator):
     """VBAgg: individual-level GP regression from bag-level aggregate outputs (Law et al., *Variational
     Learning on Aggregate Outputs with Gaussian Processes*, NeurIPS 2018).
@@ -67,57 +69,30 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     ``fit_result_``, ``elbo_``, ``n_features_in_``.
     """
 
-    def __init__(
-        self,
-        likelihood: str = "poisson",
-        link: str | None = None,
-        num_inducing: int = 100,
-        lengthscale: float | None = None,
-        outputscale: float | None = None,
-        max_iter: int = 100,
-        tol: float = 1e-6,
-        warmup_iter: int = 10,
-        learn_hyperparameters: bool = False,
-        lr: float = 0.05,
-        hyper_steps: int = 3,
-        hyper_max_instances: int = 5000,
-        noise: float = 1.0,
-        constant_mean: bool = True,
-        ard: bool = False,
-        learn_inducing_locations: bool = False,
-        standardize: bool = True,
-        bags_per_batch: int | None = None,
-        chunk_instances: int = 32768,
-        block_budget: int = 2_000_000,
-        dtype: str = "float64",
-        device: str = "cpu",
-        random_state: int = 0,
-        verbose: bool = False,
-    ):
-        self.likelihood = likelihood
-        self.link = link
-        self.num_inducing = num_inducing
-        self.lengthscale = lengthscale
-        self.outputscale = outputscale
-        self.max_iter = max_iter
-        self.tol = tol
-        self.warmup_iter = warmup_iter
-        self.learn_hyperparameters = learn_hyperparameters
-        self.lr = lr
-        self.hyper_steps = hyper_steps
-        self.hyper_max_instances = hyper_max_instances
-        self.noise = noise
-        self.constant_mean = constant_mean
-        self.ard = ard
-        self.learn_inducing_locations = learn_inducing_locations
-        self.standardize = standardize
-        self.bags_per_batch = bags_per_batch
-        self.chunk_instances = chunk_instances
-        self.block_budget = block_budget
-        self.dtype = dtype
-        self.device = device
-        self.random_state = random_state
-        self.verbose = verbose
+    likelihood: str = "poisson"
+    link: str | None = None
+    num_inducing: int = 100
+    lengthscale: float | None = None
+    outputscale: float | None = None
+    max_iter: int = 100
+    tol: float = 1e-6
+    warmup_iter: int = 10
+    learn_hyperparameters: bool = False
+    lr: float = 0.05
+    hyper_steps: int = 3
+    hyper_max_instances: int = 5000
+    noise: float = 1.0
+    constant_mean: bool = True
+    ard: bool = False
+    learn_inducing_locations: bool = False
+    standardize: bool = True
+    bags_per_batch: int | None = None
+    chunk_instances: int = 32768
+    block_budget: int = 2_000_000
+    dtype: str = "float64"
+    device: str = "cpu"
+    random_state: int = 0
+    verbose: bool = False
 
     def _make_likelihood(self) -> Any:
         if self.likelihood not in _VBAGG_DEFAULT_LINK:

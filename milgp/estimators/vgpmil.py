@@ -1,6 +1,8 @@
 """ψ-VGPMIL bag classifier: VGPMIL and G-VGPMIL with closed-form natural updates."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from milgp.estimators._mil_base import MILClassifierBase
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.psi import GSMDensity
@@ -9,6 +11,7 @@ from milgp.prediction import BagRule
 __all__ = ["VGPMILClassifier"]
 
 
+@dataclass(eq=False, repr=False)  # __init__ stores the parameters as given (scikit-learn); BaseEstimator's repr and ==
 class VGPMILClassifier(MILClassifierBase):
     """ψ-VGPMIL bag classifier: VGPMIL (``psi="pg"``, Haußmann et al., *Variational Bayesian
     Multiple Instance Learning with Gaussian Processes*, CVPR 2017) or G-VGPMIL (``psi="gamma"``,
@@ -67,63 +70,33 @@ class VGPMILClassifier(MILClassifierBase):
     ``instance_calibrator_`` (the map of instance scores to the MIL fits' probability, or ``None``).
     """
 
-    def __init__(
-        self,
-        psi: str | GSMDensity = "pg",
-        num_inducing: int = 100,
-        bag_mean_inducing: float = 0.25,
-        H: float = 1e12,
-        max_rule: str = "auto",
-        damping: float = 0.5,
-        bag_size_cap: float | str | None = "median",
-        bag_rule: str | BagRule = "auto",
-        calibrate: bool = True,
-        average: bool = True,
-        kernel: str = "auto",
-        lengthscale: float | None = None,
-        outputscale: float | None = None,
-        max_iter: int = 24,
-        search_iter: int = 8,
-        tol: float = 1e-4,
-        learn_hyperparameters: bool = False,
-        lr: float = 0.05,
-        hyper_steps: int = 5,
-        ard: bool = False,
-        learn_inducing_locations: bool = False,
-        standardize: bool = True,
-        bags_per_batch: int | None = None,
-        dtype: str = "float64",
-        device: str = "cpu",
-        random_state: int = 0,
-        verbose: bool = False,
-    ):
-        self.psi = psi
-        self.num_inducing = num_inducing
-        self.bag_mean_inducing = bag_mean_inducing
-        self.H = H
-        self.max_rule = max_rule
-        self.damping = damping
-        self.bag_size_cap = bag_size_cap
-        self.bag_rule = bag_rule
-        self.calibrate = calibrate
-        self.average = average
-        self.kernel = kernel
-        self.lengthscale = lengthscale
-        self.outputscale = outputscale
-        self.max_iter = max_iter
-        self.search_iter = search_iter
-        self.tol = tol
-        self.learn_hyperparameters = learn_hyperparameters
-        self.lr = lr
-        self.hyper_steps = hyper_steps
-        self.ard = ard
-        self.learn_inducing_locations = learn_inducing_locations
-        self.standardize = standardize
-        self.bags_per_batch = bags_per_batch
-        self.dtype = dtype
-        self.device = device
-        self.random_state = random_state
-        self.verbose = verbose
+    psi: str | GSMDensity = "pg"
+    num_inducing: int = 100
+    bag_mean_inducing: float = 0.25
+    H: float = 1e12
+    max_rule: str = "auto"
+    damping: float = 0.5
+    bag_size_cap: float | str | None = "median"
+    bag_rule: str | BagRule = "auto"
+    calibrate: bool = True
+    average: bool = True
+    kernel: str = "auto"
+    lengthscale: float | None = None
+    outputscale: float | None = None
+    max_iter: int = 24
+    search_iter: int = 8
+    tol: float = 1e-4
+    learn_hyperparameters: bool = False
+    lr: float = 0.05
+    hyper_steps: int = 5
+    ard: bool = False
+    learn_inducing_locations: bool = False
+    standardize: bool = True
+    bags_per_batch: int | None = None
+    dtype: str = "float64"
+    device: str = "cpu"
+    random_state: int = 0
+    verbose: bool = False
 
     def _likelihood_variants(self) -> tuple[str, ...]:
         """The π rules fitted at every kernel: ``"max"`` and ``"single"`` for ``max_rule="auto"``."""

@@ -24,8 +24,10 @@ from typing import Any
 import gpytorch
 import torch
 from torch import Tensor
+from torch.distributions import Bernoulli
 
 from milgp.data.bags import Bags, segment_max
+from milgp.likelihoods.instance_link import InstanceLink
 
 __all__ = ["AugmentedBagLikelihood", "bags_from_keywords", "check_bag_size_cap"]
 
@@ -66,6 +68,7 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     """
 
     bag_size_cap: float | None = None
+    instance_link: InstanceLink  # p(y = 1 | f) of one instance and its moments under q(f): the bag rules read it
 
     def instance_weights(self, bags: Bags, dtype: torch.dtype) -> Tensor | None:
         """``w_n = min(1, n̄ / n_b)`` ``(N,)`` for the bag-size cap ``n̄``, or ``None`` without one."""
@@ -157,6 +160,11 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             "classifier to bag labels. Train with gpytorch.mlls.VariationalELBO (mll(output, target, bag_index=...)) "
             "or milgp.variational.fit_closed_form, and predict bags with a milgp.prediction bag rule"
         )
+
+    def marginal(self, function_dist: Any, *args: Any, **kwargs: Any) -> Bernoulli:
+        """Predictive instance label ``Bernoulli(E[p(y=1|f*)])`` from :attr:`instance_link` (logistic:
+        Castro-Macías et al. 2024, Eq. 31; probit: ``Φ(μ/sqrt(1 + σ²))``)."""
+        return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])
 
     @staticmethod
     def _bag_share(bag_values: Tensor, bags: Bags) -> Tensor:

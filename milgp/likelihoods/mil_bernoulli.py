@@ -159,9 +159,5 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         """Instance label given ``f``: ``Bernoulli(sigmoid(f))``."""
         return Bernoulli(logits=function_samples)
 
-    def marginal(self, function_dist: Any, *args: Any, **kwargs: Any) -> Bernoulli:
-        """Predictive instance label ``Bernoulli(E[sigmoid(f*)])`` (Castro-Macías et al. 2024, Eq. 31)."""
-        return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])
-
     def extra_repr(self) -> str:
         return f"H={self.H}, max_rule={self.max_rule!r}, damping={self.damping}, bag_size_cap={self.bag_size_cap}"

@@ -205,7 +205,3 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Bernoulli:
         """Instance label given ``f``: ``Bernoulli(Φ(f))``."""
         return Bernoulli(probs=torch.special.ndtr(function_samples))
-
-    def marginal(self, function_dist: Any, *args: Any, **kwargs: Any) -> Bernoulli:
-        """Predictive instance label ``Bernoulli(Φ(μ/sqrt(1 + σ²)))``."""
-        return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])

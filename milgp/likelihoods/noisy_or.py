@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from milgp.data.bags import BagLayout, Bags, bag_sizes, segment_sum
+from milgp.data.bags import BagLayout, Bags, segment_sum
 
 __all__ = ["MAX_RULE_DAMPING", "PI_CLAMP", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
 
@@ -43,11 +43,9 @@ the same fixed points and converges."""
 def positions_in_bag(bag_index: Tensor, num_bags: int) -> list[Tensor]:
     """Instance indices grouped by their position within their bag: element ``k`` holds the
     ``k``-th instance of every bag that has at least ``k + 1`` instances."""
-    sizes = bag_sizes(bag_index, num_bags)
-    order = torch.argsort(bag_index, stable=True)
-    starts = torch.cumsum(sizes, 0) - sizes
+    padding = Bags(bag_index, num_bags).padding
     pos = torch.empty_like(bag_index)
-    pos[order] = torch.arange(len(order), device=bag_index.device) - starts[bag_index[order]]
+    pos[padding.order] = padding.position
     by_pos = torch.argsort(pos, stable=True)
     counts = torch.bincount(pos).tolist()
     return list(torch.split(by_pos, counts))

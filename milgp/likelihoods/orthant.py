@@ -41,7 +41,6 @@ def orthant_probability(
     num_points: int = 1024,
     replicates: int = 8,
     seed: int = 0,
-    reorder: bool = True,
     max_elements: int = 2**23,
 ) -> tuple[Tensor, Tensor]:
     """``P(X < 0)`` for ``X ~ N(mean_b, cov_b)``, per bag, and its randomised-QMC standard error.
@@ -59,7 +58,6 @@ def orthant_probability(
         num_points: Sobol points per replicate (a power of two is best).
         replicates: independent scramblings (≥ 2 for a standard error).
         seed: seed of the first scrambling (replicate ``r`` uses ``seed + r``).
-        reorder: sort coordinates by increasing marginal probability first.
         max_elements: bags are processed in chunks so that ``replicates · num_points · chunk · n_b``
             stays below this.
 
@@ -85,7 +83,7 @@ def orthant_probability(
         # real coordinates first, in their original order; then drop the padding
         keep = torch.argsort((~mask[idx]).to(torch.int8), dim=1, stable=True)[:, :k]
         m_k, c_k = _select(mean[idx], cov[idx], keep)
-        p[idx], se[idx] = _orthant_dense(m_k, c_k, num_points, replicates, seed, reorder, max_elements)
+        p[idx], se[idx] = _orthant_dense(m_k, c_k, num_points, replicates, seed, max_elements)
     return p, se
 
 
@@ -97,12 +95,13 @@ def _select(mean: Tensor, cov: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _orthant_dense(
-    mean: Tensor, cov: Tensor, num_points: int, replicates: int, seed: int, reorder: bool, max_elements: int
+    mean: Tensor, cov: Tensor, num_points: int, replicates: int, seed: int, max_elements: int
 ) -> tuple[Tensor, Tensor]:
-    """:func:`orthant_probability` for unpadded bags of one size ``n``: ``mean (B, n)``, ``cov (B, n, n)``."""
+    """:func:`orthant_probability` for unpadded bags of one size ``n``: ``mean (B, n)``, ``cov (B, n, n)``,
+    coordinates sorted by increasing marginal probability first (module docstring)."""
     B, n = mean.shape
     sd = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(torch.finfo(cov.dtype).tiny).sqrt()
-    if reorder and n > 1:
+    if n > 1:
         mean, cov = _select(mean, cov, torch.argsort(torch.special.log_ndtr(-mean / sd), dim=1, stable=True))
     L, info = torch.linalg.cholesky_ex(cov)
     if bool((info != 0).any()):

@@ -1,5 +1,6 @@
 """From the instance posterior to bag decisions: bag rules, bag-level calibration, averaging, and
 instance probabilities on the MIL fits' scale."""
+from milgp.prediction import bag_decision, bag_rules, calibration, model_average
 from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, auto_bag_rules, best_decision, fit_bag_decision, score_bag_rules
 from milgp.prediction.bag_posterior import BagPosterior, JointBlocks
 from milgp.prediction.bag_rules import (
@@ -20,30 +21,11 @@ from milgp.prediction.instance_calibration import InstanceCalibrator
 from milgp.prediction.model_average import AveragedFit, ModelAverage, pseudo_bma_plus_weights
 
 __all__ = [
-    "AUTO_BAG_RULES",
-    "auto_bag_rules",
-    "BagDecision",
-    "best_decision",
-    "fit_bag_decision",
-    "score_bag_rules",
-    "AveragedFit",
-    "ModelAverage",
-    "pseudo_bma_plus_weights",
-    "BAG_RULES",
-    "DEFAULT_BAG_RULE",
-    "BagCalibrator",
-    "cross_fitted_calibration",
-    "stratified_folds",
+    *bag_decision.__all__,
+    *model_average.__all__,
+    *calibration.__all__,
     "InstanceCalibrator",
     "BagPosterior",
-    "BagRule",
     "JointBlocks",
-    "JointMaxRule",
-    "JointNoisyOrRule",
-    "MarginalBagRule",
-    "MaxRule",
-    "NoisyOrRule",
-    "OrthantRule",
-    "TopKMeanRule",
-    "make_bag_rule",
+    *bag_rules.__all__,
 ]

@@ -22,11 +22,10 @@ of up to ``diagnostic_instances`` training instances.
 
 Predictions average over the kept draws of ``v`` and are Rao–Blackwellised over ``f*`` and ``m*``:
 ``P(h* = 1 | v) = Φ(μ*(v)/sqrt(1 + K̃**))`` and, FITC making the ``f*`` of a bag independent given
-``v``, ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` (no orthant integral needed). Note that
-this is the FITC conditional: VI's ``bag_rule="joint"`` prediction instead uses the full
-within-bag covariance of ``q(f*_b)`` (including ``K_bb − A_bᵀA_b``), so bag-level VI-vs-Gibbs
-comparisons differ by construction when ``M ≪ N`` (``K̃`` not ≈ 0). Predictions work in bounded
-blocks of ``max_elements`` (draw, instance) entries (see :class:`ProbitGibbsResult`).
+``v``, ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` (no orthant integral needed): the FITC
+conditional, not the full within-bag covariance of VI's ``bag_rule="joint"`` (docs/probit.md, "FITC
+vs full covariance"). Predictions work in bounded blocks of ``max_elements`` (draw, instance)
+entries (see :class:`ProbitGibbsResult`).
 """
 from __future__ import annotations
 
@@ -138,13 +137,10 @@ class ProbitGibbsResult:
         """``E[Φ(f*)]`` and ``std[Φ(f*)]`` under the posterior, ``(N,)`` each.
 
         Per draw ``v``: ``Φ(μ*(v)/sqrt(1 + K̃))`` and its std over ``f* | v`` (Sheppard, ``num_points``
-        Gauss–Legendre nodes), then the law of total variance over the draws. Memory: instances are
-        processed in chunks of ``n_c = max_elements // (C·S·num_points)`` (at least 1), so the
-        ``(C·S, n_c, num_points)`` quadrature tensor has at most ``max_elements`` entries; only when
-        ``C·S·num_points > max_elements`` are the draws also split (chunks of
-        ``max_elements // num_points``, sums accumulated), so peak memory is
-        ``O(max_elements + M·n_c + C·S·M)`` elements whatever ``N``. Chunking does not change the
-        result beyond floating-point rounding (tested).
+        Gauss–Legendre nodes), then the law of total variance over the draws. Instances are taken in
+        chunks of ``n_c = max_elements // (C·S·num_points)`` (at least 1), and the draws too (chunks of
+        ``max_elements // num_points``) when ``C·S·num_points > max_elements``: peak memory
+        ``O(max_elements + M·n_c + C·S·M)`` (docs/probit.md, "Memory").
         """
         draws = self.draws
         S = draws.shape[0]

@@ -53,17 +53,7 @@ from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics
 from milgp.variational.projection_cache import ProjectionCache
 
-__all__ = [
-    "AggregateSteps",
-    "aggregate_data_terms",
-    "aggregate_elbo",
-    "aggregate_natural_statistics",
-    "bag_log_predictive",
-    "fit_aggregate",
-    "group_terms",
-    "is_conjugate",
-    "predict_bag_moments",
-]
+__all__ = ["AggregateSteps", "bag_log_predictive", "fit_aggregate", "is_conjugate", "predict_bag_moments"]
 
 
 def _weights(batch: BagBatch) -> Tensor:
@@ -78,115 +68,6 @@ class _Cached:
     block: BlockBase | None
 
 
-def _prepare(
-    model: ApproximateGP, likelihood: AggregateLikelihood, batch: BagBatch, group: BagGroup, L: Tensor | None, grad_hyper: bool,
-    proj: Projection | None = None,
-) -> _Cached:
-    """``group``'s projection (``proj`` when already computed) and, with ``needs_covariance``, its block base."""
-    x = batch.x[group.inst]
-    with torch.set_grad_enabled(grad_hyper and torch.is_grad_enabled()):
-        proj = model.variational_strategy.projection(x, L) if proj is None else proj
-        block = None
-        if likelihood.needs_covariance:
-            block = block_base(model, x, proj, group.local_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
-    return _Cached(proj, block)
-
-
-def group_terms(
-    model: ApproximateGP,
-    likelihood: AggregateLikelihood,
-    batch: BagBatch,
-    group: BagGroup,
-    m: Tensor,
-    S: Tensor,
-    L: Tensor | None,
-    grad_hyper: bool,
-    cached: _Cached | None = None,
-) -> Tensor:
-    """Per-bag expected log-likelihood ``(B_g,)`` of one group; differentiable in ``m, S`` (and in
-    the hyperparameters when ``grad_hyper``; then ``cached`` must be ``None``)."""
-    if cached is None:
-        cached = _prepare(model, likelihood, batch, group, L, grad_hyper)
-    proj = cached.proj
-    w = _weights(batch)[group.inst]
-    y = batch.bag_labels[group.bags]
-    mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
-    blocks = blocks_from_base(cached.block, m, S) if cached.block is not None else None
-    return likelihood.bag_terms(y, w, mean, var, group.local_bags, blocks)
-
-
-def aggregate_elbo(
-    model: ApproximateGP,
-    likelihood: AggregateLikelihood,
-    batch: BagBatch,
-    groups: list[BagGroup],
-    q: WhitenedPosterior | None = None,
-    cached: list[_Cached] | None = None,
-) -> float:
-    """The VBAgg objective: ``Σ_a bag_terms − KL(q(v) ‖ N(0, I))`` (float)."""
-    q = model.variational_strategy.whitened_posterior() if q is None else q
-    return aggregate_data_terms(model, likelihood, batch, groups, q, cached) - float(q.kl_divergence())
-
-
-def aggregate_data_terms(
-    model: ApproximateGP,
-    likelihood: AggregateLikelihood,
-    batch: BagBatch,
-    groups: list[BagGroup],
-    q: WhitenedPosterior,
-    cached: list[_Cached] | None = None,
-) -> float:
-    """``Σ_a bag_terms`` over the bags of ``groups`` under ``q`` (float; no KL); ``cached``: the
-    groups' projections and blocks while the hyperparameters are fixed (``None``: computed here)."""
-    with torch.no_grad():
-        L = model.variational_strategy.inducing_cholesky() if cached is None else None
-        items = cached if cached is not None else [None] * len(groups)
-        return sum(float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum()) for g, c in zip(groups, items))
-
-
-def aggregate_natural_statistics(
-    model: ApproximateGP,
-    likelihood: AggregateLikelihood,
-    batch: BagBatch,
-    groups: list[BagGroup],
-    q: WhitenedPosterior,
-    closed_form: bool = True,
-    cached: list[_Cached] | None = None,
-) -> tuple[NaturalStatistics, float]:
-    """Natural-gradient statistics ``(h, G)`` of the data term at ``q`` and the data term's value.
-
-    Closed form when the likelihood offers it (Normal) and ``closed_form``; otherwise the
-    autograd route of the module docstring.
-    """
-    items = cached if cached is not None else [None] * len(groups)
-    with torch.no_grad():
-        L = model.variational_strategy.inducing_cholesky()
-    if closed_form and is_conjugate(likelihood):
-        stats, value = None, 0.0
-        w_all = _weights(batch)
-        with torch.no_grad():
-            for g, c in zip(groups, items):
-                c = c if c is not None else _prepare(model, likelihood, batch, g, L, False)
-                part = likelihood.closed_form_statistics(
-                    batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local_bags
-                )
-                value += float(group_terms(model, likelihood, batch, g, q.m, q.S, L, False, c).sum())
-                stats = part if stats is None else stats + part
-        return stats, value
-    m = q.m.detach().clone().requires_grad_(True)
-    S = q.S.detach().clone().requires_grad_(True)
-    value = 0.0
-    for g, c in zip(groups, items):
-        terms = group_terms(model, likelihood, batch, g, m, S, L, False, c).sum()
-        terms.backward()
-        value += float(terms.detach())
-    gm = m.grad if m.grad is not None else torch.zeros_like(m)
-    gS = S.grad if S.grad is not None else torch.zeros_like(S)
-    gS = 0.5 * (gS + gS.mT)
-    h = gm - 2.0 * gS @ q.m
-    return NaturalStatistics(h=h.detach(), G=(-2.0 * gS).detach()), value
-
-
 def is_conjugate(likelihood: AggregateLikelihood) -> bool:
     """Whether ``likelihood`` has closed-form natural statistics (the Normal model): its natural
     step with ρ = 1 on all bags is the exact optimum of q(v)."""
@@ -198,7 +79,8 @@ class AggregateSteps:
     on ``batch``: natural steps of ``q(v)`` (:meth:`sweep`, :meth:`minibatch_step`) and Adam on the
     ELBO per instance. The Lightning GP head takes its training step with these steps on its batch
     (``bags=None`` in :meth:`minibatch_step`), the statistics and data terms summed over DDP ranks by
-    ``reduce`` and ``reduce_value``.
+    ``reduce`` and ``reduce_value``. The objective's pieces on any groups of the batch:
+    :meth:`group_terms`, :meth:`data_terms`, :meth:`aggregate_elbo`, :meth:`natural_statistics`.
 
     Attributes:
         rho: the step size of the next full-batch step (adaptive; 1 for the conjugate model).
@@ -245,13 +127,91 @@ class AggregateSteps:
         self.locals = None  # aggregate likelihoods have no locals
         self._minibatch: tuple[Tensor, list[BagGroup]] | None = None  # the last minibatch: bags, groups
 
+    def _prepare(
+        self, batch: BagBatch, group: BagGroup, L: Tensor | None, grad_hyper: bool, proj: Projection | None = None
+    ) -> _Cached:
+        """``group``'s projection (``proj`` when already computed) and, with ``needs_covariance``, its block base."""
+        x = batch.x[group.inst]
+        with torch.set_grad_enabled(grad_hyper and torch.is_grad_enabled()):
+            proj = self.strategy.projection(x, L) if proj is None else proj
+            block = None
+            if self.likelihood.needs_covariance:
+                block = block_base(self.model, x, proj, group.local_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
+        return _Cached(proj, block)
+
+    def group_terms(
+        self, group: BagGroup, m: Tensor, S: Tensor, L: Tensor | None, grad_hyper: bool,
+        cached: _Cached | None = None, batch: BagBatch | None = None,
+    ) -> Tensor:
+        """Per-bag expected log-likelihood ``(B_g,)`` of one group of ``batch`` (default: this
+        steps' batch); differentiable in ``m, S`` (and in the hyperparameters when ``grad_hyper``;
+        then ``cached`` must be ``None``)."""
+        batch = self.batch if batch is None else batch
+        if cached is None:
+            cached = self._prepare(batch, group, L, grad_hyper)
+        proj = cached.proj
+        w = _weights(batch)[group.inst]
+        y = batch.bag_labels[group.bags]
+        mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
+        blocks = blocks_from_base(cached.block, m, S) if cached.block is not None else None
+        return self.likelihood.bag_terms(y, w, mean, var, group.local_bags, blocks)
+
+    def aggregate_elbo(self, groups: list[BagGroup], q: WhitenedPosterior, cached: list[_Cached] | None = None) -> float:
+        """The VBAgg objective: ``Σ_a bag_terms − KL(q(v) ‖ N(0, I))`` (float) over the bags of ``groups``."""
+        return self.data_terms(groups, q, cached) - float(q.kl_divergence())
+
+    def data_terms(self, groups: list[BagGroup], q: WhitenedPosterior, cached: list[_Cached] | None = None) -> float:
+        """``Σ_a bag_terms`` over the bags of ``groups`` under ``q`` (float; no KL); ``cached``: the
+        groups' projections and blocks while the hyperparameters are fixed (``None``: computed here)."""
+        with torch.no_grad():
+            L = self.strategy.inducing_cholesky() if cached is None else None
+            items = cached if cached is not None else [None] * len(groups)
+            return sum(float(self.group_terms(g, q.m, q.S, L, False, c).sum()) for g, c in zip(groups, items))
+
+    def natural_statistics(
+        self, groups: list[BagGroup], q: WhitenedPosterior, closed_form: bool = True, cached: list[_Cached] | None = None
+    ) -> tuple[NaturalStatistics, float]:
+        """Natural-gradient statistics ``(h, G)`` of the data term of ``groups`` at ``q`` and the data
+        term's value.
+
+        Closed form when the likelihood offers it (Normal) and ``closed_form``; otherwise the
+        autograd route of the module docstring.
+        """
+        items = cached if cached is not None else [None] * len(groups)
+        with torch.no_grad():
+            L = self.strategy.inducing_cholesky()
+        if closed_form and self.conjugate:
+            stats, value = None, 0.0
+            w_all = _weights(self.batch)
+            with torch.no_grad():
+                for g, c in zip(groups, items):
+                    c = c if c is not None else self._prepare(self.batch, g, L, False)
+                    part = self.likelihood.closed_form_statistics(
+                        self.batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local_bags
+                    )
+                    value += float(self.group_terms(g, q.m, q.S, L, False, c).sum())
+                    stats = part if stats is None else stats + part
+            return stats, value
+        m = q.m.detach().clone().requires_grad_(True)
+        S = q.S.detach().clone().requires_grad_(True)
+        value = 0.0
+        for g, c in zip(groups, items):
+            terms = self.group_terms(g, m, S, L, False, c).sum()
+            terms.backward()
+            value += float(terms.detach())
+        gm = m.grad if m.grad is not None else torch.zeros_like(m)
+        gS = S.grad if S.grad is not None else torch.zeros_like(S)
+        gS = 0.5 * (gS + gS.mT)
+        h = gm - 2.0 * gS @ q.m
+        return NaturalStatistics(h=h.detach(), G=(-2.0 * gS).detach()), value
+
     def _cache(self) -> list[_Cached] | None:
         """Every group's projection and (with ``needs_covariance``) block base, computed once per
         hyperparameter setting; ``None`` when they do not fit the budget."""
         if self.projector is not None and self._cached is None:
             with torch.no_grad():
                 self._cached = [
-                    _prepare(self.model, self.likelihood, self.batch, g, None, False, proj)
+                    self._prepare(self.batch, g, None, False, proj)
                     for g, (_, proj) in zip(self.groups, self.projector.chunks())
                 ]
         return self._cached
@@ -261,12 +221,12 @@ class AggregateSteps:
 
     def _step(self, groups: list[BagGroup], rho: float, scale: float, check: bool, cached: list[_Cached] | None) -> bool:
         """One natural step on the bags of ``groups``: the statistics of
-        :func:`aggregate_natural_statistics` (summed over ranks by ``reduce``; ``reduce_value`` sums
+        :meth:`natural_statistics` (summed over ranks by ``reduce``; ``reduce_value`` sums
         the data term), then :meth:`WhitenedPosterior.try_natural_step` with ``ρ`` halved (while
         ``ρ ≥ 1e-6``) until the new precision is positive definite and, with ``check``, the batch's
         ELBO estimate ``scale · data − KL`` does not fall. Writes the new ``q(v)``; returns whether
         a step was taken."""
-        stats, data = aggregate_natural_statistics(self.model, self.likelihood, self.batch, groups, self.q, cached=cached)
+        stats, data = self.natural_statistics(groups, self.q, cached=cached)
         if self.reduce is not None:
             stats = self.reduce(stats)
         if self.reduce_value is not None:
@@ -275,7 +235,7 @@ class AggregateSteps:
         checked: list[float] = []
 
         def ascends(q_new: WhitenedPosterior) -> bool:
-            data_new = aggregate_data_terms(self.model, self.likelihood, self.batch, groups, q_new, cached)
+            data_new = self.data_terms(groups, q_new, cached)
             if self.reduce_value is not None:  # the data term is a sum over ranks, KL is not
                 data_new = self.reduce_value(data_new)
             checked.append(scale * data_new - float(q_new.kl_divergence()))
@@ -318,7 +278,7 @@ class AggregateSteps:
         hyperparameters and the likelihood's parameters (the whitened KL does not depend on them)."""
         batch = self.batch if x is None else BagBatch(x, self.batch.bag_index, self.batch.bag_labels, instance_weights=self.batch.instance_weights)
         L = self.strategy.inducing_cholesky()
-        return torch.stack([group_terms(self.model, self.likelihood, batch, g, self.q.m, self.q.S, L, True).sum() for g in self.groups]).sum()
+        return torch.stack([self.group_terms(g, self.q.m, self.q.S, L, True, batch=batch).sum() for g in self.groups]).sum()
 
     def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:
         if bags is None:
@@ -331,7 +291,7 @@ class AggregateSteps:
         optimizer.zero_grad(set_to_none=True)
         for g in groups:
             L = self.strategy.inducing_cholesky()
-            terms = group_terms(self.model, self.likelihood, self.batch, g, self.q.m, self.q.S, L, True).sum()
+            terms = self.group_terms(g, self.q.m, self.q.S, L, True).sum()
             (-terms / float(n)).backward()
         optimizer.step()
 
@@ -342,7 +302,7 @@ class AggregateSteps:
 
     def evaluate(self, with_objective: bool) -> tuple[float, float | None]:
         if self.elbo is None:
-            self.elbo = aggregate_elbo(self.model, self.likelihood, self.batch, self.groups, self.q, self._cache())
+            self.elbo = self.aggregate_elbo(self.groups, self.q, self._cache())
         return self.elbo, (self.elbo if with_objective else None)  # the hyperparameters ascend the ELBO itself
 
     def finish(self, result: FitResult) -> None:

@@ -43,13 +43,9 @@ def closed_form_elbo(
     chunk_size: int = 65536,
 ) -> float:
     """The closed-form ELBO (data terms at ``locals_`` minus ``KL(q(v) ‖ N(0, I))``) of a model
-    built on :class:`~milgp.models.ClosedFormStrategy`."""
-    strategy = ClosedFormStrategy.of(model)
-    q = strategy.whitened_posterior()
-    mean, var = ProjectionCache(strategy, batch.x, chunk_size, 0).moments(q)
-    with torch.no_grad():
-        data = likelihood.elbo_terms(mean, var, batch.bags, batch.bag_labels, locals_).sum()
-        return float(data - q.kl_divergence())
+    built on :class:`~milgp.models.ClosedFormStrategy`: :meth:`ClosedFormSteps.evaluate` at its current q(v)."""
+    steps = ClosedFormSteps(ClosedFormStrategy.of(model), likelihood, batch, chunk_size=chunk_size, cache_bytes=0, initial_locals=locals_)
+    return steps.evaluate(False)[0]
 
 
 class ClosedFormSteps:

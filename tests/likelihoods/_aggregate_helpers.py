@@ -6,6 +6,7 @@ import torch
 from milgp.data.bags import BagBatch, bag_index_from_sizes
 from milgp.models.closed_form_strategy import WhitenedPosterior
 from milgp.models.sparse_gp import SparseGP
+from milgp.variational.aggregate_fit import AggregateSteps
 
 
 def random_model(dim: int = 2, num_inducing: int = 6, seed: int = 0, constant_mean: bool = True, natural: bool = True) -> SparseGP:
@@ -46,3 +47,9 @@ def dense_posterior(model: SparseGP, x: torch.Tensor, q: WhitenedPosterior) -> t
 
 def make_batch(x, bag_index, y, weights=None) -> BagBatch:
     return BagBatch(x, bag_index, y, instance_weights=weights)
+
+
+def steps_of(model: SparseGP, likelihood, batch: BagBatch) -> AggregateSteps:
+    """The :class:`AggregateSteps` of ``model`` and ``likelihood`` on ``batch``: its methods are the
+    aggregate objective's terms, ELBO and natural statistics."""
+    return AggregateSteps(model.variational_strategy, likelihood, batch)

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
+from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior, steps_of
 
 from milgp.likelihoods import ExponentialAggregateLikelihood
 from milgp.data.bags import Bags
-from milgp.variational.aggregate_fit import group_terms, fit_aggregate
+from milgp.variational.aggregate_fit import fit_aggregate
 
 
 def test_bound_is_below_monte_carlo_expected_log_likelihood():
@@ -26,7 +26,7 @@ def test_bound_is_below_monte_carlo_expected_log_likelihood():
     lik = ExponentialAggregateLikelihood("exp")
     g = Bags(bag_index, len(sizes)).groups()[0]
     with torch.no_grad():
-        bound = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
+        bound = steps_of(model, lik, make_batch(x, bag_index, y, w)).group_terms(g, q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
         bound = bound[torch.argsort(g.bags)]
         mean, cov = dense_posterior(model, x, q)
         f = mean + torch.randn(200000, len(mean), generator=torch.Generator().manual_seed(0), dtype=torch.float64) @ torch.linalg.cholesky(cov).mT

@@ -7,11 +7,10 @@ import math
 import gpytorch
 import pytest
 import torch
-from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
+from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior, steps_of
 
 from milgp.likelihoods import NormalAggregateLikelihood
 from milgp.data.bags import Bags
-from milgp.variational.aggregate_fit import aggregate_elbo, aggregate_natural_statistics
 
 TAU = 0.37
 
@@ -40,7 +39,7 @@ def test_elbo_with_singleton_bags_equals_gpytorch_svgp_elbo():
     model.train()
     with torch.no_grad():
         reference = float(gpytorch.mlls.VariationalELBO(gauss, model, num_data=N)(model(x), y)) * N
-    ours = aggregate_elbo(model, lik, make_batch(x, bag_index, y), Bags(bag_index, N).groups(), q)
+    ours = steps_of(model, lik, make_batch(x, bag_index, y)).aggregate_elbo(Bags(bag_index, N).groups(), q)
     assert abs(ours - reference) < 1e-8 * max(1.0, abs(reference))
     # the same through our likelihood plugged into GPyTorch's VariationalELBO
     with torch.no_grad():
@@ -57,7 +56,7 @@ def test_gpytorch_path_with_real_bags_matches_closed_form_and_needs_covariance()
     sizes = [3, 1, 4, 2, 5]
     model, q, x, bag_index, y, w, lik = _setup(sizes)
     N = len(bag_index)
-    ref = aggregate_elbo(model, lik, make_batch(x, bag_index, y, w), Bags(bag_index, len(sizes)).groups(), q)
+    ref = steps_of(model, lik, make_batch(x, bag_index, y, w)).aggregate_elbo(Bags(bag_index, len(sizes)).groups(), q)
     mll = gpytorch.mlls.VariationalELBO(lik, model, num_data=N)
     model.train()
     target = y[bag_index]
@@ -104,17 +103,17 @@ def test_one_natural_step_is_the_exact_optimum():
     batch = make_batch(x, bag_index, y, w)
     groups = Bags(bag_index, len(sizes)).groups()
     q0 = random_posterior(model.variational_strategy.num_inducing, seed=9)
-    stats, _ = aggregate_natural_statistics(model, lik, batch, groups, q0)
+    stats, _ = steps_of(model, lik, batch).natural_statistics(groups, q0)
     q1 = q0.try_natural_step(stats, 1.0, 1.0)
-    elbo = aggregate_elbo(model, lik, batch, groups, q1)
+    elbo = steps_of(model, lik, batch).aggregate_elbo(groups, q1)
     bound = _collapsed_bound(model, x, bag_index, y, w, TAU)
     assert abs(elbo - bound) < 1e-8 * abs(bound)
     # the generic (autograd) natural gradient reproduces the closed-form statistics ...
-    auto, _ = aggregate_natural_statistics(model, lik, batch, groups, q0, closed_form=False)
+    auto, _ = steps_of(model, lik, batch).natural_statistics(groups, q0, closed_form=False)
     torch.testing.assert_close(auto.h, stats.h, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(auto.G, stats.G, rtol=1e-9, atol=1e-10)
     # ... and is a fixed point at the optimum
-    q2 = q1.try_natural_step(aggregate_natural_statistics(model, lik, batch, groups, q1, closed_form=False)[0], 1.0, 1.0)
+    q2 = q1.try_natural_step(steps_of(model, lik, batch).natural_statistics(groups, q1, closed_form=False)[0], 1.0, 1.0)
     torch.testing.assert_close(q2.m, q1.m, rtol=1e-8, atol=1e-10)
     torch.testing.assert_close(q2.S, q1.S, rtol=1e-8, atol=1e-10)
 
@@ -126,10 +125,8 @@ def test_expected_log_likelihood_matches_monte_carlo():
     model, q, x, bag_index, y, w, lik = _setup(sizes, seed=11)
     batch = make_batch(x, bag_index, y, w)
     groups = Bags(bag_index, len(sizes)).groups()
-    from milgp.variational.aggregate_fit import group_terms
-
     with torch.no_grad():
-        terms = group_terms(model, lik, batch, groups[0], q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
+        terms = steps_of(model, lik, batch).group_terms(groups[0], q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
         terms = terms[torch.argsort(groups[0].bags)]
         mean, cov = dense_posterior(model, x, q)
         g = torch.Generator().manual_seed(0)

@@ -9,18 +9,12 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
-from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior
+from _aggregate_helpers import dense_posterior, make_batch, random_bags, random_model, random_posterior, steps_of
 
 from milgp.likelihoods import PoissonAggregateLikelihood
 from milgp.likelihoods.aggregate import bag_blocks
 from milgp.data.bags import Bags
-from milgp.variational.aggregate_fit import (
-    group_terms,
-    aggregate_elbo,
-    aggregate_natural_statistics,
-    fit_aggregate,
-    predict_bag_moments,
-)
+from milgp.variational.aggregate_fit import fit_aggregate, predict_bag_moments
 
 SIZES = [3, 5, 8, 2]
 
@@ -42,7 +36,7 @@ def _terms(model, lik, x, bag_index, y, w, q):
     out = torch.empty(len(y), dtype=torch.float64)
     with torch.no_grad():
         for g in groups:
-            out[g.bags] = group_terms(model, lik, make_batch(x, bag_index, y, w), g, q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
+            out[g.bags] = steps_of(model, lik, make_batch(x, bag_index, y, w)).group_terms(g, q.m, q.S, model.variational_strategy.inducing_cholesky(), False)
     return out
 
 
@@ -171,7 +165,7 @@ def test_natural_gradient_fit_increases_the_objective_to_a_fixed_point(link):
     diffs = np.diff(res.elbo)
     assert (diffs >= -1e-8 * np.abs(res.elbo[:-1])).all()
     q = model.variational_strategy.whitened_posterior()
-    stats, _ = aggregate_natural_statistics(model, lik, batch, Bags(bag_index, len(sizes)).groups(), q)
+    stats, _ = steps_of(model, lik, batch).natural_statistics(Bags(bag_index, len(sizes)).groups(), q)
     eta1_hat, P_hat = stats.targets()
     torch.testing.assert_close(eta1_hat, q.precision @ q.m, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(P_hat, q.precision, rtol=1e-4, atol=1e-5)

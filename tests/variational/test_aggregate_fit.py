@@ -150,7 +150,8 @@ def test_the_elbo_trace_is_the_elbo_of_each_accepted_state() -> None:
         trace = []
 
         def record(it: int, elbo: float) -> None:
-            trace.append((elbo, aggregate_fit.aggregate_elbo(model, likelihood, batch, batch.bags.groups())))
+            steps = aggregate_fit.AggregateSteps(model.variational_strategy, likelihood, batch)
+            trace.append((elbo, steps.aggregate_elbo(batch.bags.groups(), steps.q)))
 
         # ρ up to 4: some trial steps overshoot and are halved (3 of 6 here)
         fit_aggregate(model, likelihood, batch, max_iter=6, tol=0.0, learn_hyperparameters=learn, rho0=1.0, rho_max=4.0, callback=record)
