@@ -33,7 +33,7 @@ CV_FOLDS = 3
 _VBAGG_DEFAULT_LINK = {"poisson": "exp", "normal": "identity", "exponential": "exp"}
 
 
-@dataclass(eq=False, repr=False)  # __init__ stores the parameters as given (scikit-learn); BaseEstimator's repr and ==
+@dataclass(eq=False, repr=False)  # only for its __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
 class VBAggRegressor(RegressorMixin, BaseEstimator):
     """VBAgg: individual-level GP regression from bag-level aggregate outputs (Law et al., *Variational
     Learning on Aggregate Outputs with Gaussian Processes*, NeurIPS 2018).

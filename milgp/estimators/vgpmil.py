@@ -11,7 +11,7 @@ from milgp.prediction import BagRule
 __all__ = ["VGPMILClassifier"]
 
 
-@dataclass(eq=False, repr=False)  # __init__ stores the parameters as given (scikit-learn); BaseEstimator's repr and ==
+@dataclass(eq=False, repr=False)  # only for its __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
 class VGPMILClassifier(MILClassifierBase):
     """ψ-VGPMIL bag classifier: VGPMIL (``psi="pg"``, Haußmann et al., *Variational Bayesian
     Multiple Instance Learning with Gaussian Processes*, CVPR 2017) or G-VGPMIL (``psi="gamma"``,
