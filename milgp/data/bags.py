@@ -230,9 +230,8 @@ def flatten_bags(bags: Sequence[Any]) -> tuple[Tensor, Tensor]:
 
 def split_by_bag(values: Tensor, bag_index: Tensor, num_bags: int | None = None) -> list[Tensor]:
     """Inverse of :func:`flatten_bags`: a list of per-bag tensors (for user-facing outputs)."""
-    sizes = bag_sizes(bag_index, num_bags)
-    order = torch.argsort(bag_index, stable=True)
-    return list(torch.split(values[order], sizes.tolist()))
+    bags = Bags.from_index(bag_index, num_bags)
+    return list(torch.split(values[bags.padding.order], bags.sizes.tolist()))
 
 
 def to_padded(x: Tensor, bags: Bags, fill: float = 0.0, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -358,12 +357,11 @@ class BagBatch:
         keep = new_index >= 0
         order = torch.argsort(new_index[keep], stable=True)
         idx = torch.nonzero(keep, as_tuple=True)[0][order]
-        sub = BagBatch(
-            x=self.x[idx],
+        sub = replace(
+            self,
+            **{f: t[idx] for f in ("x", "instance_labels", "instance_weights") if (t := getattr(self, f)) is not None},
             bag_index=new_index[idx],
             bag_labels=self.bag_labels[bags_t],
-            instance_labels=None if self.instance_labels is None else self.instance_labels[idx],
-            instance_weights=None if self.instance_weights is None else self.instance_weights[idx],
             bag_ids=None if self.bag_ids is None else [self.bag_ids[int(b)] for b in bags_t],
         )
         return sub, idx

@@ -35,7 +35,7 @@ from scipy import stats
 from torch import Tensor
 
 from milgp.data.bags import Bags, identity_padded, to_padded
-from milgp.likelihoods.base import bags_from_keywords
+from milgp.likelihoods.base import bag_share, bags_from_keywords
 
 __all__ = [
     "AggregateLikelihood",
@@ -272,8 +272,8 @@ def _is_train_mode_diagonal(function_dist: Any) -> bool:
 class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     """Base class of the aggregate-output bag likelihoods (see the module docstring).
 
-    Subclasses set :attr:`needs_covariance` and implement :meth:`bag_terms` and
-    :meth:`check_targets`; optionally :meth:`closed_form_statistics` (conjugate models) and
+    Subclasses set :attr:`needs_covariance` and implement :meth:`bag_terms`; optionally
+    :meth:`check_targets`, :meth:`closed_form_statistics` (conjugate models) and
     :meth:`observation_moments`.
     """
 
@@ -310,9 +310,16 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         ``Σ w_i²``, the Normal model's noise scale). The bag's predictive log-likelihood is its
         average over the joint ``q(f_b)`` (:func:`milgp.variational.aggregate_fit.bag_log_predictive`)."""
 
-    @abstractmethod
     def check_targets(self, y: np.ndarray) -> None:
-        """Raise ``ValueError`` naming the first bag whose target is invalid for this model."""
+        """Raise ``ValueError`` naming the first bag whose (finite) target is invalid for this model
+        (:meth:`refuse_bags`); every finite target is valid unless a subclass says otherwise."""
+
+    def refuse_bags(self, invalid: np.ndarray, y: np.ndarray, rule: str) -> None:
+        """``ValueError`` naming the first bag where ``invalid`` ``(B,)`` holds, its target ``y`` and
+        the ``rule`` it breaks."""
+        bad = np.nonzero(invalid)[0]
+        if len(bad):
+            raise ValueError(f"bag {int(bad[0])} has {self.target_name} {float(y[bad[0]])}; {rule}")
 
     def closed_form_statistics(self, *args: Any, **kwargs: Any) -> Any:
         """Exact natural-parameter statistics when the expected log-likelihood is quadratic in
@@ -337,9 +344,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         y_np = np.asarray(torch.as_tensor(y).detach().cpu().numpy() if isinstance(y, Tensor) else y, dtype=np.float64)
         if y_np.shape != (num_bags,):
             raise ValueError(f"expected one {self.target_name} per bag ({num_bags}), got shape {y_np.shape}")
-        bad = np.nonzero(~np.isfinite(y_np))[0]
-        if len(bad):
-            raise ValueError(f"bag {int(bad[0])} has {self.target_name} {float(y_np[bad[0]])}; targets must be finite (no NaN/inf)")
+        self.refuse_bags(~np.isfinite(y_np), y_np, "targets must be finite (no NaN/inf)")
         self.check_targets(y_np)
         w = np.asarray(weights.detach().cpu().numpy() if isinstance(weights, Tensor) else weights, dtype=np.float64)
         b_idx = bags.index.detach().cpu().numpy()
@@ -396,8 +401,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 )
             else:
                 blocks = _blocks_from_distribution(function_dist, bags, weights)
-        terms = self.bag_terms(y, weights, mean, var, bags, blocks)
-        return (terms / bags.sizes.to(terms.dtype))[bag_index]
+        return bag_share(self.bag_terms(y, weights, mean, var, bags, blocks), bags)
 
     # -- predictions --------------------------------------------------------------------------
     def rate_mean(self, mean: Tensor, var: Tensor) -> Tensor:

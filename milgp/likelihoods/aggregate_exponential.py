@@ -39,9 +39,7 @@ class ExponentialAggregateLikelihood(AggregateLikelihood):
             )
 
     def check_targets(self, y: np.ndarray) -> None:
-        bad = np.nonzero(y < 0)[0]
-        if len(bad):
-            raise ValueError(f"bag {int(bad[0])} has target {float(y[bad[0]])}; Exponential targets must be non-negative")
+        self.refuse_bags(y < 0, y, "Exponential targets must be non-negative")
 
     def bag_terms(
         self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bags: Bags, blocks: PaddedBlocks | None

@@ -22,7 +22,6 @@ import math
 from typing import Any
 
 import gpytorch
-import numpy as np
 import torch
 from gpytorch.constraints import GreaterThan
 from torch import Tensor
@@ -62,9 +61,6 @@ class NormalAggregateLikelihood(AggregateLikelihood):
     def noise(self, value: float | Tensor) -> None:
         value = torch.as_tensor(value, dtype=self.raw_noise.dtype)
         self.initialize(raw_noise=self.raw_noise_constraint.inverse_transform(value))
-
-    def check_targets(self, y: np.ndarray) -> None:  # finiteness is checked by the base class
-        return None
 
     def bag_terms(
         self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bags: Bags, blocks: PaddedBlocks | None

@@ -46,9 +46,7 @@ class PoissonAggregateLikelihood(AggregateLikelihood):
         self.needs_covariance = isinstance(self.link, SquareLink)
 
     def check_targets(self, y: np.ndarray) -> None:
-        bad = np.nonzero((y < 0) | (y != np.round(y)))[0]
-        if len(bad):
-            raise ValueError(f"bag {int(bad[0])} has count {float(y[bad[0]])}; Poisson counts must be non-negative integers")
+        self.refuse_bags((y < 0) | (y != np.round(y)), y, "Poisson counts must be non-negative integers")
 
     def bag_terms(
         self, y: Tensor, weights: Tensor, mean: Tensor, var: Tensor, bags: Bags, blocks: PaddedBlocks | None
@@ -58,9 +56,9 @@ class PoissonAggregateLikelihood(AggregateLikelihood):
         const = torch.lgamma(y + 1)
         if isinstance(self.link, ExpLink):
             log_term = segment_logsumexp(torch.log(weights) + mean, bag_index, num_bags)  # Lemma 1
+        elif blocks is None:
+            raise ValueError("the square link needs the within-bag covariance blocks (PaddedBlocks)")
         else:
-            if blocks is None:
-                raise ValueError("the square link needs the within-bag covariance blocks (PaddedBlocks)")
             log_term = self.taylor_log_norm(blocks)
         return y * log_term - rate - const
 

@@ -29,7 +29,7 @@ from torch.distributions import Bernoulli
 from milgp.data.bags import Bags, segment_max
 from milgp.likelihoods.instance_link import InstanceLink
 
-__all__ = ["AugmentedBagLikelihood", "bags_from_keywords", "check_bag_size_cap"]
+__all__ = ["AugmentedBagLikelihood", "bag_share", "bags_from_keywords", "check_bag_size_cap"]
 
 
 def check_bag_size_cap(cap: float | None) -> float | None:
@@ -53,6 +53,11 @@ def bags_from_keywords(
         )
     labels = kwargs.get(labels_key)
     return Bags.from_index(bag_index, None if labels is None else int(labels.shape[0])), labels
+
+
+def bag_share(bag_values: Tensor, bags: Bags) -> Tensor:
+    """Spread per-bag values ``(B,)`` evenly over their instances ``(N,)``."""
+    return (bag_values / bags.sizes.to(bag_values.dtype))[bags.index]
 
 
 class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
@@ -85,8 +90,7 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         """``(b, λ)`` ``(N,), (N,)``: coefficients of the augmented expected log-likelihood
         (:meth:`_quadratic_terms` tempered by :meth:`instance_weights`)."""
         b, lam = self._quadratic_terms(mean, var, bags, bag_labels, locals_)
-        w = self.instance_weights(bags, mean.dtype)
-        return (b, lam) if w is None else (w * b, w * lam)
+        return self._tempered(b, bags), self._tempered(lam, bags)
 
     @abstractmethod
     def init_locals(self, bags: Bags, bag_labels: Tensor, mean: Tensor) -> Any:
@@ -165,8 +169,3 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         """Predictive instance label ``Bernoulli(E[p(y=1|f*)])`` from :attr:`instance_link` (logistic:
         Castro-Macías et al. 2024, Eq. 31; probit: ``Φ(μ/sqrt(1 + σ²))``)."""
         return Bernoulli(probs=self.instance_link.moments(function_dist.mean, function_dist.variance)[0])
-
-    @staticmethod
-    def _bag_share(bag_values: Tensor, bags: Bags) -> Tensor:
-        """Spread per-bag values ``(B,)`` evenly over their instances ``(N,)``."""
-        return (bag_values / bags.sizes.to(bag_values.dtype))[bags.index]

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributions import Bernoulli
 
 from milgp.data.bags import Bags
-from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
+from milgp.likelihoods.base import AugmentedBagLikelihood, bag_share, check_bag_size_cap
 from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.noisy_or import MAX_RULE_DAMPING, PI_CLAMP, log_prob_bag_all_negative, update_instance_labels
 from milgp.likelihoods.psi import GammaPsi, GSMDensity, HyperbolicSecantPsi
@@ -118,10 +118,8 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         return locals_ - 0.5, self.psi.theta(c)
 
     def elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
-        pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
         c = torch.sqrt(mean * mean + var)
-        instance = self._tempered((pi - 0.5) * mean + self.psi.log_psi(c) + _LOG_PI, bags)
-        return self._with_label_terms(instance, pi, bags, bag_labels)
+        return self._terms_given(self.psi.log_psi(c), mean, bags, bag_labels, locals_)
 
     def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         """The exact logistic (ψ = φ) expected log-likelihood at the current π, whatever ψ is.
@@ -137,15 +135,17 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         ψ ≠ φ surrogate is no objective for the kernel: without ``−log Z`` it is unbounded in the kernel
         variance when ψ has heavier tails than φ (``ψ_G/φ`` grows like ``e^{|f|/2}``).
         """
-        pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
         expected_log_phi = gauss_hermite_expectation(_LOGISTIC_PSI.log_psi, mean, var, 20)
-        instance = self._tempered((pi - 0.5) * mean + expected_log_phi + _LOG_PI, bags)
-        return self._with_label_terms(instance, pi, bags, bag_labels)
+        return self._terms_given(expected_log_phi, mean, bags, bag_labels, locals_)
 
-    def _with_label_terms(self, instance: Tensor, pi: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
-        """``instance`` ``(N,)`` plus the q(y) entropy and the bag terms (:meth:`bag_log_likelihood`)."""
+    def _terms_given(self, log_psi: Tensor, mean: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
+        """The per-instance ELBO terms ``(N,)`` given the (bound on the) expected ``log ψ(f_n)``: the
+        tempered ``(π_n − ½) μ_n + log ψ + log π`` plus the q(y) entropy and the bag terms
+        (:meth:`bag_log_likelihood`)."""
+        pi = locals_.clamp(PI_CLAMP, 1 - PI_CLAMP)
+        instance = self._tempered((pi - 0.5) * mean + log_psi + _LOG_PI, bags)
         entropy = -(pi * torch.log(pi) + (1 - pi) * torch.log1p(-pi))
-        return instance + entropy + self._bag_share(self.bag_log_likelihood(pi, bags, bag_labels), bags)
+        return instance + entropy + bag_share(self.bag_log_likelihood(pi, bags, bag_labels), bags)
 
     def bag_log_likelihood(self, pi: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
         """``E_q[log p(T_b | y_b)] = log H · E[G_b] − log(H + 1)`` per bag ``(B,)``."""

@@ -63,7 +63,7 @@ from torch import Tensor
 from torch.distributions import Bernoulli
 
 from milgp.data.bags import Bags, segment_logsumexp, segment_sum
-from milgp.likelihoods.base import AugmentedBagLikelihood, check_bag_size_cap
+from milgp.likelihoods.base import AugmentedBagLikelihood, bag_share, check_bag_size_cap
 from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.truncated_normal import (
     hazard_excess,
@@ -182,15 +182,14 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
         ``mean``, ``var``. At the optimal locals ``ν = μ`` (a fit's state after every update) and
         without gradients, (★) is the collapsed bound, which needs no truncated moments."""
         nu = locals_
-        log_cdf = instance_log_cdf(nu, bags.index, bag_labels, self.single_instance)
-        log_z = bag_log_normaliser(nu, bags.index, bag_labels, bags.num_bags, self.single_instance, log_cdf)
-        share = self._bag_share(log_z, bags)
         differentiable = torch.is_grad_enabled() and (mean.requires_grad or var.requires_grad or nu.requires_grad)
         if not differentiable and torch.equal(nu, mean):
-            return share - self._tempered(0.5 * var, bags)
+            return self.collapsed_elbo_terms(mean, var, bags, bag_labels)
+        log_cdf = instance_log_cdf(nu, bags.index, bag_labels, self.single_instance)
+        log_z = bag_log_normaliser(nu, bags.index, bag_labels, bags.num_bags, self.single_instance, log_cdf)
         em = expected_augmentation(nu, bags.index, bag_labels, bags.num_bags, self.single_instance, log_z, log_cdf)
         inst = self._tempered((mean - nu) * em + 0.5 * (nu * nu - mean * mean) - 0.5 * var, bags)
-        return inst + share
+        return inst + bag_share(log_z, bags)
 
     def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Tensor:
         """The collapsed bound ``Σ_b log Z_b(μ) − ½ Σ σ²`` (ELBO maximised over q(m)), per instance."""
@@ -199,7 +198,7 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
     def collapsed_elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor) -> Tensor:
         """``(★)`` at ``ν = μ``: ``log Z_b(μ)`` shared over the bag minus ``½σ²_n``, ``(N,)``."""
         log_z = bag_log_normaliser(mean, bags.index, bag_labels, bags.num_bags, self.single_instance)
-        return self._bag_share(log_z, bags) - self._tempered(0.5 * var, bags)
+        return bag_share(log_z, bags) - self._tempered(0.5 * var, bags)
 
     # -- GPyTorch Likelihood API ----------------------------------------------------------------
     def forward(self, function_samples: Tensor, *args: Any, **kwargs: Any) -> Bernoulli:

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from milgp.data.bags import BagLayout, Bags, segment_sum
+from milgp.data.bags import BagLayout, Bags, segment_max, segment_sum
 
 __all__ = ["MAX_RULE_DAMPING", "PI_CLAMP", "log_prob_bag_all_negative", "positions_in_bag", "update_instance_labels"]
 
@@ -129,7 +129,7 @@ def _sweep_layout(mean: Tensor, pi: Tensor, sign: Tensor, log_keep: Tensor, log_
 
 def _parallel_max_update(mean: Tensor, pi: Tensor, bag_index: Tensor, sign: Tensor, num_bags: int, log_h: float) -> Tensor:
     """Reference-code rule: ``E[max y_{b∖n}] ≈ max_{i∈b, i≠n} π_i`` (0 for a bag of one)."""
-    top1 = pi.new_full((num_bags,), -math.inf).scatter_reduce(0, bag_index, pi, "amax", include_self=True)
+    top1 = segment_max(pi, bag_index, num_bags)
     is_top = pi == top1[bag_index]
     # the second largest: mask one occurrence of the maximum per bag
     cand = torch.where(is_top, torch.arange(len(pi), device=pi.device), torch.full_like(bag_index, len(pi)))
@@ -139,7 +139,7 @@ def _parallel_max_update(mean: Tensor, pi: Tensor, bag_index: Tensor, sign: Tens
     # a bag without instances marks the spare last slot: no boolean indexing (a device synchronisation)
     first_top = is_top.new_zeros(len(pi) + 1).index_fill_(0, first_idx, True)[:-1]
     rest = torch.where(first_top, -math.inf, pi)
-    top2 = pi.new_full((num_bags,), -math.inf).scatter_reduce(0, bag_index, rest, "amax", include_self=True)
+    top2 = segment_max(rest, bag_index, num_bags)
     other_max = torch.where(first_top, top2[bag_index], top1[bag_index])
     other_max = torch.where(torch.isinf(other_max), torch.zeros_like(other_max), other_max)
     return torch.sigmoid(mean + log_h * sign * (1 - other_max)).clamp(PI_CLAMP, 1 - PI_CLAMP)

@@ -156,9 +156,7 @@ def _top_weighted_mean(p: Tensor, std: Tensor, bags: Bags, count: Tensor) -> tup
     # rank within bag by descending probability: sort by (bag, −p)
     order = torch.argsort(p, descending=True, stable=True)
     order = order[torch.argsort(idx[order], stable=True)]
-    sizes = bags.sizes.to(p)
-    starts = (torch.cumsum(sizes, 0) - sizes).long()
-    rank = torch.arange(p.numel(), device=p.device) - starts[idx[order]]
+    rank = torch.arange(p.numel(), device=p.device) - bags.padding.starts[idx[order]]
     w = (count[idx[order]] - rank).clamp(0.0, 1.0)
     keep = order[w > 0]
     w = w[w > 0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from gpytorch.models import ApproximateGP
@@ -121,14 +122,8 @@ class ProbitGibbsResult:
     def latent_mean(self, model: ApproximateGP, x: Tensor, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
         """Posterior mean of ``f*`` ``(N,)``; instances in chunks of ``max_elements // (C·S)``."""
         draws = self.draws
-        S = draws.shape[0]
-        chunk = max(1, max_elements // S)
-        out = []
         with torch.no_grad():
-            L = model.variational_strategy.inducing_cholesky()
-            for start in range(0, x.shape[0], chunk):
-                mu0, A, _ = _fitc_projection(model, x[start : start + chunk], L)
-                out.append((mu0 + draws @ A).mean(0))
+            out = [(mu0 + draws @ A).mean(0) for mu0, A, _ in _fitc_chunks(model, x, max(1, max_elements // draws.shape[0]))]
         return torch.cat(out) if out else x.new_zeros(0)
 
     def instance_probability(
@@ -151,9 +146,7 @@ class ProbitGibbsResult:
             chunk, draw_chunk = 1, max(1, max_elements // num_points)
         ps, sds = [], []
         with torch.no_grad():
-            L = model.variational_strategy.inducing_cholesky()
-            for start in range(0, x.shape[0], chunk):
-                mu0, A, resid = _fitc_projection(model, x[start : start + chunk], L)
+            for mu0, A, resid in _fitc_chunks(model, x, chunk):
                 if draw_chunk == S:
                     mu = mu0 + draws @ A  # (S, n_c)
                     p_s, sd_s = ProbitLink().moments(mu, resid.expand_as(mu), num_points)
@@ -223,9 +216,15 @@ class ProbitGibbsResult:
 
 def _fitc_projection(model: ApproximateGP, x: Tensor, L: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """``(prior_mean, A, K̃)`` of ``x`` ``(n, D)``: ``(n,)``, ``(M, n)``, ``(n,)`` (``L``: ``None`` = computed)."""
-    proj = model.variational_strategy.projection(x, L)
-    resid = (proj.prior_var - (proj.A * proj.A).sum(0)).clamp_min(0.0)  # K̃_nn
-    return proj.prior_mean, proj.A, resid
+    proj = model.variational_strategy.projection(x, L).with_residual()
+    return proj.prior_mean, proj.A, proj.residual.clamp_min(0.0)  # K̃_nn
+
+
+def _fitc_chunks(model: ApproximateGP, x: Tensor, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """:func:`_fitc_projection` of ``x`` ``(N, D)`` in chunks of ``chunk`` instances (one ``K_zz`` factorisation)."""
+    L = model.variational_strategy.inducing_cholesky()
+    for start in range(0, x.shape[0], chunk):
+        yield _fitc_projection(model, x[start : start + chunk], L)
 
 
 def sample_probit_posterior(
@@ -264,7 +263,7 @@ def sample_probit_posterior(
         raise ValueError(f"init_dispersion must be a finite number >= 1, got {init_dispersion!r}")
     start = time.perf_counter()
     gen = torch.Generator(device=batch.x.device).manual_seed(seed)
-    x, bag_index, B = batch.x, batch.bag_index, batch.num_bags
+    x, bag_index = batch.x, batch.bag_index
     labels = batch.bag_labels.to(torch.bool)
     dtype, device = x.dtype, x.device
     with torch.no_grad():
@@ -279,10 +278,8 @@ def sample_probit_posterior(
         pos_bags = torch.nonzero(labels, as_tuple=True)[0]
         has_pos = pos_bags.numel() > 0
         if has_pos:
-            orig = torch.nonzero(pos_inst, as_tuple=True)[0]
-            remap = torch.full((B,), -1, dtype=torch.long, device=device)
-            remap[pos_bags] = torch.arange(len(pos_bags), device=device)
-            pad_idx, pad_mask = to_padded(orig, Bags(remap[bag_index[orig]], len(pos_bags)), fill=0)
+            positive_batch, orig = batch.select_bags_with_index(pos_bags)
+            pad_idx, pad_mask = to_padded(orig, positive_batch.bags, fill=0)
 
         def randn(*shape: int) -> Tensor:
             return torch.randn(shape, dtype=dtype, device=device, generator=gen)
