@@ -64,13 +64,11 @@ class GPHead(nn.Module):
         lengthscale: initial RBF lengthscale (``None``: median pairwise distance of the
             standardised training features).
         outputscale: initial kernel variance.
-        bag_rule: ``"auto"`` (default: the rule among :func:`milgp.prediction.auto_bag_rules` —
-            the max at the resolution of the longest held-out bag, mean of the top quarter, mean —
-            with the smallest held-out NLL after calibration, chosen by :meth:`fit_decision`) or a
-            :mod:`milgp.prediction.bag_rules` name (``"noisy_or"``, ``"max"``, ``"top_k_mean"``,
-            ``"mean"``, ``"joint_noisy_or"``, ``"joint_max"``, ``"orthant"``), calibrated the same way. Until a decision is fitted the
-            head predicts with the named rule (``"auto"``: :data:`milgp.prediction.DEFAULT_BAG_RULE`)
-            uncalibrated.
+        bag_rule: ``"auto"`` (default: the rule among :func:`milgp.prediction.auto_bag_rules` with
+            the smallest held-out NLL after calibration, chosen by :meth:`fit_decision`; docs/lightning.md,
+            "The bag decision and model selection") or a :mod:`milgp.prediction.bag_rules` name,
+            calibrated the same way. Until a decision is fitted the head predicts with the named rule
+            (``"auto"``: :data:`milgp.prediction.DEFAULT_BAG_RULE`) uncalibrated.
         seed: k-means++ and sampling seed.
         chunk_instances, block_budget, cache_entries: aggregate heads, memory bounds of one
             chunk of bags (see :func:`milgp.variational.aggregate_fit.fit_aggregate`).
@@ -170,7 +168,8 @@ class GPHead(nn.Module):
         ls = self.init_lengthscale if self.init_lengthscale is not None else median_lengthscale(z, seed=self.seed)
         # a tensor, not a Python float: GPyTorch's setter would round a float through float32
         self.gp.covar_module.base_kernel.lengthscale = torch.as_tensor(float(ls), dtype=torch.float64, device=device)
-        self.reset_posterior()
+        eye = torch.eye(self.num_inducing, dtype=torch.float64, device=device)  # q(v) ← N(0, I)
+        self.strategy.set_whitened_posterior(WhitenedPosterior(m=eye.new_zeros(self.num_inducing), S=eye, precision=eye.clone()))
         self.initialized.fill_(True)
 
     def check_data(self, bag_targets: Tensor, instance_weights: Tensor, bags: Bags) -> None:
@@ -178,15 +177,8 @@ class GPHead(nn.Module):
         :meth:`initialize` (``ValueError`` naming the bag by position). Nothing to add here: MIL
         bag labels are checked where the data modules read them (:mod:`lightning_modules.data.checks`)."""
 
-    def reset_posterior(self) -> None:
-        """q(v) ← N(0, I)."""
-        M = self.num_inducing
-        dev = self.feature_mean.device
-        eye = torch.eye(M, dtype=torch.float64, device=dev)
-        self.strategy.set_whitened_posterior(WhitenedPosterior(m=torch.zeros(M, dtype=torch.float64, device=dev), S=eye, precision=eye.clone()))
-
     @torch.no_grad()
-    def update_standardization(self, h: Tensor, momentum: float, reduce: Callable[[Tensor], Tensor] | None = None) -> None:
+    def update_standardization(self, h: Tensor, momentum: float, reduce: Callable[[Tensor], Tensor]) -> None:
         """Exponential moving average of the standardisation statistics towards those of the
         features ``h`` ``(N, D)`` (end-to-end training, where the CNN's features drift).
 
@@ -195,9 +187,7 @@ class GPHead(nn.Module):
         if not self.standardize_features or momentum <= 0:
             return
         h = h.detach().to(torch.float64)
-        packed = torch.cat([h.new_tensor([h.shape[0]]), h.sum(0), (h * h).sum(0)])
-        if reduce is not None:
-            packed = reduce(packed)
+        packed = reduce(torch.cat([h.new_tensor([h.shape[0]]), h.sum(0), (h * h).sum(0)]))
         D = h.shape[1]
         n, s1, s2 = packed[0], packed[1 : 1 + D], packed[1 + D :]
         mean = s1 / n

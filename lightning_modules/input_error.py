@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from lightning_modules.quiet import quiet_entry_point
 
-__all__ = ["InputError", "find_input_error", "run_reporting_input_errors"]
+__all__ = ["InputError", "run_reporting_input_errors"]
 
 
 class InputError(ValueError):
@@ -17,26 +17,18 @@ class InputError(ValueError):
     """
 
 
-def find_input_error(err: BaseException) -> InputError | None:
-    """The :class:`InputError` that caused ``err`` (itself or one in its chain), if any."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, InputError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 def run_reporting_input_errors(prog: str, fn: Callable[[], Any]) -> int:
     """Run ``fn`` as the command-line tool ``prog``, with the known warnings of its dependencies
     silenced (:func:`lightning_modules.quiet.quiet_entry_point`): exit status 0, or 2 with
-    ``<prog>: error: <message>`` on stderr when bad input stopped it; any other exception keeps its
-    traceback."""
+    ``<prog>: error: <message>`` on stderr when bad input (an :class:`InputError`: the exception
+    itself or one in its chain of causes) stopped it; any other exception keeps its traceback."""
     quiet_entry_point()
     try:
         fn()
     except Exception as err:
-        found = find_input_error(err)
+        found: BaseException | None = err
+        while found is not None and not isinstance(found, InputError):
+            found = found.__cause__ or found.__context__
         if found is None:
             raise
         print(f"{prog}: error: {found}", file=sys.stderr)

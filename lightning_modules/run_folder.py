@@ -38,10 +38,6 @@ class RunFolder:
     def checkpoint_dir(self) -> Path:
         return self.root / "checkpoints"
 
-    def checkpoints(self) -> list[Path]:
-        """The checkpoints of this folder's fit."""
-        return sorted(self.checkpoint_dir.glob("*.ckpt")) if self.checkpoint_dir.is_dir() else []
-
     def versions(self, subcommand: str) -> list[int]:
         folder = self.root / subcommand
         if not folder.is_dir():
@@ -60,7 +56,7 @@ class RunFolder:
     def check_fit(self, ckpt_path: str | None) -> tuple[Path | None, int | None]:
         """Refuse a fit that would mix two runs in this folder; for a resumed fit return the
         ``metrics.csv`` to continue and the checkpoint's epoch (``(None, None)`` otherwise)."""
-        existing = self.checkpoints()
+        existing = sorted(self.checkpoint_dir.glob("*.ckpt")) if self.checkpoint_dir.is_dir() else []
         if not existing:
             return None, None
         names = ", ".join(p.name for p in existing)

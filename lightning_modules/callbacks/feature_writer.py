@@ -64,7 +64,6 @@ class FeatureWriter(BasePredictionWriter):
             [patient_of(b) for b in ids],
             [split[b] for b in ids],
         )
-        target = Path(self.output_path)
-        path = save_features(target if target.is_absolute() else Path(trainer.log_dir or trainer.default_root_dir) / target, table)
+        path = save_features(Path(trainer.log_dir or trainer.default_root_dir) / self.output_path, table)  # an absolute path stays as it is
         self.written = path
         print(f"wrote features of {table.num_bags} bags ({len(table.features)} slices, D={table.feature_dim}) to {path}")

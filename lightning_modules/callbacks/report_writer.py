@@ -113,7 +113,9 @@ class ReportWriter(Callback):
         atomic_write_json(out / "predictions.json", json_safe([{k: r.get(k) for k in _KEEP} for r in records]))
         if aggregate or not records:
             return  # aggregate targets are counts/totals, not probabilities: no calibration or decision
-        atomic_write_text(out / "predictions.csv", self._csv(records))
+        rows = [[r["bag_id"], float(r["bag_label"]), float(r["bag_prob"]), float(r["bag_std"]), int(r["bag_prob"] > self.threshold),
+                 outcome(r, self.threshold), len(r["slice_probs"])] for r in records]
+        atomic_write_text(out / "predictions.csv", csv_text(["bag_id", "bag_label", "probability", "std", "decision", "outcome", "num_slices"], rows))
         labelled = [r for r in records if math.isfinite(float(r["bag_label"]))]
         if labelled:
             plot_calibration(out / "calibration.png", [r["bag_prob"] for r in labelled], [r["bag_label"] for r in labelled], self.n_bins,
@@ -126,8 +128,3 @@ class ReportWriter(Callback):
                 title=r["bag_id"], positions=positions, position_label=axis, threshold=self.threshold,
                 heading=f"{self._name(pl_module)}: {kind}",
             )
-
-    def _csv(self, records: list[dict]) -> str:
-        rows = [[r["bag_id"], float(r["bag_label"]), float(r["bag_prob"]), float(r["bag_std"]), int(r["bag_prob"] > self.threshold),
-                 outcome(r, self.threshold), len(r["slice_probs"])] for r in records]
-        return csv_text(["bag_id", "bag_label", "probability", "std", "decision", "outcome", "num_slices"], rows)

@@ -3,20 +3,19 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import pytorch_lightning as pl
 import torch
 
 from lightning_modules.data.checks import check_bag_labels, check_features, label_kind
 from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
 from lightning_modules.data.sampler import EpochSampler
-from lightning_modules.data.splits import SPLIT_NAMES, patient_split
+from lightning_modules.data.splits import SPLIT_NAMES, SplitDataModule, patient_split
 from lightning_modules.input_error import InputError
 from milgp.data.bags import collate_bags
 
 __all__ = ["BagArrayDataModule"]
 
 
-class BagArrayDataModule(pl.LightningDataModule):
+class BagArrayDataModule(SplitDataModule):
     """Bags in memory, split by patient into train/val/test (or by given split names).
 
     Args:
@@ -109,10 +108,6 @@ class BagArrayDataModule(pl.LightningDataModule):
         count = len(self.bag_ids) if split == "all" else sum(s == split for s in self.split_names)
         return {"class": type(self).__qualname__, "source": self.source, "split": split, "bags": count}
 
-    def split_of(self, bag_id: str) -> str:
-        """The split of a bag (``""`` for an unknown id); a dict lookup."""
-        return self._split_by_id.get(bag_id, "")
-
     def patient_of(self, bag_id: str) -> str:
         """The patient of a bag (``""`` when unknown); a dict lookup."""
         return self._patient_by_id.get(bag_id, "")
@@ -141,15 +136,3 @@ class BagArrayDataModule(pl.LightningDataModule):
             ds, batch_size=len(ds) if batch_size is None else batch_size, sampler=sampler,
             collate_fn=collate_bags, num_workers=self.num_workers,
         )
-
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("train", self.batch_size, train=True)
-
-    def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("val", self.eval_batch_size)
-
-    def test_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader("test", self.eval_batch_size)
-
-    def predict_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.predict_split, self.eval_batch_size)

@@ -8,12 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 
 from lightning_modules.data.checks import check_bag_labels, label_kind
 from lightning_modules.data.sampler import EpochSampler
-from lightning_modules.data.splits import SPLIT_NAMES, patient_split
+from lightning_modules.data.splits import SPLIT_NAMES, SplitDataModule, patient_split
 from lightning_modules.input_error import InputError
 from milgp.ct.augment import BagAugment
 from milgp.data.bags import collate_bags
@@ -23,7 +22,7 @@ from milgp.ct.dataset import CTBagDataset, uniform_subsample
 __all__ = ["CTCacheDataModule"]
 
 
-class CTCacheDataModule(pl.LightningDataModule):
+class CTCacheDataModule(SplitDataModule):
     """CT bags ``(S, 3, H, W)`` from a cache, split by patient.
 
     Splits come from ``splits_file`` (default ``<cache_dir>/splits.json`` when present, as written
@@ -148,10 +147,6 @@ class CTCacheDataModule(pl.LightningDataModule):
         """``{bag_id: patient id}`` of the cached bags (the manifest read once)."""
         return {e.bag_id: e.patient_id for e in self._cache.entries}
 
-    def split_of(self, bag_id: str) -> str:
-        """The split (``"train"``, ``"val"``, ``"test"``) of a bag, ``""`` when in none; a dict lookup."""
-        return self._split_by_id.get(bag_id, "")
-
     def patient_of(self, bag_id: str) -> str:
         """The patient of a cached bag (``KeyError`` for a bag not in the cache); a dict lookup."""
         try:
@@ -166,25 +161,15 @@ class CTCacheDataModule(pl.LightningDataModule):
         return CTBagDataset(self.cache_dir, bag_ids=ids, max_slices=self.max_slices,
                             augment=self.augment if train else None, seed=self.seed)
 
-    def _loader(self, ds: CTBagDataset, batch_size: int, sampler: EpochSampler | None = None) -> torch.utils.data.DataLoader:
+    def _loader(self, split: str, batch_size: int, train: bool = False) -> torch.utils.data.DataLoader:
+        """Loader of ``split``; the training one (its dataset made once) shuffles with an
+        :class:`EpochSampler`, which passes each epoch on to the dataset, so the augmentation draw
+        changes every epoch (with or without reloading the dataloaders)."""
+        if train and self._train is None:
+            self._train = self.dataset(split, train=True)
+        ds = self._train if train else self.dataset(split)
+        sampler = EpochSampler.for_trainer(ds, self.trainer, shuffle=True, seed=self.seed) if train else None
         return torch.utils.data.DataLoader(
             ds, batch_size=batch_size, sampler=sampler, collate_fn=collate_bags, num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0, pin_memory=self.pin_memory,
         )
-
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        """Shuffled training bags; the :class:`EpochSampler` passes each epoch on to the dataset, so
-        the augmentation draw changes every epoch (with or without reloading the dataloaders)."""
-        if self._train is None:
-            self._train = self.dataset(self.train_split, train=True)
-        sampler = EpochSampler.for_trainer(self._train, self.trainer, shuffle=True, seed=self.seed)
-        return self._loader(self._train, self.batch_size, sampler)
-
-    def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.dataset(self.val_split), self.eval_batch_size)
-
-    def test_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.dataset(self.test_split), self.eval_batch_size)
-
-    def predict_dataloader(self) -> torch.utils.data.DataLoader:
-        return self._loader(self.dataset(self.predict_split), self.eval_batch_size)

@@ -1,12 +1,17 @@
-"""Patient-grouped splits for the data modules, by the data path's :func:`split_by_patient`."""
+"""Patient-grouped splits for the data modules, by the data path's :func:`split_by_patient`, and
+the base of the data modules that serve named splits."""
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from typing import Sequence
+
+import pytorch_lightning as pl
+import torch
 
 from milgp.ct.index import BagIndex, BagRecord, split_by_patient
 
-__all__ = ["SPLIT_NAMES", "patient_split"]
+__all__ = ["SPLIT_NAMES", "SplitDataModule", "patient_split"]
 
 SPLIT_NAMES = ("train", "val", "test")
 UNLABELLED = -1.0
@@ -29,3 +34,32 @@ def patient_split(
     ]
     parts = split_by_patient(BagIndex(records), tuple(fractions), seed=seed, names=SPLIT_NAMES)
     return {b: name for name, idx in parts.items() for b in idx.bag_ids}
+
+
+class SplitDataModule(pl.LightningDataModule, ABC):
+    """Base of the data modules of named splits (not used on its own): the loaders of
+    ``train_split``, ``val_split``, ``test_split`` and ``predict_split`` (``batch_size`` for
+    training, ``eval_batch_size`` otherwise) from the subclass's :meth:`_loader`, and
+    :meth:`split_of` from its ``_split_by_id`` mapping."""
+
+    train_split, val_split, test_split = SPLIT_NAMES
+
+    @abstractmethod
+    def _loader(self, split: str, batch_size: int | None, train: bool = False) -> torch.utils.data.DataLoader:
+        """The loader of the bags of ``split`` (``train``: the shuffled training loader)."""
+
+    def split_of(self, bag_id: str) -> str:
+        """The split (``"train"``, ``"val"``, ``"test"``) of a bag, ``""`` when in none; a dict lookup."""
+        return self._split_by_id.get(bag_id, "")
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.train_split, self.batch_size, train=True)
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.val_split, self.eval_batch_size)
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.test_split, self.eval_batch_size)
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        return self._loader(self.predict_split, self.eval_batch_size)
