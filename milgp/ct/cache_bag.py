@@ -335,19 +335,13 @@ def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: Ca
     return BagResult(record.bag_id, status, len(kept), skipped, state.reason, state.path, found, {k: meta[k] for k in MANIFEST_KEYS})
 
 
-def _describe(err: BaseException) -> tuple[str, str]:
-    """``(path, reason)`` of an unexpected exception, naming the file when the error knows it."""
-    filename = getattr(err, "filename", None)
-    if isinstance(err, OSError) and filename:
-        return str(filename), f"{printable(filename)}: {err.strerror or err}"
-    return "", f"{type(err).__name__}: {err}"
-
-
 def process_bag_isolated(record: BagRecord, cache_dir: str | os.PathLike[str], params: CacheParams) -> BagResult:
     """:func:`process_bag` with any exception of this one bag (a failed write, a full disk, an
     unexpected decoder error) turned into a ``"failed"`` result naming the bag, the file and the reason."""
     try:
         return process_bag(record, cache_dir, params)
     except Exception as err:
-        path, reason = _describe(err)
-        return BagResult(record.bag_id, "failed", 0, reason=reason, path=path or record.slice_paths[0])
+        filename = getattr(err, "filename", None)
+        if isinstance(err, OSError) and filename:  # name the file when the error knows it
+            return BagResult(record.bag_id, "failed", 0, reason=f"{printable(filename)}: {err.strerror or err}", path=str(filename))
+        return BagResult(record.bag_id, "failed", 0, reason=f"{type(err).__name__}: {err}", path=record.slice_paths[0])

@@ -76,6 +76,7 @@ def _add_wait_option(p: argparse.ArgumentParser) -> None:
 
 
 def _add_index_options(p: argparse.ArgumentParser, aggregate: bool = False) -> None:
+    """The options of a command that indexes a layout, then those of every caching command."""
     p.add_argument("--label-map", type=_label_map, default={}, metavar="TEXT=VALUE,...",
                    help="how other label encodings map to numbers, e.g. yes=1,no=0 (MIL labels must end up 0 or 1)")
     if aggregate:
@@ -84,6 +85,7 @@ def _add_index_options(p: argparse.ArgumentParser, aggregate: bool = False) -> N
     p.add_argument("--allow-non-ct", action="store_true",
                    help="accept non-CT images (MR, ...); their values are recorded in their own units, never as HU")
     p.add_argument("--allow-non-axial", action="store_true", help="accept sagittal, coronal and strongly tilted series")
+    _add_cache_options(p)
 
 
 def _add_cache_options(p: argparse.ArgumentParser) -> None:
@@ -113,18 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", required=True, type=Path, help="folder of ID_*.dcm slices")
     p.add_argument("--labels", required=True, type=Path, help="stage_2_train.csv")
     _add_index_options(p)
-    _add_cache_options(p)
     p = sub.add_parser("cq500", help="CQ500 layout: study folders and reads.csv")
     p.add_argument("--root", required=True, type=Path, help="folder holding the CQ500CT<n> study folders")
     p.add_argument("--reads", required=True, type=Path, help="reads.csv")
     _add_index_options(p)
-    _add_cache_options(p)
     p = sub.add_parser("generic", help="one folder per bag plus a bag_id,label CSV")
     p.add_argument("--root", required=True, type=Path, help="folder holding one sub-folder per bag")
     p.add_argument("--labels", required=True, type=Path, help="CSV with columns bag_id,label[,patient_id]")
     p.add_argument("--slice-labels", type=Path, default=None, help="optional CSV with columns bag_id,file,label")
     _add_index_options(p, aggregate=True)
-    _add_cache_options(p)
     p = sub.add_parser("index", help="cache from a saved bag index (.json or .csv)")
     p.add_argument("--index", required=True, type=Path, help="bag index written by a previous run (OUT/index.json)")
     _add_cache_options(p)
