@@ -43,7 +43,9 @@ def closed_form_elbo(
     chunk_size: int = 65536,
 ) -> float:
     """The closed-form ELBO (data terms at ``locals_`` minus ``KL(q(v) ‖ N(0, I))``) of a model
-    built on :class:`~milgp.models.ClosedFormStrategy`: :meth:`ClosedFormSteps.evaluate` at its current q(v)."""
+    built on :class:`~milgp.models.ClosedFormStrategy`: :meth:`ClosedFormSteps.evaluate` at its current q(v).
+    ``locals_`` ``None``: the likelihood's initial locals at that q(v) (:meth:`AugmentedBagLikelihood.init_locals`),
+    as :func:`fit_closed_form` starts from."""
     steps = ClosedFormSteps(ClosedFormStrategy.of(model), likelihood, batch, chunk_size=chunk_size, cache_bytes=0, initial_locals=locals_)
     return steps.evaluate(False)[0]
 
