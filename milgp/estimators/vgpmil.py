@@ -57,8 +57,8 @@ class VGPMILClassifier(MILClassifierBase):
             ``{1, 2}·√D`` and ``{1, 10}``.
         max_iter: sweeps of the first candidate (and of hyperparameter learning).
         search_iter: sweeps of every other candidate, warm-started from the first. The
-            largest-other-π fits stop at these caps before ``tol`` (those at RBF kernels needed 41–76 sweeps on ucsb),
-            which costs no accuracy beyond the fold noise (docs/core.md, fits run to convergence).
+            largest-other-π fits stop at these caps before ``tol`` (at the RBF kernels they needed
+            41–76 sweeps on ucsb), which costs no accuracy beyond the fold noise (docs/core.md).
         tol: relative change of the objective below which sweeps stop (twice in a row).
         learn_hyperparameters, lr, hyper_steps: afterwards, Adam on the chosen kernel's
             hyperparameters alternating with the natural steps (Algorithm 1; off by default).
