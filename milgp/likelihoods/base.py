@@ -111,6 +111,12 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         terms tempered by :meth:`instance_weights`). Differentiable in ``mean`` and ``var`` with the
         locals held fixed (hyperparameter steps)."""
 
+    @abstractmethod
+    def instance_label_posterior(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Tensor:
+        """``q(y_n = 1)`` ``(N,)``: the probability of each training instance's own label given its
+        bag's label and ``q(f)`` (0 in a negative bag). The estimators map instance scores to
+        its average (:class:`~milgp.prediction.InstanceCalibrator`)."""
+
     def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Any) -> Tensor:
         """Per-instance objective ``(N,)`` maximised over kernel hyperparameters with q(v) and the
         locals fixed (Algorithm 1, step 8). Defaults to :meth:`elbo_terms`."""

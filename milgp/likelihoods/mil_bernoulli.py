@@ -117,6 +117,10 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         c = torch.sqrt(mean * mean + var)
         return locals_ - 0.5, self.psi.theta(c)
 
+    def instance_label_posterior(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
+        """``π`` itself: ``q(y)`` is the mean-field factor over the instance labels."""
+        return locals_.clamp(0.0, 1.0)
+
     def elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         c = torch.sqrt(mean * mean + var)
         return self._terms_given(self.psi.log_psi(c), mean, bags, bag_labels, locals_)

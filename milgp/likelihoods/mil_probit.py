@@ -65,6 +65,7 @@ from torch.distributions import Bernoulli
 from milgp.data.bags import Bags, segment_logsumexp, segment_sum
 from milgp.likelihoods.base import AugmentedBagLikelihood, bag_share, check_bag_size_cap
 from milgp.likelihoods.instance_link import ProbitLink
+from milgp.likelihoods.noisy_or import log_prob_bag_all_negative
 from milgp.likelihoods.truncated_normal import (
     hazard_excess,
     log_expm1_ratio,
@@ -176,6 +177,17 @@ class MILProbitLikelihood(AugmentedBagLikelihood):
         """``b = E_q[m]``, ``λ = 1``."""
         em = expected_augmentation(locals_, bags.index, bag_labels, bags.num_bags, self.single_instance)
         return em, torch.ones_like(em)
+
+    def instance_label_posterior(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
+        """With the labels independent, each positive with ``p_n = E_q[Φ(f_n)] = Φ(μ_n / √(1 + σ_n²))``
+        under ``q(f)``'s marginals, in a positive bag ``q(y_n = 1 | T_b = 1) = p_n / (1 − Π_{j∈b}
+        (1 − p_j))``; 0 in a negative bag. Single-instance learning: the bag's label."""
+        t = bag_labels.to(mean.dtype)[bags.index]
+        if self.single_instance:
+            return t
+        p = torch.special.ndtr(mean / torch.sqrt(1.0 + var))
+        p_any = -torch.expm1(log_prob_bag_all_negative(p, bags.index, bags.num_bags))
+        return (t * p / p_any.clamp_min(torch.finfo(p.dtype).tiny)[bags.index]).clamp(0.0, 1.0)
 
     def elbo_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         """Per-instance terms of (★): exact ELBO data part at locals ``ν``; differentiable in

@@ -168,3 +168,20 @@ def test_constructor_validation():
         MILBernoulliLikelihood(max_rule="mean")
     with pytest.raises(ValueError, match="psi"):
         MILBernoulliLikelihood(psi="student")
+
+
+@pytest.mark.parametrize("psi", ["pg", "gamma"])
+def test_instance_label_posterior_is_q_y_and_knows_the_bag_labels(psi):
+    """At a fit, the instance-label posterior must be the fit's ``q(y)`` (``π``): 0 in every negative
+    bag whatever ``q(f)`` says there, and under the largest-other-π rule a witness (``π > ½``) in
+    every positive bag. The estimators calibrate instance probabilities to it, so a posterior that
+    ignored the bag labels (e.g. ``E_q[σ(f)]``) would fail here."""
+    Z, batch = small_problem(seed=1, B=12)
+    lik = MILBernoulliLikelihood(psi, H=1e12, max_rule="max")
+    res = fit_closed_form(SparseGP(Z, lengthscale=1.0, outputscale=3.0), lik, batch, max_iter=30, learn_hyperparameters=False)
+    post = lik.instance_label_posterior(*res.moments, batch.bags, batch.bag_labels, res.locals)
+    assert torch.equal(post, res.locals.clamp(0, 1))
+    negative = batch.bag_labels[batch.bag_index] == 0
+    assert post[negative].max() < 1e-6
+    top = torch.zeros(batch.num_bags, dtype=post.dtype).scatter_reduce(0, batch.bag_index, post, "amax")
+    assert (top[batch.bag_labels == 1] > 0.5).all()

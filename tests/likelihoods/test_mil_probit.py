@@ -456,3 +456,30 @@ def test_orthant_large_correlated_bag_matches_brute_force_monte_carlo():
     p2, se2 = orthant_probability(mean_pad, cov_pad, mask, num_points=4096, replicates=8, seed=3)
     assert float(p2[1]) == pytest.approx(p, rel=1e-12) and float(se2[1]) == pytest.approx(se, rel=1e-9)
     assert float(p2[0]) == pytest.approx(float(stats.norm.cdf(1.0)) ** 4, abs=1e-4)
+
+
+def test_instance_label_posterior_matches_enumeration_of_the_labels():
+    """``q(y_n = 1 | T_b)`` must be the probability of the instance's label given its bag's label
+    when the labels are independent with ``P(y_n = 1) = Φ(μ_n / √(1 + σ_n²))``: checked against
+    enumerating all ``2^n`` labellings of each bag (float64). A wrong normaliser (the bag's
+    probability of holding a positive) or a nonzero value in a negative bag would fail it; with
+    single-instance learning every instance carries its bag's label."""
+    rng = np.random.default_rng(3)
+    sizes, labels = [1, 3, 4, 2], [1, 1, 0, 1]
+    bag_index = torch.as_tensor(np.repeat(np.arange(len(sizes)), sizes))
+    mean = torch.as_tensor(rng.normal(-0.5, 1.5, sum(sizes)))
+    var = torch.as_tensor(rng.uniform(0.1, 2.0, sum(sizes)))
+    bags, t = Bags(bag_index, len(sizes)), torch.tensor(labels, dtype=torch.float64)
+    got = MILProbitLikelihood().instance_label_posterior(mean, var, bags, t, mean).numpy()
+    p = stats.norm.cdf(mean.numpy() / np.sqrt(1 + var.numpy()))
+    start = 0
+    for n, label in zip(sizes, labels):
+        pb, want = p[start : start + n], np.zeros(n)
+        if label:
+            configs = np.array(np.meshgrid(*[[0, 1]] * n, indexing="ij")).reshape(n, -1).T
+            weight = np.prod(np.where(configs == 1, pb, 1 - pb), axis=1) * (configs.sum(1) > 0)
+            want = (weight[:, None] * configs).sum(0) / weight.sum()
+        np.testing.assert_allclose(got[start : start + n], want, rtol=1e-10, atol=1e-12)
+        start += n
+    single = MILProbitLikelihood(single_instance=True).instance_label_posterior(mean, var, bags, t, mean)
+    assert torch.equal(single, t[bag_index])
