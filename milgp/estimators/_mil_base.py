@@ -22,9 +22,11 @@ averaged with pseudo-BMA+ weights from their out-of-bag likelihoods
 candidate with the smallest out-of-bag negative log-likelihood. No hyperparameter is learned by
 gradient steps by default: on a few dozen bags that collapses the kernel (docs/core.md, cause 1).
 
-**Instance probabilities.** Single-instance fits estimate the instance's bag label, so where they
-take part the averaged instance score is mapped to the MIL fits' instance probability by isotonic
-regression on the training instances (:class:`~milgp.prediction.InstanceCalibrator`).
+**Instance probabilities.** The averaged instance score keeps the ranking and is mapped, by
+isotonic regression on the training instances, to the MIL fits' posterior instance labels
+``q(y_n = 1)`` (given the bag labels; weighted as the bag decision's candidates are): single-instance
+fits estimate the instance's *bag* label, and the MIL fits' own ``E_q[p(y = 1 | f)]`` ignores the
+bag labels (:class:`~milgp.prediction.InstanceCalibrator`).
 """
 from __future__ import annotations
 
@@ -224,20 +226,23 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         return ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
 
     def _instance_calibration(self, fits: list[CandidateFit], batch: BagBatch) -> InstanceCalibrator | None:
-        """The map of the module docstring's "Instance probabilities"; ``None`` where no member of
-        :attr:`ensemble_` is single-instance learning or no fit is a MIL fit. The MIL fits are
-        weighted (or the best kept) as the bag decision's candidates are."""
-        single = {id(c.model) for c in fits if c.single_instance}
+        """The map of the module docstring's "Instance probabilities"; ``None`` where no fit is a
+        MIL fit. The MIL fits are weighted (or the best kept) as the bag decision's candidates are."""
         mil = [c for c in fits if not c.single_instance]
-        if not mil or not any(id(m.model) in single for m in self.ensemble_.members):
+        if not mil:
             return None
         target = self._average(mil, batch.bag_labels)
-        marginals = {id(c.model): c.fit.moments for c in fits}  # q(f) at the training instances, from the fits
+        results = {id(c.model): c.fit for c in fits}  # q(f) and the locals at the training instances
         if self.learn_hyperparameters:
-            marginals[id(self.ensemble_.top.model)] = self.fit_result_.moments
+            results[id(self.ensemble_.top.model)] = self.fit_result_
+        marginals = {k: r.moments for k, r in results.items()}
         with torch.no_grad():
             score = self.ensemble_.instance_moments(batch.x, marginals)[0]
-            return InstanceCalibrator().fit(score, target.instance_moments(batch.x, marginals)[0])
+            labels = sum(
+                m.weight * m.likelihood.instance_label_posterior(*marginals[id(m.model)], batch.bags, batch.bag_labels, results[id(m.model)].locals)
+                for m in target.members
+            )
+            return InstanceCalibrator().fit(score, labels)
 
     def _prepare(self, bags_np: list[np.ndarray], y_np: np.ndarray) -> tuple[BagBatch, torch.Tensor]:
         """The bag-size cap, the standardisation and the inducing points (both weighted by the cap),
@@ -346,9 +351,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     def predict_instance_proba(self, bags: Sequence[Any], return_std: bool = False) -> list[np.ndarray] | tuple[list[np.ndarray], list[np.ndarray]]:
         """Per-bag lists of instance probabilities ``(n_b,)`` (and their stds): the models' own
-        ``E[p(y=1|f*)]`` averaged with the candidates' weights, mapped to the MIL fits' instance
-        probability where single-instance fits take part (:attr:`instance_calibrator_`,
-        :meth:`_instance_calibration`)."""
+        ``E[p(y=1|f*)]`` averaged with the candidates' weights, mapped to the MIL fits' posterior
+        instance labels (:attr:`instance_calibrator_`, :meth:`_instance_calibration`)."""
         x, bag_struct = self._features(bags)
         with torch.no_grad():
             p, s = self._instance_moments(x)

@@ -69,7 +69,8 @@ class VGPMILClassifier(MILClassifierBase):
     ``model_``, ``likelihood_``, ``fit_result_``, ``decision_`` (rule and calibration) of its
     heaviest candidate; ``search_`` (every fit's out-of-bag NLL); ``elbo_`` (the un-augmented ELBO
     of the heaviest fit, a lower bound of ``log p(T)`` for the logistic MIL model), ``scaler_``;
-    ``instance_calibrator_`` (the map of instance scores to the MIL fits' probability, or ``None``).
+    ``instance_calibrator_`` (the map of instance scores to the MIL fits' posterior instance labels,
+    or ``None`` without a MIL fit).
     """
 
     psi: str | GSMDensity = "pg"

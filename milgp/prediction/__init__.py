@@ -1,5 +1,5 @@
 """From the instance posterior to bag decisions: bag rules, bag-level calibration, averaging, and
-instance probabilities on the MIL fits' scale."""
+instance probabilities calibrated to the MIL fits' posterior instance labels."""
 from milgp.prediction import bag_decision, bag_rules, calibration, model_average
 from milgp.prediction.bag_decision import AUTO_BAG_RULES, BagDecision, auto_bag_rules, best_decision, fit_bag_decision, score_bag_rules
 from milgp.prediction.bag_posterior import BagPosterior, JointBlocks

@@ -1,21 +1,23 @@
-"""Instance probabilities on the MIL fits' scale for an average that ranks instances better.
+"""Instance probabilities calibrated to the MIL fits' posterior instance labels.
 
 Single-instance learning labels every instance of a positive bag positive, so its instance
 probability estimates the label of the instance's *bag*: it ranks instances well but calls the
 negative instances of positive bags positive. The MIL fits (the largest-other-π rule, the MIL
-probit model) estimate the instance's own label and are calibrated, but rank less well when
-positive bags hold several witnesses (docs/core.md, "Instance probabilities").
+probit model) hold a posterior over each training instance's own label given its bag's label,
+``q(y_n = 1)`` (``π`` for VGPMIL; 0 in every negative bag), but their own ``E_q[p(y = 1 | f)]``
+ignores the bag labels and, for G-VGPMIL and the probit model, is not even on a calibrated scale
+(docs/core.md, "Instance probabilities").
 
 :class:`InstanceCalibrator` keeps the averaged score ``s(x)`` for the ranking and maps it to the
-MIL fits' probability ``p_MIL(x)`` by isotonic regression over the training instances — no
-instance label is needed:
+average posterior label of the training instances with that score, by isotonic regression over
+the training instances — no instance label is needed:
 
-    p̃(s) = E[p_MIL(x) | s(x) = s],   fitted as the non-decreasing least-squares fit of p_MIL on s,
+    p̃(s) = E[q(y_n = 1) | s(x_n) = s],   fitted as the non-decreasing least-squares fit of q(y) on s,
 
-which is ``E[y | s]`` when ``p_MIL(x) = E[y | x]`` (``E[y | s] = E[E[y | x] | s]``). Isotonic
-calibration of scores: Zadrozny & Elkan, *Transforming classifier scores into accurate multiclass
-probability estimates*, KDD 2002. A standard deviation ``σ`` of the score is carried through the map
-as ``(p̃(s + σ) − p̃(s − σ)) / 2``.
+which is ``E[y | s]`` when ``q(y_n = 1) = P(y_n = 1 | x_n, T)`` (``E[y | s] = E[E[y | x, T] | s]``).
+Isotonic calibration of scores: Zadrozny & Elkan, *Transforming classifier scores into accurate
+multiclass probability estimates*, KDD 2002. A standard deviation ``σ`` of the score is carried
+through the map as ``(p̃(s + σ) − p̃(s − σ)) / 2``.
 """
 from __future__ import annotations
 
