@@ -8,9 +8,9 @@ import torch
 from sklearn.exceptions import ConvergenceWarning
 
 from milgp.data.bags import BagBatch, Bags
-from milgp.estimators._mil_base import KERNEL_GRID, MILClassifierBase
+from milgp.estimators._mil_base import KERNEL_GRID, CandidateFit, MILClassifierBase
 from milgp.likelihoods.mil_probit import MILProbitLikelihood
-from milgp.prediction import BagRule, MarginalBagRule, OrthantRule, make_bag_rule
+from milgp.prediction import BagRule, InstanceCalibrator, MarginalBagRule, OrthantRule, make_bag_rule
 from milgp.sampling.probit_gibbs import sample_probit_posterior
 
 __all__ = ["PROBIT_KERNEL_GRID", "ProbitMILClassifier"]
@@ -151,6 +151,10 @@ class ProbitMILClassifier(MILClassifierBase):
         else:  # joint rules: the exact per-draw product over the Gibbs draws
             p, s = self.gibbs_.bag_probability(self.model_, x, bags)
         return self.decision_.calibrator(p, s)
+
+    def _instance_calibration(self, fits: list[CandidateFit], batch: BagBatch) -> InstanceCalibrator | None:
+        """No map with ``inference="gibbs"``: the draws predict the instances (:meth:`_instance_moments`)."""
+        return None if self.inference == "gibbs" else super()._instance_calibration(fits, batch)
 
     def _instance_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gibbs_ is None:

@@ -70,6 +70,7 @@ def test_gibbs_fit_predict(data):
     vi = ProbitMILClassifier(**kw).fit(tr, ytr)
     gb = ProbitMILClassifier(inference="gibbs", num_samples=300, burn_in=100, num_chains=2, **kw).fit(tr, ytr)
     assert set(gb.gibbs_summary_) >= {"max_rhat", "min_ess"}
+    assert gb.instance_calibrator_ is None  # the draws predict the instances; a map fitted to VI fits would sit unused
     p_vi = np.concatenate(vi.predict_instance_proba(te))
     p_gb, s_gb = gb.predict_instance_proba(te, return_std=True)
     p_gb = np.concatenate(p_gb)
