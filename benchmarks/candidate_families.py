@@ -38,7 +38,6 @@ from benchmarks.real_mil import cv_folds, load_mil_csv
 from milgp.estimators import VGPMILClassifier
 from milgp.metrics import expected_calibration_error, log_loss
 from milgp.prediction import AveragedFit, ModelAverage
-from milgp.prediction.model_average import pseudo_bma_plus_weights
 
 
 class RecordingVGPMIL(VGPMILClassifier):
@@ -64,28 +63,19 @@ def _describe(candidate: Any) -> dict[str, str]:
     }
 
 
-def _nll(p: np.ndarray, y: np.ndarray) -> float:
-    return float(log_loss(torch.as_tensor(p), torch.as_tensor(y, dtype=torch.float64)))
-
-
-def _loglik(p: np.ndarray, y: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-7, 1 - 1e-7)
-    return np.where(y > 0.5, np.log(p), np.log1p(-p))
-
-
-def _pbma(cands: list[dict[str, Any]], y_train: np.ndarray, seed: int) -> np.ndarray:
-    """The test probabilities of the pseudo-BMA+ mixture of ``cands`` (weights from their
-    out-of-bag likelihoods, as :meth:`ModelAverage.from_candidates`, without its 10⁻³ cut)."""
-    loglik = np.stack([_loglik(c["oob"], y_train) for c in cands], 1)
-    w = pseudo_bma_plus_weights(torch.as_tensor(loglik), seed=seed).numpy()
-    return sum(wk * c["test"] for wk, c in zip(w, cands))
+def _mixture(cands: list[dict[str, Any]], y_train: np.ndarray, seed: int) -> np.ndarray:
+    """The test probabilities of the average the estimator builds from ``cands``
+    (:meth:`ModelAverage.from_candidates` on their out-of-bag probabilities)."""
+    average = ModelAverage.from_candidates([c["candidate"] for c in cands], torch.as_tensor(y_train), seed)
+    test = {id(c["candidate"][2]): c["test"] for c in cands}
+    return sum(m.weight * test[id(m.decision)] for m in average.members)
 
 
 SCHEMES: dict[str, Callable[[list[dict[str, Any]], np.ndarray, int], np.ndarray]] = {
-    "all": lambda c, y, s: _pbma(c, y, s),
-    "single-instance": lambda c, y, s: _pbma([k for k in c if k["single"]], y, s),
-    "largest-other-π": lambda c, y, s: _pbma([k for k in c if not k["single"]], y, s),
-    "equal families": lambda c, y, s: 0.5 * _pbma([k for k in c if k["single"]], y, s) + 0.5 * _pbma([k for k in c if not k["single"]], y, s),
+    "all": lambda c, y, s: _mixture(c, y, s),
+    "single-instance": lambda c, y, s: _mixture([k for k in c if k["single"]], y, s),
+    "largest-other-π": lambda c, y, s: _mixture([k for k in c if not k["single"]], y, s),
+    "equal families": lambda c, y, s: 0.5 * _mixture([k for k in c if k["single"]], y, s) + 0.5 * _mixture([k for k in c if not k["single"]], y, s),
 }
 
 
@@ -99,7 +89,8 @@ def one_fold(bags: list[np.ndarray], y: np.ndarray, train: np.ndarray, test: np.
         for c in est.candidates_:
             alone = ModelAverage([AveragedFit(c.model, c.likelihood, c.decision, 1.0)])
             p = alone.bag_probability(x, bag_struct, est._generator(x))[0]
-            out.append({"name": tuple(_describe(c).items()), "single": c.single_instance, "oob": c.decision.heldout_proba.double().cpu().numpy(), "test": p.double().cpu().numpy()})
+            out.append({"name": tuple(_describe(c).items()), "single": c.single_instance, "candidate": (c.model, c.likelihood, c.decision),
+                        "oob": c.decision.heldout_proba.double().cpu().numpy(), "test": p.double().cpu().numpy()})
     return out
 
 
@@ -113,15 +104,15 @@ def evaluate(bags: list[np.ndarray], y: np.ndarray, seeds: list[int], psi: str) 
             cands = one_fold(bags, y, tr, te, fold, psi)
             for c in cands:
                 r = per_candidate.setdefault(c["name"], {"oob": [], "test": [], "auc": []})
-                r["oob"].append(_nll(c["oob"], y[tr]))
-                r["test"].append(_nll(c["test"], y[te]))
+                r["oob"].append(log_loss(c["oob"], y[tr]))
+                r["test"].append(log_loss(c["test"], y[te]))
                 r["auc"].append(roc_auc_score(y[te], c["test"]))
             for s, scheme in SCHEMES.items():
                 p = scheme(cands, y[tr], fold)
                 oof[s][te] = p
                 per_scheme[s]["auc"].append(roc_auc_score(y[te], p))
         for s in SCHEMES:
-            per_scheme[s]["nll"].append(_nll(oof[s], y))
+            per_scheme[s]["nll"].append(log_loss(oof[s], y))
             per_scheme[s]["ece"].append(expected_calibration_error(oof[s], y))
     candidate_rows = [
         {**dict(name), "out-of-bag NLL": f"{np.mean(r['oob']):.3f}", "test NLL": f"{np.mean(r['test']):.3f}",
