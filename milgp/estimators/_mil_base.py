@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -91,15 +92,41 @@ class CandidateFit(NamedTuple):
     single_instance: bool
 
 
+@dataclass(eq=False, repr=False)  # only for its __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
 class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     """Base of :class:`VGPMILClassifier` and :class:`ProbitMILClassifier` (see the module docstring).
 
-    Subclasses store their ``__init__`` arguments (scikit-learn style) and implement
+    Its fields are the ``__init__`` arguments both classifiers share (documented at
+    :class:`VGPMILClassifier`); subclasses, dataclasses too, add their own and implement
     :meth:`_make_likelihood`; they may override :attr:`kernel_grid`, :meth:`_likelihood_variants`,
     :meth:`_after_fit` and :meth:`_bag_probability`.
     """
 
-    kernel_grid: tuple[tuple[str, float, float], ...] = KERNEL_GRID
+    num_inducing: int = 100
+    bag_mean_inducing: float = 0.25
+    bag_size_cap: float | str | None = "median"
+    bag_rule: str | BagRule = "auto"
+    calibrate: bool = True
+    average: bool = True
+    kernel: str = "auto"
+    lengthscale: float | None = None
+    outputscale: float | None = None
+    max_iter: int = 24
+    search_iter: int = 8
+    tol: float = 1e-4
+    learn_hyperparameters: bool = False
+    lr: float = 0.05
+    hyper_steps: int = 5
+    ard: bool = False
+    learn_inducing_locations: bool = False
+    standardize: bool = True
+    bags_per_batch: int | None = None
+    dtype: str = "float64"
+    device: str = "cpu"
+    random_state: int = 0
+    verbose: bool = False
+
+    kernel_grid: ClassVar[tuple[tuple[str, float, float], ...]] = KERNEL_GRID
     """The candidate kernels of the search (:data:`KERNEL_GRID` for the logistic models)."""
 
     # -- what subclasses provide -----------------------------------------------------------------

@@ -65,25 +65,7 @@ class ProbitMILClassifier(MILClassifierBase):
 
     inference: str = "vi"
     single_instance: bool | str = "auto"
-    num_inducing: int = 100
-    bag_mean_inducing: float = 0.25
-    bag_rule: str | BagRule = "auto"
-    calibrate: bool = True
-    average: bool = True
-    bag_size_cap: float | str | None = "median"
-    kernel: str = "auto"
-    lengthscale: float | None = None
-    outputscale: float | None = None
-    max_iter: int = 24
-    search_iter: int = 8
-    tol: float = 1e-4
-    learn_hyperparameters: bool = False
     lr: float = 0.01
-    hyper_steps: int = 5
-    ard: bool = False
-    learn_inducing_locations: bool = False
-    standardize: bool = True
-    bags_per_batch: int | None = None
     num_qmc_points: int = 1024
     qmc_replicates: int = 8
     num_samples: int = 1000
@@ -91,10 +73,6 @@ class ProbitMILClassifier(MILClassifierBase):
     thin: int = 1
     num_chains: int = 4
     init_dispersion: float = 4.0
-    dtype: str = "float64"
-    device: str = "cpu"
-    random_state: int = 0
-    verbose: bool = False
 
     kernel_grid = PROBIT_KERNEL_GRID
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from milgp.estimators._mil_base import MILClassifierBase
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.likelihoods.psi import GSMDensity
-from milgp.prediction import BagRule
 
 __all__ = ["VGPMILClassifier"]
 
@@ -74,32 +73,9 @@ class VGPMILClassifier(MILClassifierBase):
     """
 
     psi: str | GSMDensity = "pg"
-    num_inducing: int = 100
-    bag_mean_inducing: float = 0.25
     H: float = 1e12
     max_rule: str = "auto"
     damping: float = 0.5
-    bag_size_cap: float | str | None = "median"
-    bag_rule: str | BagRule = "auto"
-    calibrate: bool = True
-    average: bool = True
-    kernel: str = "auto"
-    lengthscale: float | None = None
-    outputscale: float | None = None
-    max_iter: int = 24
-    search_iter: int = 8
-    tol: float = 1e-4
-    learn_hyperparameters: bool = False
-    lr: float = 0.05
-    hyper_steps: int = 5
-    ard: bool = False
-    learn_inducing_locations: bool = False
-    standardize: bool = True
-    bags_per_batch: int | None = None
-    dtype: str = "float64"
-    device: str = "cpu"
-    random_state: int = 0
-    verbose: bool = False
 
     def _likelihood_variants(self) -> tuple[str, ...]:
         """The π rules fitted at every kernel: ``"max"`` and ``"single"`` for ``max_rule="auto"``."""
