@@ -219,9 +219,9 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         rules = self._rule_candidates(np.array([len(b) for b in bags_np]))  # an unknown bag_rule is refused here, before any fitting
         self.n_features_in_ = bags_np[0].shape[1]
         self.classes_ = np.unique(np.asarray(y))  # the negative label (0, −1 or False), then the positive
-        candidates = self._kernel_candidates(self.n_features_in_)
+        plan = self._plan(self._kernel_candidates(self.n_features_in_))  # unknown settings refused here too
         batch, Z = self._prepare(bags_np, y_np)
-        fits = self._search(batch, Z, candidates, rules)
+        fits = self._search(batch, Z, plan, rules)
         if self.learn_hyperparameters:
             best = min(fits, key=lambda c: c.decision.heldout_nll)
             # Adam steps on the kernel (on the objective of hyperparameter_terms) alternating with the
@@ -291,11 +291,11 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         return torch.Generator(device=x.device).manual_seed(self.random_state)
 
     def _search(
-        self, batch: BagBatch, Z: torch.Tensor, candidates: list[tuple[str, float, float]], rules: Sequence[str | BagRule]
+        self, batch: BagBatch, Z: torch.Tensor, plan: list[tuple[Any, Any]], rules: Sequence[str | BagRule]
     ) -> list[CandidateFit]:
-        """Fit the pairs of :meth:`_plan` (module docstring) and score every bag rule of each on its
-        out-of-bag predictions. Returns one :class:`CandidateFit` per fit and rule; every fit is
-        recorded in :attr:`search_` with its best rule."""
+        """Fit the ``(kernel, likelihood variant)`` pairs ``plan`` of :meth:`_plan` (module docstring) and
+        score every bag rule of each on its out-of-bag predictions. Returns one :class:`CandidateFit`
+        per fit and rule; every fit is recorded in :attr:`search_` with its best rule."""
         share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * batch.num_instances <= SHARED_GRAM_MAX_ENTRIES
         gram = SharedGram(Z, batch.x) if share else None
         generator = self._generator(batch.x)
@@ -303,7 +303,6 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         fits: list[CandidateFit] = []
         projections: dict[tuple[str, float, float], Any] = {}
         warm = None
-        plan = self._plan(candidates)
         for i, ((kind, ls, scale), variant) in enumerate(plan):
             model = SparseGP(
                 Z, kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard, learn_inducing_locations=self.learn_inducing_locations

@@ -79,6 +79,8 @@ class ProbitMILClassifier(MILClassifierBase):
     def _likelihood_variants(self) -> tuple[str, ...]:
         """``"mil"`` (the MIL probit model) and ``"single"`` (single-instance learning), as
         ``single_instance`` asks; the Gibbs sampler's fit keeps to the MIL model."""
+        if self.inference not in ("vi", "gibbs"):
+            raise ValueError(f"inference must be 'vi' or 'gibbs', got {self.inference!r}")
         if self.single_instance not in ("auto", True, False):
             raise ValueError(f"single_instance must be 'auto', True or False, got {self.single_instance!r}")
         if self.single_instance is True:
@@ -95,12 +97,6 @@ class ProbitMILClassifier(MILClassifierBase):
             return OrthantRule(num_points=self.num_qmc_points, replicates=self.qmc_replicates, seed=self.random_state)
         return make_bag_rule(self.bag_rule)
 
-    def fit(self, bags, y) -> "ProbitMILClassifier":
-        """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
-        if self.inference not in ("vi", "gibbs"):
-            raise ValueError(f"inference must be 'vi' or 'gibbs', got {self.inference!r}")
-        return super().fit(bags, y)
-
     def _after_fit(self, batch: BagBatch) -> None:
         self.gibbs_ = None
         self.gibbs_summary_ = None
@@ -113,7 +109,7 @@ class ProbitMILClassifier(MILClassifierBase):
             self.gibbs_summary_ = self.gibbs_.summary()
             problem = self.gibbs_.convergence_problem()
             if problem is not None:
-                warnings.warn(f"the Gibbs chains have not converged: {problem}; raise num_samples and burn_in", ConvergenceWarning, stacklevel=4)
+                warnings.warn(f"the Gibbs chains have not converged: {problem}; raise num_samples and burn_in", ConvergenceWarning, stacklevel=3)
 
     def _averages(self) -> bool:
         """The Gibbs sampler runs at one kernel: ``inference="gibbs"`` keeps the best candidate."""
