@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from milgp.ct.augment import BagAugment
 from milgp.data.bags import collate_bags
 from milgp.ct.cache import CTCache
 from milgp.ct.dataset import CTBagDataset, uniform_subsample
+from milgp.ct.index import read_splits
 
 __all__ = ["CTCacheDataModule"]
 
@@ -90,14 +90,7 @@ class CTCacheDataModule(SplitDataModule):
         cache = self._cache
         path = self.splits_file or os.path.join(self.cache_dir, "splits.json")
         if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as fh:
-                    splits = {k: [str(b) for b in v] for k, v in json.load(fh).items()}
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as err:
-                raise ValueError(
-                    f"{path} is not a splits file ({type(err).__name__}: {err}); "
-                    "rerun milgp-cache with --splits to rewrite it"
-                ) from None
+            splits = read_splits(path)
         elif self.splits_file:
             raise FileNotFoundError(f"splits file {self.splits_file} does not exist")
         else:

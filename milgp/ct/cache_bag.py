@@ -38,7 +38,6 @@ __all__ = [
     "process_bag",
     "process_bag_isolated",
     "read_npy_header",
-    "record_from_marker",
     "source_identity",
 ]
 
@@ -255,24 +254,6 @@ def cached_bag_problem(bags_dir: Path, record: BagRecord) -> CachedBagState:
     if problem:
         return CachedBagState(None, str(npy_path), f"cached array {problem}")
     return CachedBagState(meta, changed_path, "", note)
-
-
-def record_from_marker(meta: dict) -> BagRecord:
-    """The index row a bag was cached from, as its marker records it (to rebuild it without ``index.json``).
-
-    Raises:
-        KeyError, TypeError, ValueError: for a malformed marker.
-    """
-    return BagRecord(
-        bag_id=str(meta["bag_id"]),
-        patient_id=str(meta["patient_id"]),
-        bag_label=float(meta["bag_label"]),
-        slice_paths=tuple(str(p) for p in meta["index_slice_paths"]),
-        slice_labels=None if meta["index_slice_labels"] is None else tuple(int(v) for v in meta["index_slice_labels"]),
-        series_uid=str(meta["series_uid"]),
-        ordering=str(meta["ordering"]),
-        modality=str(meta["modality"]),
-    )
 
 
 def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: CacheParams) -> BagResult:

@@ -18,7 +18,6 @@ them, so ``--help`` and argument errors answer at once.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -206,12 +205,12 @@ def _write_splits(index: BagIndex, report: CacheReport, out: Path, fractions: tu
 
 def _warn_stale_splits(path: Path, cached: set[str]) -> None:
     """Warn on stderr when an existing ``splits.json`` (from an earlier run) names bags this cache lacks."""
+    from milgp.ct.index import read_splits
+
     try:
-        splits = json.loads(path.read_text(encoding="utf-8"))
-        listed = {str(b) for ids in splits.values() for b in ids}
-    except (ValueError, AttributeError, TypeError) as err:
-        print(f"milgp-cache: warning: {printable(path)} (from an earlier run) is unreadable ({err}); rerun with --splits to rewrite it",
-              file=sys.stderr)
+        listed = {b for ids in read_splits(path).values() for b in ids}
+    except ValueError as err:
+        print(f"milgp-cache: warning: {err}", file=sys.stderr)
         return
     missing = sorted(listed - cached)
     if missing:

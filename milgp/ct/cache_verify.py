@@ -14,10 +14,10 @@ from pathlib import Path
 
 from milgp.data.atomic import atomic_write_json
 from milgp.ct.cache import CacheCorruptError, CacheEntry, build_cache, read_manifest
-from milgp.ct.cache_bag import cached_bag_problem, record_from_marker
+from milgp.ct.cache_bag import cached_bag_problem
 from milgp.ct.cache_lock import CacheLock
 from milgp.ct.cache_params import read_cache_params
-from milgp.ct.index import BagIndex, BagRecord
+from milgp.ct.index import BagIndex, BagRecord, read_splits
 from milgp.ct.report_entry import ReportEntry, printable
 
 __all__ = ["VerifyReport", "verify_cache"]
@@ -74,7 +74,8 @@ def _recorded_index(root: Path, entries: list[CacheEntry] | None) -> tuple[BagIn
     for e in entries:
         try:
             marker = json.loads((root / "bags" / e.file).with_suffix(".json").read_text(encoding="utf-8"))
-            records.append(record_from_marker(marker))
+            slices = {"slice_paths": marker["index_slice_paths"], "slice_labels": marker["index_slice_labels"]}
+            records.append(BagRecord.from_json_dict({**marker, **slices}))
         except (OSError, KeyError, TypeError, ValueError) as err:
             problems.append(ReportEntry(e.bag_id, str(root / "bags" / e.file), f"cannot be rebuilt: no index.json and its marker is unreadable ({err})"))
     return BagIndex(records), problems
@@ -114,10 +115,9 @@ def _check(root: Path) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIn
     if splits_path.is_file() and entries is not None:
         known = {e.bag_id for e in entries}
         try:
-            splits = json.loads(splits_path.read_text(encoding="utf-8"))
-            listed = [str(b) for ids in splits.values() for b in ids]
-        except (OSError, ValueError, AttributeError, TypeError) as err:
-            problems.append(ReportEntry("", str(splits_path), f"unreadable splits file ({type(err).__name__}: {err})"))
+            listed = [b for ids in read_splits(splits_path).values() for b in ids]
+        except (OSError, ValueError) as err:
+            problems.append(ReportEntry("", str(splits_path), str(err)))
         else:
             problems += [ReportEntry(b, str(splits_path), "listed in splits.json but not in the manifest") for b in listed if b not in known]
     return len(served), problems, notes, index
@@ -133,10 +133,10 @@ def _fix_splits(root: Path) -> list[str]:
     except (FileNotFoundError, CacheCorruptError):
         return []
     try:
-        splits = json.loads(path.read_text(encoding="utf-8"))
-        kept = {name: [b for b in ids if b in known] for name, ids in splits.items()}
-    except (OSError, ValueError, AttributeError, TypeError):
-        return [f"{printable(path)} is unreadable and was left as it is; rerun milgp-cache with --splits to rewrite it"]
+        splits = read_splits(path)
+    except (OSError, ValueError) as err:
+        return [f"left as it is: {err}"]
+    kept = {name: [b for b in ids if b in known] for name, ids in splits.items()}
     dropped = [b for name, ids in splits.items() for b in ids if b not in known]
     if not dropped:
         return []

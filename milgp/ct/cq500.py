@@ -221,12 +221,10 @@ def index_cq500(
     skipped += unread
     by_study: dict[str, dict[str, list[SliceHeader]]] = {name: {} for name in folders}
     for name, headers in headers_of.items():
-        for h in headers:
-            problem = policy.slice_problem(h)
-            if problem:
-                skipped.append(ReportEntry(name, h.path, problem))
-            else:
-                by_study[name].setdefault(h.series_uid, []).append(h)
+        kept, left_out = policy.screen(headers, name)
+        skipped += left_out
+        for h in kept:
+            by_study[name].setdefault(h.series_uid, []).append(h)
     index = BagIndex([], skipped, refused)
     label_of = dict(labels.values())
     for name, by_series in by_study.items():

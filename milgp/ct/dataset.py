@@ -6,7 +6,6 @@ flat :class:`~milgp.data.bags.BagBatch`.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Sequence
 
@@ -16,6 +15,7 @@ from torch import Tensor
 
 from milgp.ct.augment import BagAugment
 from milgp.ct.cache import CacheCorruptError, CacheParams, CTCache, repair_hint
+from milgp.ct.index import read_splits
 from milgp.ct.report_entry import printable
 
 __all__ = ["CTBagDataset", "uniform_subsample"]
@@ -76,14 +76,10 @@ class CTBagDataset(torch.utils.data.Dataset):
     def from_split(cls, cache_dir: str | os.PathLike[str], split: str, **kwargs) -> "CTBagDataset":
         """The bags of one split from ``cache_dir/splits.json`` (written by ``milgp-cache --splits``)."""
         path = os.path.join(cache_dir, "splits.json")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                splits = json.load(fh)
-        except ValueError as err:
-            raise ValueError(f"{printable(path)}: unreadable splits file ({err}); rerun milgp-cache with --splits") from None
-        if not isinstance(splits, dict) or split not in splits:
-            raise KeyError(f"{printable(path)} has no split {split!r} (it has {sorted(splits) if isinstance(splits, dict) else 'no splits'})")
-        return cls(cache_dir, bag_ids=[str(b) for b in splits[split]], **kwargs)
+        splits = read_splits(path)
+        if split not in splits:
+            raise KeyError(f"{printable(path)} has no split {split!r} (it has {sorted(splits)})")
+        return cls(cache_dir, bag_ids=splits[split], **kwargs)
 
     def __len__(self) -> int:
         return len(self.bag_ids)

@@ -25,7 +25,7 @@ from milgp.ct.report_entry import ReportEntry, printable
 from milgp.ct.series_check import check_series
 from milgp.ct.series_policy import SeriesPolicy
 
-__all__ = ["BagIndex", "BagRecord", "INDEX_FORMAT_VERSION", "bag_from_headers", "split_by_patient"]
+__all__ = ["BagIndex", "BagRecord", "INDEX_FORMAT_VERSION", "bag_from_headers", "read_splits", "split_by_patient"]
 
 #: Version of the JSON index format written by :meth:`BagIndex.save`.
 INDEX_FORMAT_VERSION = 1
@@ -76,6 +76,25 @@ class BagRecord:
     @property
     def num_slices(self) -> int:
         return len(self.slice_paths)
+
+    @classmethod
+    def from_json_dict(cls, obj: dict) -> "BagRecord":
+        """Inverse of :func:`dataclasses.asdict` (a bag of :meth:`BagIndex.to_json_dict`).
+
+        Raises:
+            KeyError, TypeError, ValueError, AttributeError: for a malformed entry.
+        """
+        labels = obj.get("slice_labels")
+        return cls(
+            bag_id=str(obj["bag_id"]),
+            patient_id=str(obj["patient_id"]),
+            bag_label=float(obj["bag_label"]),
+            slice_paths=tuple(str(p) for p in obj["slice_paths"]),
+            slice_labels=None if labels is None else tuple(int(v) for v in labels),
+            series_uid=str(obj.get("series_uid", "")),
+            ordering=str(obj.get("ordering", "geometry")),
+            modality=str(obj.get("modality", "CT")),
+        )
 
 
 @dataclass
@@ -182,18 +201,7 @@ class BagIndex:
         refused = []
         for i, b in enumerate(obj.get("bags", [])):
             try:
-                bags.append(
-                    BagRecord(
-                        bag_id=str(b["bag_id"]),
-                        patient_id=str(b["patient_id"]),
-                        bag_label=float(b["bag_label"]),
-                        slice_paths=tuple(str(p) for p in b["slice_paths"]),
-                        slice_labels=None if b.get("slice_labels") is None else tuple(int(v) for v in b["slice_labels"]),
-                        series_uid=str(b.get("series_uid", "")),
-                        ordering=str(b.get("ordering", "geometry")),
-                        modality=str(b.get("modality", "CT")),
-                    )
-                )
+                bags.append(BagRecord.from_json_dict(b))
             except (KeyError, TypeError, ValueError, AttributeError) as err:
                 name = str(b.get("bag_id", f"entry {i}")) if isinstance(b, dict) else f"entry {i}"
                 refused.append(ReportEntry(name, source, f"bag entry {i} of the saved index is malformed ({err}); left out"))
@@ -390,3 +398,18 @@ def split_by_patient(
         name: BagIndex([b for b in index.bags if split_of[b.patient_id] == k], list(index.skipped), list(index.refused), list(index.warnings))
         for k, name in enumerate(names)
     }
+
+
+def read_splits(path: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """``{split name: bag ids}`` from a ``splits.json`` (written by ``milgp-cache --splits``).
+
+    Raises:
+        ValueError: naming the file when it is not a splits file (and how to rewrite it).
+        OSError: when it cannot be read.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return {str(k): [str(b) for b in v] for k, v in json.load(fh).items()}
+    except (ValueError, AttributeError, TypeError) as err:
+        raise ValueError(f"{printable(path)} is not a splits file ({type(err).__name__}: {err}); "
+                         "rerun milgp-cache with --splits to rewrite it") from None

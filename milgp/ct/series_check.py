@@ -238,14 +238,7 @@ def check_series(headers: Sequence[SliceHeader], bag_id: str, policy: SeriesPoli
         SeriesRefused: one line naming the series and the files at fault.
     """
     name = f"bag {printable(bag_id)}"
-    kept: list[SliceHeader] = []
-    skipped: list[ReportEntry] = []
-    for h in headers:
-        problem = policy.slice_problem(h)
-        if problem:
-            skipped.append(ReportEntry(bag_id, h.path, problem))
-        else:
-            kept.append(h)
+    kept, skipped = policy.screen(headers, bag_id)
     if not kept:
         example = f" (e.g. {printable(skipped[0].path)}: {skipped[0].reason})" if skipped else ""
         raise SeriesRefused(f"{name}: no CT slice of an axial stack among {len(headers)} files{example}")

@@ -9,9 +9,11 @@ accepts them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from pydicom.uid import UID
+
+from milgp.ct.report_entry import ReportEntry
 
 if TYPE_CHECKING:
     from milgp.ct.dicom import SliceHeader
@@ -76,3 +78,8 @@ class SeriesPolicy:
         if "LOCALIZER" in h.image_type.split("\\"):
             return "localizer (scout) image, not a slice of the axial stack"
         return ""
+
+    def screen(self, headers: Iterable["SliceHeader"], bag_id: str) -> tuple[list["SliceHeader"], list[ReportEntry]]:
+        """``(kept, left out)``: the headers without a :meth:`slice_problem`, and the others with theirs."""
+        problems = [(h, self.slice_problem(h)) for h in headers]
+        return [h for h, p in problems if not p], [ReportEntry(bag_id, h.path, p) for h, p in problems if p]
