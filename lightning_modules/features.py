@@ -15,6 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
+from milgp.ct.label_rule import read_csv_rows
 from milgp.data.atomic import atomic_open, atomic_write_text
 
 __all__ = ["FeatureTable", "load_features", "save_features"]
@@ -126,21 +127,15 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     if path.suffix != ".csv":
         raise ValueError(f"{path}: feature files must end in .npz or .csv")
     per_bag: dict[str, dict] = {}
-    with open(path, newline="", encoding="utf-8") as fh:
-        reader = csv.reader(fh)
-        header = next(reader)
-        fcols = [i for i, h in enumerate(header) if h.startswith("f") and h[1:].isdigit()]
-        col = {h: i for i, h in enumerate(header)}
-        for needed in ("bag_id", "bag_label"):
-            if needed not in col:
-                raise ValueError(f"{path}: feature CSV lacks the column {needed!r}")
-        for line, row in enumerate(reader, start=2):
-            bag = per_bag.setdefault(row[col["bag_id"]], {
-                "label": float(row[col["bag_label"]]), "patient": row[col["patient_id"]] if "patient_id" in col else "",
-                "split": row[col["split"]] if "split" in col else "", "rows": []})
-            lab = row[col["instance_label"]] if "instance_label" in col else ""
-            k = int(row[col["slice_index"]]) if "slice_index" in col else len(bag["rows"])
-            bag["rows"].append((k, np.nan if lab == "" else float(lab), [float(row[i]) for i in fcols]))
+    fcols: list[str] = []
+    for _, row in read_csv_rows(path, ("bag_id", "bag_label")):
+        fcols = fcols or [c for c in row if c.startswith("f") and c[1:].isdigit()]
+        bag = per_bag.setdefault(row["bag_id"], {
+            "label": float(row["bag_label"]), "patient": row.get("patient_id", ""),
+            "split": row.get("split", ""), "rows": []})
+        lab = row.get("instance_label", "")
+        k = int(row["slice_index"]) if "slice_index" in row else len(bag["rows"])
+        bag["rows"].append((k, np.nan if lab == "" else float(lab), [float(row[c]) for c in fcols]))
     ids = list(per_bag)
     bags, inst = [], []
     for b in ids:

@@ -13,7 +13,7 @@ from lightning_modules.data.dicom_series_dataset import DicomSeriesDataset
 from lightning_modules.input_error import InputError
 from milgp.data.bags import collate_bags
 from milgp.ct.dataset import uniform_subsample
-from milgp.ct.dicom import read_headers, walk_files
+from milgp.ct.dicom import read_folder_headers
 from milgp.ct.report_entry import printable
 from milgp.ct.series_check import SeriesRefused, check_series
 
@@ -71,11 +71,9 @@ class DicomDataModule(pl.LightningDataModule):
             raise InputError("DICOM folders are unlabelled scans: use them with predict (milgp-train predict, milgp-predict)")
         if self._series:
             return
-        for folder in self.inputs:
-            paths, problems = walk_files(folder)
-            headers, unreadable = read_headers(paths)
-            self.skipped.extend((str(e.path), e.reason) for e in problems)
-            self.skipped.extend((str(path), reason) for path, reason in unreadable)
+        headers_of, unread = read_folder_headers({folder: Path(folder) for folder in self.inputs})
+        self.skipped.extend((e.path, e.reason) for e in unread)
+        for folder, headers in headers_of.items():
             by_series: dict[str, list] = {}
             for h in headers:
                 by_series.setdefault(h.series_uid, []).append(h)

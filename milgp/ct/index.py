@@ -272,18 +272,11 @@ class BagIndex:
                 has_labels = all(v != "" for v in labels)
                 if not has_labels and any(v != "" for v in labels):
                     raise ValueError("slice labels given for some slices only")
-                bags.append(
-                    BagRecord(
-                        bag_id=bag_id,
-                        patient_id=bag_rows[0]["patient_id"],
-                        bag_label=float(bag_rows[0]["bag_label"]),
-                        slice_paths=tuple(r["path"] for r in bag_rows),
-                        slice_labels=tuple(int(v) for v in labels) if has_labels else None,
-                        series_uid=bag_rows[0]["series_uid"],
-                        ordering=bag_rows[0]["ordering"],
-                        modality=bag_rows[0].get("modality") or "CT",
-                    )
-                )
+                first = bag_rows[0]  # the bag's columns, as on every row of the bag
+                bags.append(BagRecord.from_json_dict({
+                    **first, "slice_paths": [r["path"] for r in bag_rows],
+                    "slice_labels": labels if has_labels else None, "modality": first.get("modality") or "CT",
+                }))
             except ValueError as err:
                 raise ValueError(f"{printable(path)}: bag {bag_id!r}: {err}") from err
         return cls(bags)

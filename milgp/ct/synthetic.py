@@ -22,6 +22,7 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, PYDICOM_IMPLEMENTATION_UID, generate_uid
 
 from milgp.data.atomic import atomic_write_text
+from milgp.ct.rsna import RSNA_SUBTYPES
 
 __all__ = [
     "HU_AIR",
@@ -333,21 +334,23 @@ def _random_names(rng: np.random.Generator, count: int, prefix: str, used: set[s
     return names
 
 
-def _positives(rng: np.random.Generator, n: int, prevalence: float) -> np.ndarray:
-    if not 0.0 <= prevalence <= 1.0:
-        raise ValueError(f"prevalence must be in [0, 1], got {prevalence}")
-    flags = np.zeros(n, dtype=bool)
-    flags[rng.permutation(n)[: int(round(prevalence * n))]] = True
-    return flags
-
-
-def _check_common(n: int, slices: tuple[int, int], size: int) -> None:
+def _start(
+    n: int, slices: tuple[int, int], size: int, prevalence: float, seed: int
+) -> tuple[np.random.Generator, np.ndarray]:
+    """Check the arguments every writer takes; ``(rng, positive (n,) bool)``: the seeded generator
+    and which scans get a lesion (``prevalence · n`` of them, rounded)."""
     if n < 1:
         raise ValueError(f"need at least one scan, got {n}")
     if not 1 <= slices[0] <= slices[1]:
         raise ValueError(f"slices must be a range (min, max) with 1 <= min <= max, got {slices}")
     if size < 8:
         raise ValueError(f"image size must be at least 8 pixels, got {size}")
+    if not 0.0 <= prevalence <= 1.0:
+        raise ValueError(f"prevalence must be in [0, 1], got {prevalence}")
+    rng = np.random.default_rng(seed)
+    positive = np.zeros(n, dtype=bool)
+    positive[rng.permutation(n)[: int(round(prevalence * n))]] = True
+    return rng, positive
 
 
 def _z_norm(num_slices: int) -> np.ndarray:
@@ -391,18 +394,16 @@ def write_rsna_dataset(
     Returns:
         The ground truth; ``bag_id`` = SeriesInstanceUID.
     """
-    _check_common(n_scans, slices, size)
     if slice_factor < 1:
         raise ValueError(f"slice_factor must be a positive integer, got {slice_factor}")
+    rng, positive = _start(n_scans, slices, size, prevalence, seed)
     n_patients = n_scans if n_patients is None else n_patients
-    rng = np.random.default_rng(seed)
     root_path = Path(root)
     image_dir = root_path / "stage_2_train"
-    positive = _positives(rng, n_scans, prevalence)
     used: set[str] = set()
     scans: list[SyntheticScan] = []
     rows: list[tuple[str, int]] = []
-    subtypes = ("epidural", "intraparenchymal", "intraventricular", "subarachnoid", "subdural")
+    subtypes = RSNA_SUBTYPES[:-1]  # the hemorrhage subtypes, without "any"
     thickness = 5.0 / slice_factor
     for i in range(n_scans):
         num = int(rng.integers(slices[0], slices[1] + 1))
@@ -449,10 +450,8 @@ def write_cq500_dataset(
     Returns:
         The ground truth of the ``CT 5mm`` series; ``bag_id`` = ``CQ500-CT-<n>``.
     """
-    _check_common(n_studies, slices, size)
-    rng = np.random.default_rng(seed)
+    rng, positive = _start(n_studies, slices, size, prevalence, seed)
     root_path = Path(root)
-    positive = _positives(rng, n_studies, prevalence)
     scans: list[SyntheticScan] = []
     reads = io.StringIO()
     writer = csv.writer(reads, lineterminator="\n")
@@ -504,12 +503,10 @@ def write_generic_dataset(
     Returns:
         The ground truth; ``bag_id`` = the folder name ``scan_<i>``.
     """
-    _check_common(n_bags, slices, size)
+    rng, positive = _start(n_bags, slices, size, prevalence, seed)
     n_patients = n_bags if n_patients is None else n_patients
-    rng = np.random.default_rng(seed)
     root_path = Path(root)
     bags_dir = root_path / "bags"
-    positive = _positives(rng, n_bags, prevalence)
     used: set[str] = set()
     scans: list[SyntheticScan] = []
     bag_rows, slice_rows = ["bag_id,label,patient_id\n"], ["bag_id,file,label\n"]
