@@ -69,7 +69,10 @@ def _label_map(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _add_wait_option(p: argparse.ArgumentParser) -> None:
+def _add_run_options(p: argparse.ArgumentParser, workers_help: str) -> None:
+    """The options of every command that writes into a cache."""
+    p.add_argument("--workers", type=int, default=1, help=f"worker processes for {workers_help} (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--wait", action="store_true",
                    help="when another milgp-cache process writes into the cache, wait for it instead of refusing")
 
@@ -95,12 +98,10 @@ def _add_cache_options(p: argparse.ArgumentParser) -> None:
         "--windows", type=_window, nargs="+", default=list(HEAD_CT_WINDOWS), metavar="CENTER,WIDTH",
         help="display windows in HU, one channel each (default: brain 40,80 subdural 80,200 soft tissue 40,380)",
     )
-    p.add_argument("--workers", type=int, default=1, help="worker processes for header reading and caching (default 1)")
     p.add_argument("--splits", type=_fractions, default=None, metavar="TRAIN,VAL,TEST",
                    help="also write OUT/splits.json: patient-grouped stratified split of the cached bags with these fractions")
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_wait_option(p)
+    _add_run_options(p, "header reading and caching")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,9 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("cache", type=Path, help="the cache folder")
     p.add_argument("--repair", action="store_true",
                    help="rebuild corrupt or stale bags from the recorded sources, drop what cannot be rebuilt from the manifest and splits")
-    p.add_argument("--workers", type=int, default=1, help="worker processes for rebuilding (default 1)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_wait_option(p)
+    _add_run_options(p, "rebuilding")
     p = sub.add_parser("synthetic", help="write a synthetic head-CT dataset as real DICOM files")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--layout", choices=("rsna", "cq500", "generic"), default="rsna")
