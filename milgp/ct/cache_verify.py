@@ -75,6 +75,8 @@ def _recorded_index(root: Path, entries: list[CacheEntry] | None) -> tuple[BagIn
         try:
             marker = json.loads((root / "bags" / e.file).with_suffix(".json").read_text(encoding="utf-8"))
             slices = {"slice_paths": marker["index_slice_paths"], "slice_labels": marker["index_slice_labels"]}
+            if missing := {"series_uid", "ordering", "modality"} - marker.keys():  # every marker writes them
+                raise KeyError(f"the marker lacks {sorted(missing)}")
             records.append(BagRecord.from_json_dict({**marker, **slices}))
         except (OSError, KeyError, TypeError, ValueError) as err:
             problems.append(ReportEntry(e.bag_id, str(root / "bags" / e.file), f"cannot be rebuilt: no index.json and its marker is unreadable ({err})"))

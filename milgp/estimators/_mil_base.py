@@ -92,7 +92,7 @@ class CandidateFit(NamedTuple):
     single_instance: bool
 
 
-@dataclass(eq=False, repr=False)  # only for its __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
+@dataclass(eq=False, repr=False, kw_only=True)  # only for its keyword-only __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
 class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     """Base of :class:`VGPMILClassifier` and :class:`ProbitMILClassifier` (see the module docstring).
 

@@ -575,6 +575,23 @@ def test_verify_repair_drops_what_cannot_be_rebuilt_from_manifest_and_splits(bui
     assert any("cannot be rebuilt" in a and victim in a for a in repaired.actions)
 
 
+def test_verify_without_index_json_refuses_a_marker_that_lacks_a_field(built) -> None:
+    """Without index.json, verify rebuilds its index from the per-bag markers. A marker that lacks one of the
+    fields every marker writes (here the slice ordering) is damaged: it must be reported, not read with a
+    guessed default, while the intact markers still give their bags."""
+    ds, out, clean = built
+    (out / "index.json").unlink()
+    assert verify_cache(out).ok
+    victim = ds.scans[1].bag_id
+    marker = _npy(out, victim).with_suffix(".json")
+    meta = json.loads(marker.read_text())
+    del meta["ordering"]
+    marker.write_text(json.dumps(meta))
+    found = verify_cache(out)
+    assert {e.bag_id for e in found.problems} == {victim} and not found.ok
+    assert any("cannot be rebuilt" in e.reason and "ordering" in e.reason for e in found.problems)
+
+
 def test_cache_outputs_respect_the_umask(tmp_path: Path) -> None:
     """Cache files (arrays, markers, manifest, report, index) must be created 0o666 & ~umask, not 0o600."""
     ds = _generic(tmp_path / "gen", n_bags=1)

@@ -109,3 +109,14 @@ def test_bag_labels_minus_one_one_and_booleans_are_the_same_fit():
         check_binary_bag_labels([0, 1, 2], 3)
     with pytest.raises(ValueError, match="only bags of class -1"):
         check_binary_bag_labels([-1, -1], 2)
+
+
+def test_settings_are_keyword_only():
+    """The classifiers' settings are keyword-only: their order is not part of the interface (the shared ones
+    are declared once, in the base), so a positional value must be refused, not given to another setting."""
+    from milgp.estimators import ProbitMILClassifier
+
+    for cls in (VGPMILClassifier, ProbitMILClassifier):
+        with pytest.raises(TypeError):
+            cls("gamma")
+    assert VGPMILClassifier(psi="gamma").get_params()["psi"] == "gamma"
