@@ -92,7 +92,7 @@ class CandidateFit(NamedTuple):
     single_instance: bool
 
 
-@dataclass(eq=False, repr=False, kw_only=True)  # only for its keyword-only __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
+@dataclass(eq=False, repr=False, kw_only=True)  # a scikit-learn __init__ (stores the settings as given); BaseEstimator's repr
 class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     """Base of :class:`VGPMILClassifier` and :class:`ProbitMILClassifier` (see the module docstring).
 

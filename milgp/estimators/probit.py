@@ -22,7 +22,7 @@ PROBIT_KERNEL_GRID = tuple((kind, factor, scale / PROBIT_LOGISTIC_SCALE**2) for 
 docs/probit.md)."""
 
 
-@dataclass(eq=False, repr=False, kw_only=True)  # only for its keyword-only __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
+@dataclass(eq=False, repr=False, kw_only=True)  # a scikit-learn __init__ (stores the settings as given); BaseEstimator's repr
 class ProbitMILClassifier(MILClassifierBase):
     """MIL-GP-Probit bag classifier (Wang & Pinar, *The Multiple Instance Learning Gaussian Process
     Probit Model*, AISTATS 2021), with VI or Gibbs inference.

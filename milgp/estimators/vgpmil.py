@@ -10,7 +10,7 @@ from milgp.likelihoods.psi import GSMDensity
 __all__ = ["VGPMILClassifier"]
 
 
-@dataclass(eq=False, repr=False, kw_only=True)  # only for its keyword-only __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's
+@dataclass(eq=False, repr=False, kw_only=True)  # a scikit-learn __init__ (stores the settings as given); BaseEstimator's repr
 class VGPMILClassifier(MILClassifierBase):
     """ψ-VGPMIL bag classifier: VGPMIL (``psi="pg"``, Haußmann et al., *Variational Bayesian
     Multiple Instance Learning with Gaussian Processes*, CVPR 2017) or G-VGPMIL (``psi="gamma"``,
