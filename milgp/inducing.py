@@ -5,7 +5,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from sklearn.cluster import kmeans_plusplus
 
-__all__ = ["bag_mean_inducing", "distinct_rows", "kmeans_pp_inducing", "median_lengthscale", "mil_inducing"]
+__all__ = ["bag_mean_inducing", "distinct_rows", "kmeans_pp_inducing", "linear_span_inducing", "median_lengthscale", "mil_inducing"]
 
 
 def kmeans_pp_inducing(
@@ -51,6 +51,19 @@ def kmeans_pp_inducing(
         extra = Z[rng.integers(len(Z), size=num_inducing - len(Z))] + 1e-3 * rng.standard_normal((num_inducing - len(Z), x.shape[1]))
         Z = np.concatenate([Z, extra], 0)
     return Z
+
+
+def linear_span_inducing(dim: int, affine: bool = False) -> np.ndarray:
+    """``(D, D)`` inducing points ``√D·e_i`` (``(D + 1, D)`` with the origin for ``affine``) that
+    span a linear kernel's whole function space: ``s² xᵀx'/D`` is a linear function of ``x`` (with a
+    constant for ``s² (xᵀx'/D + 1)``), so on these points the sparse GP is the exact Bayesian linear
+    model, whatever other inducing points would be placed, at ``(D + 1)²`` instead of ``M²`` work
+    per instance where ``D + 1 < M``. The linear kernel's ``K_zz`` is ``s²·I``.
+    """
+    if dim < 1:
+        raise ValueError(f"dim must be at least 1, got {dim}")
+    basis = np.sqrt(dim) * np.eye(dim)
+    return np.concatenate([basis, np.zeros((1, dim))]) if affine else basis
 
 
 def bag_mean_inducing(

@@ -2,7 +2,10 @@
 import numpy as np
 import pytest
 
-from milgp.inducing import bag_mean_inducing, distinct_rows, kmeans_pp_inducing, median_lengthscale, mil_inducing
+import torch
+
+from milgp.inducing import bag_mean_inducing, distinct_rows, kmeans_pp_inducing, linear_span_inducing, median_lengthscale, mil_inducing
+from milgp.models.sparse_gp import SparseGP
 
 
 def test_split_between_positive_and_negative_bag_instances():
@@ -136,3 +139,30 @@ def test_mil_inducing_splits_m_between_instances_and_bag_means_on_wide_features(
     np.testing.assert_array_equal(mil_inducing(narrow, bag_index, labels, 12, 0.25, seed=2), kmeans_pp_inducing(narrow, labels, 12, seed=2))
     with pytest.raises(ValueError, match="bag_mean_inducing"):
         mil_inducing(x, bag_index, labels, 12, 1.0)
+
+
+@pytest.mark.parametrize("kernel", ["linear", "affine"])
+def test_linear_span_points_make_a_linear_kernel_exact(kernel):
+    """On the points of ``linear_span_inducing`` a linear (affine) kernel's sparse GP must be the
+    exact Bayesian linear model: no prior variance left outside the span at any input
+    (``k(x, x) − aᵀa = 0``), so the estimators may fit their linear candidates there in place of
+    ``M`` instance points. Without the origin the affine kernel's intercept would be missing, and
+    ``K_zz`` of the linear kernel is ``s²·I``."""
+    dim = 5
+    Z = torch.as_tensor(linear_span_inducing(dim, affine=kernel == "affine"))
+    assert Z.shape == (dim + (kernel == "affine"), dim)
+    model = SparseGP(Z, kernel=kernel, outputscale=3.0)
+    x = torch.randn(40, dim, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4
+    with torch.no_grad():
+        proj = model.variational_strategy.projection(x)
+        outside = proj.prior_var - proj.A.square().sum(0)  # the jitter's share only
+        assert float((outside / proj.prior_var).abs().max()) < 1e-5
+        if kernel == "linear":
+            K = model.covar_module(Z).to_dense()
+            torch.testing.assert_close(K, 3.0 * torch.eye(dim, dtype=torch.float64))
+        else:  # the basis alone leaves the intercept outside the span
+            lin = SparseGP(torch.as_tensor(linear_span_inducing(dim)), kernel="affine", outputscale=3.0)
+            short = lin.variational_strategy.projection(x)
+            assert float(((short.prior_var - short.A.square().sum(0)) / short.prior_var).max()) > 1e-2
+    with pytest.raises(ValueError, match="dim"):
+        linear_span_inducing(0)

@@ -11,7 +11,9 @@ and RBF kernels with lengthscale ``√D`` and ``2√D`` at outputscale 1 and 10)
 coordinate ascent (Algorithm 1 of Castro-Macías et al. 2024 without hyperparameter steps): the
 first from scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
 ``search_iter`` sweeps. The inner products ``Z xᵀ`` are computed once for all candidates
-(:class:`~milgp.models.shared_gram.SharedGram`).
+(:class:`~milgp.models.shared_gram.SharedGram`). On features narrower than ``M`` (``D + 1 < M``)
+the linear and affine kernels sit on the ``D`` (``D + 1``) points that span their whole function
+space instead (:meth:`MILClassifierBase._inducing_for`): the same exact linear model at a fraction of the work.
 
 **Out-of-bag scores, calibration and averaging.** For each fit the leave-one-bag-out cavity
 predictive of every training bag (:func:`~milgp.variational.leave_bag_out.leave_bag_out_posterior`,
@@ -42,7 +44,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, flatten_bags, split_by_bag
 from milgp.estimators._validation import FeatureScaler, check_bags, check_binary_bag_labels, torch_dtype
-from milgp.inducing import mil_inducing
+from milgp.inducing import linear_span_inducing, mil_inducing
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.shared_gram import SharedGram
 from milgp.models.sparse_gp import SparseGP
@@ -297,7 +299,9 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         score every bag rule of each on its out-of-bag predictions. Returns one :class:`CandidateFit`
         per fit and rule; every fit is recorded in :attr:`search_` with its best rule."""
         share = not self.learn_inducing_locations and not self.ard and Z.shape[0] * batch.num_instances <= SHARED_GRAM_MAX_ENTRIES
-        gram = SharedGram(Z, batch.x) if share else None
+        points = {kind: self._inducing_for(kind, Z) for (kind, _, _), _ in plan}
+        distinct = {id(Zk): Zk for Zk in points.values()}
+        grams = {key: SharedGram(Zk, batch.x) for key, Zk in distinct.items()} if share else {}
         generator = self._generator(batch.x)
         self.search_: list[dict[str, Any]] = []
         fits: list[CandidateFit] = []
@@ -305,12 +309,13 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         warm = None
         for i, ((kind, ls, scale), variant) in enumerate(plan):
             model = SparseGP(
-                Z, kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard, learn_inducing_locations=self.learn_inducing_locations
+                points[kind], kernel=kind, lengthscale=ls, outputscale=scale, ard=self.ard,
+                learn_inducing_locations=self.learn_inducing_locations,
             ).to(self.device)
             likelihood = self._make_likelihood(variant)
             likelihood.bag_size_cap = self.bag_size_cap_
-            if gram is not None and (kind, ls, scale) not in projections:  # one per kernel, shared by the variants
-                projections[(kind, ls, scale)] = gram.projection(model)
+            if share and (kind, ls, scale) not in projections:  # one per kernel, shared by the variants
+                projections[(kind, ls, scale)] = grams[id(points[kind])].projection(model)
             projection = projections.get((kind, ls, scale))
             result = fit_closed_form(
                 model, likelihood, batch,
@@ -332,6 +337,16 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             )
             fits.extend(CandidateFit(model, likelihood, result, d, variant == "single") for d in scored)
         return fits
+
+    def _inducing_for(self, kind: str, Z: torch.Tensor) -> torch.Tensor:
+        """The inducing points of a ``kind`` kernel: ``Z``, except that a linear or affine kernel on
+        fewer features (plus one for the intercept) than ``M`` gets the points that span its whole
+        function space (:func:`~milgp.inducing.linear_span_inducing`): the same model, exact, at
+        ``(D + 1)²`` instead of ``M²`` work per instance (the RBF fits keep ``Z``)."""
+        dim, affine = Z.shape[1], kind == "affine"
+        if kind not in ("linear", "affine") or self.learn_inducing_locations or dim + affine >= Z.shape[0]:
+            return Z
+        return torch.as_tensor(linear_span_inducing(dim, affine), dtype=Z.dtype, device=Z.device)
 
     # -- data --------------------------------------------------------------------------------------
     def _to_tensor(self, bags: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,15 +78,22 @@ def predict_marginals(models: Sequence[ApproximateGP], x: Tensor, chunk_size: in
     """``q(f*)`` mean and variance ``(N,)`` of each of ``models`` at the inputs ``x`` ``(N, D)``.
 
     Models that :class:`SharedGram` serves and that share their inducing points (the candidates of
-    a kernel search) are projected from one ``Z xᵀ`` per chunk of ``chunk_size`` inputs — for wide
-    features the whole cost of a prediction, paid once instead of once per model; any other model
-    by its own :meth:`ClosedFormStrategy.predict_marginals`.
+    a kernel search, grouped by their points) are projected from one ``Z xᵀ`` per group and chunk
+    of ``chunk_size`` inputs — for wide features the whole cost of a prediction, paid once instead
+    of once per model; any other model by its own :meth:`ClosedFormStrategy.predict_marginals`.
     """
     out: list[tuple[Tensor, Tensor] | None] = [None] * len(models)
-    shared = [k for k, m in enumerate(models) if SharedGram.serves(m)]
-    Z = models[shared[0]].variational_strategy.inducing_points if shared else None
-    shared = [k for k in shared if torch.equal(models[k].variational_strategy.inducing_points, Z)]
-    if len(shared) > 1:
+    groups: list[list[int]] = []
+    for k, m in enumerate(models):
+        if SharedGram.serves(m):
+            Z = m.variational_strategy.inducing_points
+            group = next((g for g in groups if torch.equal(models[g[0]].variational_strategy.inducing_points, Z)), None)
+            if group is None:
+                groups.append([k])
+            else:
+                group.append(k)
+    for shared in (g for g in groups if len(g) > 1):
+        Z = models[shared[0]].variational_strategy.inducing_points
         parts: list[list[tuple[Tensor, Tensor]]] = [[] for _ in shared]
         posteriors = [models[k].variational_strategy.whitened_posterior() for k in shared]
         for start in range(0, x.shape[0], chunk_size):

@@ -167,6 +167,23 @@ def test_on_wide_features_a_quarter_of_the_inducing_points_sit_at_the_bags_means
         assert Z.shape == (20, d) and sum(is_mean) == at_means and sum(is_instance) == 20 - at_means
 
 
+def test_a_linear_kernel_on_narrow_features_sits_on_its_span_and_fits_the_same_model():
+    """With fewer features than inducing points the linear candidate's inducing points are the
+    basis that spans its function space (``D`` points instead of ``M``): the model is the exact
+    linear model either way, so its bag probabilities must equal those of a fit whose ``M = D``
+    instance points span the same space (to their jitter). A basis that missed a direction, or a fit that read the
+    other candidates' projections, would change them."""
+    bags, y = toy_bags(B=24, seed=5, d=3)
+    settings = dict(kernel="linear", max_rule="max", max_iter=40, tol=0.0)
+    on_basis = VGPMILClassifier(num_inducing=12, **settings).fit(bags, y)
+    on_instances = VGPMILClassifier(num_inducing=3, **settings).fit(bags, y)
+    Z = on_basis.model_.variational_strategy.inducing_points
+    torch.testing.assert_close(Z, 3**0.5 * torch.eye(3, dtype=Z.dtype))
+    assert on_instances.model_.variational_strategy.inducing_points.shape == (3, 3)
+    # 4e-6 apart: the jitter on the three instance points' ill-conditioned K_zz (a missing direction: ~0.1)
+    np.testing.assert_allclose(on_basis.predict_proba(bags), on_instances.predict_proba(bags), rtol=0, atol=5e-5)
+
+
 def test_nan_kernel_raises_cholesky_error_at_predict():
     """A corrupted (NaN) kernel must raise CholeskyError with a message naming K_zz."""
     bags, y = toy_bags(B=10)

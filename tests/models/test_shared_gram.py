@@ -48,14 +48,17 @@ def test_predict_marginals_shares_one_gram_per_chunk_and_equals_each_models_own(
     """The estimators' ensembles predict through :func:`predict_marginals`. If it disagreed with a
     model's own predictive, the averaged bag probabilities would not be the fitted models'; if the
     models on the shared inducing points did not share one ``Z xᵀ`` per chunk, a prediction on wide
-    features would cost one kernel pass per candidate (23× slower on web_recommendation_1).
-    Models it cannot share (a constant mean, other inducing points) take their own path."""
+    features would cost one kernel pass per candidate (23× slower on web_recommendation_1). Models
+    on other inducing points share theirs among themselves, in whatever order the models come (the
+    estimators' linear candidates sit on a basis of their own); a model it cannot serve (a constant
+    mean) takes its own path."""
     import milgp.models.shared_gram as shared_gram
 
     Z, x = _data()
-    models = [SparseGP(Z, kernel=k, lengthscale=1.3, outputscale=2.0) for k in KERNELS]
+    models = [SparseGP(Z + 0.5, kernel="rbf")]
+    models += [SparseGP(Z, kernel=k, lengthscale=1.3, outputscale=2.0) for k in KERNELS]
     models.append(SparseGP(Z, kernel="rbf", constant_mean=True))
-    models.append(SparseGP(Z + 0.5, kernel="rbf"))
+    models.append(SparseGP(Z + 0.5, kernel="linear", outputscale=3.0))
     g = torch.Generator().manual_seed(4)
     for m in models:  # a posterior other than the prior
         M = m.variational_strategy.num_inducing
@@ -71,7 +74,7 @@ def test_predict_marginals_shares_one_gram_per_chunk_and_equals_each_models_own(
 
     monkeypatch.setattr(shared_gram, "SharedGram", CountingGram)
     out = shared_gram.predict_marginals(models, x, chunk_size=12)
-    assert grams == [12, 12, 6]
+    assert grams == [12, 12, 6] * 2  # one pass per chunk for each of the two sets of points
     for m, (mean, var) in zip(models, out):
         ref_mean, ref_var = m.variational_strategy.predict_marginals(x)
         torch.testing.assert_close(mean, ref_mean, rtol=1e-10, atol=1e-10)
