@@ -1,7 +1,6 @@
 """Inducing-point initialisation and the median-heuristic lengthscale."""
 import numpy as np
 import pytest
-
 import torch
 
 from milgp.inducing import bag_mean_inducing, distinct_rows, kmeans_pp_inducing, linear_span_inducing, median_lengthscale, mil_inducing

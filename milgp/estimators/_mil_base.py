@@ -13,7 +13,8 @@ first from scratch for ``max_iter`` sweeps, the others warm-started from its loc
 ``search_iter`` sweeps. The inner products ``Z xᵀ`` are computed once for all candidates
 (:class:`~milgp.models.shared_gram.SharedGram`). On features narrower than ``M`` (``D + 1 < M``)
 the linear and affine kernels sit on the ``D`` (``D + 1``) points that span their whole function
-space instead (:meth:`MILClassifierBase._inducing_for`): the same exact linear model at a fraction of the work.
+space instead (:meth:`MILClassifierBase._inducing_for`): the same exact linear model, for a
+fraction of the work.
 
 **Out-of-bag scores, calibration and averaging.** For each fit the leave-one-bag-out cavity
 predictive of every training bag (:func:`~milgp.variational.leave_bag_out.leave_bag_out_posterior`,

@@ -171,8 +171,8 @@ def test_a_linear_kernel_on_narrow_features_sits_on_its_span_and_fits_the_same_m
     """With fewer features than inducing points the linear candidate's inducing points are the
     basis that spans its function space (``D`` points instead of ``M``): the model is the exact
     linear model either way, so its bag probabilities must equal those of a fit whose ``M = D``
-    instance points span the same space (to their jitter). A basis that missed a direction, or a fit that read the
-    other candidates' projections, would change them."""
+    instance points span the same space (to their jitter). A basis that missed a direction, or a
+    fit that read the other candidates' projections, would change them."""
     bags, y = toy_bags(B=24, seed=5, d=3)
     settings = dict(kernel="linear", max_rule="max", max_iter=40, tol=0.0)
     on_basis = VGPMILClassifier(num_inducing=12, **settings).fit(bags, y)
