@@ -340,10 +340,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         return fits
 
     def _inducing_for(self, kind: str, Z: torch.Tensor) -> torch.Tensor:
-        """The inducing points of a ``kind`` kernel: ``Z``, except that a linear or affine kernel on
-        fewer features (plus one for the intercept) than ``M`` gets the points that span its whole
-        function space (:func:`~milgp.inducing.linear_span_inducing`): the same model, exact, at
-        ``(D + 1)²`` instead of ``M²`` work per instance (the RBF fits keep ``Z``)."""
+        """``Z``, or for a linear or affine kernel on fewer features (plus one for the intercept)
+        than ``M`` the points of :func:`~milgp.inducing.linear_span_inducing` (module docstring)."""
         dim, affine = Z.shape[1], kind == "affine"
         if kind not in ("linear", "affine") or self.learn_inducing_locations or dim + affine >= Z.shape[0]:
             return Z
