@@ -132,14 +132,12 @@ def read_cache_params(cache_dir: Path) -> CacheParams:
         obj = json.loads(params_path.read_text(encoding="utf-8"))
         if obj.get("format") != "milgp-ct-cache":
             raise ValueError(f"format field is {obj.get('format')!r}")
-        if obj.get("version") != CACHE_FORMAT_VERSION:
-            raise CacheParamsMismatch(
-                f"{printable(cache_dir)} has cache format version {obj.get('version')}, this milgp uses {CACHE_FORMAT_VERSION}; rebuild it"
-            )
-        return CacheParams.from_json_dict(obj)
+        if obj.get("version") == CACHE_FORMAT_VERSION:
+            return CacheParams.from_json_dict(obj)
     except FileNotFoundError:
         raise FileNotFoundError(f"{printable(cache_dir)} is not a milgp CT cache (no params.json)") from None
-    except CacheParamsMismatch:
-        raise
     except (KeyError, TypeError, AttributeError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"{printable(params_path)}: unreadable cache parameters ({type(err).__name__}: {err})") from None
+    raise CacheParamsMismatch(
+        f"{printable(cache_dir)} has cache format version {obj.get('version')}, this milgp uses {CACHE_FORMAT_VERSION}; rebuild it"
+    )

@@ -388,8 +388,7 @@ def split_by_patient(
         split_ids = np.repeat(np.arange(len(frac)), counts)
         split_of.update(zip(patients, (int(s) for s in split_ids)))
     return {
-        name: BagIndex([b for b in index.bags if split_of[b.patient_id] == k], list(index.skipped), list(index.refused), list(index.warnings))
-        for k, name in enumerate(names)
+        name: index.subset(b.bag_id for b in index.bags if split_of[b.patient_id] == k) for k, name in enumerate(names)
     }
 
 
