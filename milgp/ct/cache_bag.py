@@ -220,13 +220,8 @@ def _index_fields(record: BagRecord) -> dict:
 
 
 def cached_bag_problem(bags_dir: Path, record: BagRecord) -> CachedBagState:
-    """Whether the cached copy of ``record`` can be reused.
-
-    It can when the marker records the same slices, labels and patient as ``record``, no source
-    file changed (a source file that is gone does not count: the cached copy is then the only one,
-    and it is kept), and the array's header, size and SHA-256 match the marker. Reads the whole
-    array once to check its checksum.
-    """
+    """Whether the cached copy of ``record`` can be reused (the rule: ``docs/ct_data.md``, "The cache",
+    a cache that verifies itself); reads the whole array once to check its checksum."""
     stem = bag_file_stem(record.bag_id)
     marker_path, npy_path = bags_dir / f"{stem}.json", bags_dir / f"{stem}.npy"
     if not marker_path.exists() and not npy_path.exists():

@@ -61,13 +61,9 @@ _READ_KILLED_WORKER = "reading this file killed the worker process (a crash in p
 
 
 class DicomReadError(ValueError):
-    """A file could not be read as a single-frame grayscale CT image.
-
-    Raised for corrupt, truncated, unreadable, non-DICOM and non-image (no PixelData) files, for
-    malformed header values, for non-CT objects where CT is required, and for compressed pixel data
-    that no installed handler can decode. ``path`` is the file at fault and ``reason`` the short
-    explanation (both also in the message).
-    """
+    """A file could not be read as a single-frame grayscale CT image (the faults: ``docs/ct_data.md``,
+    "From DICOM to three channels", bad files); ``path`` is the file at fault and ``reason`` the short
+    explanation (both also in the message)."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str):
         self.path = str(path)

@@ -33,9 +33,7 @@ def read_rsna_labels(
 ) -> tuple[dict[str, dict[str, int]], dict[str, str], list[str]]:
     """Per-image subtype labels from an RSNA ``stage_2_train.csv``.
 
-    Duplicate rows with the same label (the real file has some) are merged. A row that is wrong for
-    one image (unknown subtype, a label ``rule`` refuses, a conflicting duplicate) marks that image
-    invalid instead of failing the whole file, and so does a missing ``any`` row.
+    Which rows are merged and which make an image invalid: ``docs/ct_data.md``, "Layouts" (RSNA).
 
     Args:
         csv_path: the label file (columns ``ID,Label``).
