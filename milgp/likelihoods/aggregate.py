@@ -14,11 +14,8 @@ need the within-bag covariance (``needs_covariance``: Poisson-square, Normal), a
 :class:`PaddedBlocks` — the per-bag joint ``q(f_b) = N(m^a, S^a)`` (Law et al. 2018, Eq. 9) padded to the
 largest bag of a group, ``S^a = K_bb + jitter·I − A_bᵀA_b + A_bᵀ S A_b`` (whitened), never N×N.
 
-**GPyTorch pitfall.** In training mode ``model(x)`` returns only a valid *diagonal*
-(``diag=True``); its off-diagonal entries are not the predictive covariance, so the GPyTorch entry
-point :meth:`AggregateLikelihood.expected_log_prob` builds the blocks from ``model=model, x=x``
-(differentiable in the kernel and ``q(u)``) or indexes a full covariance per bag, and refuses a
-train-mode diagonal output without them (``ValueError``).
+**GPyTorch pitfall** (docs/aggregate.md, "Plugging into plain GPyTorch"): a train-mode ``model(x)``
+has invalid off-diagonal entries; :meth:`AggregateLikelihood.expected_log_prob` says what to pass.
 """
 from __future__ import annotations
 
@@ -247,8 +244,7 @@ def bag_blocks(
 def _blocks_from_distribution(function_dist: Any, bags: Bags, weights: Tensor) -> PaddedBlocks:
     """Index a full-covariance GPyTorch ``MultivariateNormal`` per bag (no N×N is formed)."""
     idx = torch.arange(bags.num_instances, device=bags.index.device)
-    idx_pad, mask = to_padded(idx, bags, fill=0)
-    idx_pad = idx_pad.long()
+    idx_pad, mask = to_padded(idx, bags, fill=0)  # long, as idx
     cov = function_dist.lazy_covariance_matrix[idx_pad[:, :, None], idx_pad[:, None, :]]
     cov = cov.to_dense() if hasattr(cov, "to_dense") else cov
     mean_pad, _ = to_padded(function_dist.mean, bags)
@@ -375,12 +371,11 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             check: validate targets and weights (default ``True``).
         """
         bags, y = bags_from_keywords(self, kwargs, "bag_targets", "mll(output, y[bag_index], bag_index=bag_index)")
-        bag_index, num_bags = bags.index, bags.num_bags
         mean, var = function_dist.mean, function_dist.variance
         weights = kwargs.get("weights")
         weights = torch.ones_like(mean) if weights is None else weights.to(mean)
         if y is None:
-            y = target.new_zeros(num_bags).scatter(0, bag_index, target)
+            y = target.new_zeros(bags.num_bags).scatter(0, bags.index, target)
         y = y.to(mean)
         if kwargs.get("check", True):
             self.check_data(y, weights, bags)

@@ -41,8 +41,6 @@ __all__ = [
 _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 _LOG_SQRT_2_OVER_PI = 0.5 * math.log(2.0 / math.pi)
 _SQRT_HALF = math.sqrt(0.5)
-_CF_THRESHOLD = 3.0
-_CF_THRESHOLD_LOW_PRECISION = 2.0
 _CF_TERMS = 48
 
 
@@ -50,7 +48,7 @@ def _cf_threshold(dtype: torch.dtype) -> float:
     """Where the continued fraction takes over: ``x > 3`` in float64 (48 terms: ≤ 4e-14 relative
     there); ``x > 2`` in lower precision (≤ 2e-9 relative, far below float32's epsilon), which
     shortens the range where the direct ``h − x`` / ``1 − h(h − x)`` forms cancel."""
-    return _CF_THRESHOLD if dtype == torch.float64 else _CF_THRESHOLD_LOW_PRECISION
+    return 3.0 if dtype == torch.float64 else 2.0
 
 
 def log_hazard(x: Tensor, log_cdf_neg: Tensor | None = None) -> Tensor:
