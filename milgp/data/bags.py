@@ -6,8 +6,7 @@ A minibatch of bags is stored like a graph batch:
 * ``bag_index``: ``LongTensor (N,)`` with values ``0..B-1`` saying which bag each instance is in;
 * ``bag_labels``: ``(B,)``.
 
-:class:`Bags` is that structure as one object — the index, the number of bags and, computed once
-when first asked for, the bag sizes and the within-bag layout — built once per batch
+:class:`Bags` is the index and the number of bags as one object, built once per batch
 (:attr:`BagBatch.bags`) and passed to the likelihoods.
 
 Per-bag reductions use ``index_add_`` / ``scatter_reduce`` (:func:`segment_sum`,
@@ -328,14 +327,11 @@ class BagBatch:
         """Move tensors to ``device``; ``dtype`` applies to floating ``x`` and weights only.
         ``non_blocking``: copy asynchronously (from pinned memory, :meth:`pin_memory`, to a GPU)."""
 
-        def move(t: Tensor | None, cast: bool) -> Tensor | None:
-            if t is None:
-                return None
-            if cast and dtype is not None and t.is_floating_point():
-                return t.to(device=device, dtype=dtype, non_blocking=non_blocking)
-            return t.to(device=device, non_blocking=non_blocking)
+        def move(t: Tensor, f: str) -> Tensor:
+            cast = dtype is not None and f in ("x", "instance_weights") and t.is_floating_point()
+            return t.to(device=device, dtype=dtype if cast else None, non_blocking=non_blocking)
 
-        return replace(self, **{f: move(getattr(self, f), f in ("x", "instance_weights")) for f in _TENSOR_FIELDS})
+        return replace(self, **{f: move(t, f) for f in _TENSOR_FIELDS if (t := getattr(self, f)) is not None})
 
     def pin_memory(self) -> "BagBatch":
         """This batch with its tensors in page-locked host memory, so that ``to(gpu,

@@ -66,10 +66,9 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     **Bag-size cap.** With :attr:`bag_size_cap` ``= n̄`` set, the instance terms of a bag of
     ``n_b > n̄`` instances are tempered by ``w_b = n̄ / n_b`` (a power likelihood per bag) in the
     natural statistics and the ELBO, so no bag carries more evidence about ``f`` than ``n̄``
-    instances do: a scan re-sliced 10× finer, or one bag of 10,000 instances among bags of 10,
-    no longer outweighs the rest of the training set. The local variables (``q(y)``, ``q(m)``) are
-    updated as without the cap. ``None`` (the default here; the estimators set the median training
-    bag size) is the model as published.
+    instances do (docs/core.md, "Real MIL data: what went wrong", 8). The local variables (``q(y)``,
+    ``q(m)``) are updated as without the cap. ``None`` (the default here; the estimators set the
+    median training bag size) is the model as published.
     """
 
     bag_size_cap: float | None = None

@@ -132,10 +132,9 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         quadrature, plus the q(y) entropy and bag terms (constant in the kernel), so that summed and
         minus the KL it is the ELBO of the un-augmented logistic MIL model at the current q(v), q(y):
         a lower bound of ``log p(T)`` for every ψ, tighter than the closed-form bound, and the value
-        reported as ``FitResult.objective`` and the estimators' ``elbo_``. The closed-form PG
-        bound ``log φ(c)`` would also be a valid objective, but its slack
-        ``E_q[log φ(f)] − log φ(c) ≥ 0`` grows with the predictive variance, so maximising it over
-        the kernel biases towards small output scales and long lengthscales (see docs/core.md). The
+        reported as ``FitResult.objective`` and the estimators' ``elbo_``. Not the closed-form PG
+        bound ``log φ(c)``: its slack ``E_q[log φ(f)] − log φ(c) ≥ 0`` grows with the predictive
+        variance and biases the kernel (docs/core.md, "Hyperparameter learning: what we found"). The
         ψ ≠ φ surrogate is no objective for the kernel: without ``−log Z`` it is unbounded in the kernel
         variance when ψ has heavier tails than φ (``ψ_G/φ`` grows like ``e^{|f|/2}``).
         """
