@@ -255,11 +255,8 @@ def _blocks_from_distribution(function_dist: Any, bags: Bags, weights: Tensor) -
 def _is_train_mode_diagonal(function_dist: Any) -> bool:
     """True when GPyTorch returned its train-mode ``diag=True`` covariance (invalid off-diagonals)."""
     cov = function_dist.lazy_covariance_matrix
-    if type(cov) is DiagLinearOperator:
-        return True
-    if isinstance(cov, SumLinearOperator):
-        return any(type(op) is DiagLinearOperator for op in cov.linear_ops)
-    return False
+    parts = cov.linear_ops if isinstance(cov, SumLinearOperator) else (cov,)
+    return any(type(op) is DiagLinearOperator for op in parts)
 
 
 # ---------------------------------------------------------------------------------------------
