@@ -272,9 +272,7 @@ class GPMILModule(BagModuleBase):
     # -- training --------------------------------------------------------------------------------
     @staticmethod
     def _reduce(stats: NaturalStatistics) -> NaturalStatistics:
-        """DDP: sum the sufficient statistics over ranks (identity in one process)."""
-        if world_size() == 1:
-            return stats
+        """DDP: sum the sufficient statistics over ranks."""
         M = stats.h.shape[0]
         flat = torch.cat([stats.h.reshape(-1), stats.G.reshape(-1)])
         all_reduce_sum(flat)
@@ -289,7 +287,7 @@ class GPMILModule(BagModuleBase):
         return float(counts[0]), float(counts[1])
 
     def _reduce_value(self, value: float) -> float:
-        """DDP: sum a float over ranks (identity in one process)."""
+        """DDP: sum a float over ranks."""
         return float(all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device))[0])
 
     def training_step(self, batch: BagBatch, batch_idx: int) -> Tensor:
@@ -301,6 +299,7 @@ class GPMILModule(BagModuleBase):
         if self.extractor is not None and self.mode == "two_stage":
             self.extractor.eval()
         x, w = self.split_inputs(batch)
+        ddp = world_size() > 1  # the hooks that sum over ranks are passed under DDP only
         # the step's reads back to the host come before the CNN's forward is queued and its copies to
         # the host after the whole step is: on a GPU the head's kernels are launched while the CNN runs
         locals_ = self.bag_locals.gather(batch.bag_ids, batch.bags)
@@ -309,10 +308,9 @@ class GPMILModule(BagModuleBase):
         h = self.features(x, grad=train_cnn)
         with self._float64():
             z = self.gp.standardize(h)
-            assert self.num_train_bags is not None
             steps = self.gp.fit_steps(
                 z, batch.bags, batch.bag_labels, weights=w, locals_=locals_, rho=rho, rho_max=self.rho_max,
-                reduce=self._reduce, reduce_value=self._reduce_value if world_size() > 1 else None,
+                reduce=self._reduce if ddp else None, reduce_value=self._reduce_value if ddp else None,
             )
             if global_bags >= self.num_train_bags:
                 steps.sweep()
@@ -328,12 +326,11 @@ class GPMILModule(BagModuleBase):
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
             # under DDP every rank keeps every rank's bags: a bag drawn on another rank later continues from its π
-            self.bag_locals.store(batch.bag_ids, batch.bags, steps.locals, all_gather_objects if world_size() > 1 else None)
-            decide_here = self.decision_bags == "train" and self.gp.makes_decision
-            if decide_here:
+            self.bag_locals.store(batch.bag_ids, batch.bags, steps.locals, all_gather_objects if ddp else None)
+            if self.decision_bags == "train" and self.gp.makes_decision:
                 self._decision_store.add(batch, h)
-            if decide_here and (self.trainer.is_last_batch or batch_idx + 1 >= self.trainer.num_training_batches):
-                self._fit_decision_on_training_bags()
+                if self.trainer.is_last_batch or batch_idx + 1 >= self.trainer.num_training_batches:
+                    self._fit_decision_on_training_bags()
         self.log("train/rho", steps.step_size, batch_size=batch.num_bags)
         if steps.elbo_estimate is not None:
             self.log("train/elbo", steps.elbo_estimate, batch_size=batch.num_bags)
