@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters
 from torch import Tensor, nn
 
 from lightning_modules.checkpoints import CHECKPOINT_KEY, check_state
@@ -94,10 +95,6 @@ class BagModuleBase(pl.LightningModule, ABC):
         module (it records them as ``class_path``/``init_args`` dicts), else the objects themselves;
         :meth:`on_save_checkpoint` then records their configuration (:func:`module_config`)."""
         self._module_args = list(module_args)
-        try:
-            from pytorch_lightning.core.mixins.hparams_mixin import _given_hyperparameters
-        except ImportError:  # pragma: no cover - other Lightning versions
-            return list(module_args)
         return [] if _given_hyperparameters.get() is not None else list(module_args)
 
     @staticmethod
