@@ -37,9 +37,8 @@ class AttentionMILModule(BagModuleBase):
     slice's embedding. ``predict`` also returns the per-slice features ``h_n`` (``D`` columns) that
     the two-stage GP is fitted on (:class:`lightning_modules.callbacks.FeatureWriter`).
 
-    Bag probabilities are the bag output ``σ(logit)`` Platt-calibrated on the validation bags at the
-    end of every validation epoch of ``fit`` and kept in the state dict; the logged ``val/bag_nll``
-    is cross-fitted (docs/lightning.md, "The bag decision and model selection").
+    Bag probabilities are the bag output ``σ(logit)`` Platt-calibrated on the validation bags
+    (:meth:`stage_metrics`; docs/lightning.md, "The bag decision and model selection").
 
     Args:
         extractor: the per-slice CNN (any module ``(N, C, H, W) -> (N, D)`` with ``feature_dim``);

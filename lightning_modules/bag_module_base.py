@@ -6,9 +6,8 @@ A *record* is one bag's prediction, a plain dict::
      "slice_probs": [float], "slice_stds": [float] or None, "slice_labels": [float] or None,
      "slice_scores": [float]}   # what instance AUROC uses (probabilities or attention weights)
 
-Validation and test records are gathered across DDP ranks (deduplicated by bag id, sorted) before
-the metrics are computed, so every rank logs the same numbers for the whole split. A record with
-a non-finite probability stops the run with an error naming the bag (it is never scored as 0).
+Validation and test records are gathered from every DDP rank (:meth:`BagModuleBase.gather_records`)
+and checked (:func:`check_records`) before the metrics, so every rank logs the same numbers.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """``milgp-train``: the Lightning CLI (``fit``, ``validate``, ``test``, ``predict``) for milgp.
 
-Models and data modules are chosen in YAML with ``class_path``/``init_args``; every output goes
-under the run folder ``trainer.default_root_dir`` (:mod:`lightning_modules.run_folder`); :data:`HELP`
-(``milgp-train --help``, answered without importing torch) has the subcommands and examples. Any
-value can be overridden on the command line (``--trainer.max_epochs 3``,
+:data:`HELP` (``milgp-train --help``, answered without importing torch) has the subcommands and
+examples, docs/lightning.md ("CLI", "Bad input") the run folder and the one-line errors. Any value
+can be overridden on the command line (``--trainer.max_epochs 3``,
 ``--model.init_args.likelihood.init_args.psi gamma``). Also runs as ``python -m lightning_modules.cli``.
-Bad input (a missing file, a NaN feature, a label 2, a second fit into a used run folder) is one
-line on stderr and exit status 2.
 """
 from __future__ import annotations
 

@@ -430,10 +430,8 @@ class GPMILModule(BagModuleBase):
         self._decision_store.add(batch, h)
 
     def stage_metrics(self, records: list[dict], stage: str) -> dict[str, float]:
-        """The head's metrics of the records (:meth:`GPHead.records_metrics`: the MIL ones, or
-        regression metrics of predicted aggregates); with ``decision_bags="val"`` the validation
-        records first get the decision refitted on them and ``bag_nll`` is the cross-fitted one
-        (:meth:`_fit_decision_on_validation`)."""
+        """The head's metrics of the records (:meth:`GPHead.records_metrics`); with ``decision_bags="val"``
+        the validation records first get the decision refitted on them (:meth:`_fit_decision_on_validation`)."""
         heldout_nll = self._fit_decision_on_validation(records) if stage == "val" and self._fits_decision_on_validation() else None
         metrics = self.gp.records_metrics(records)
         if heldout_nll is not None:

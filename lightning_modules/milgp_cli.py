@@ -36,13 +36,9 @@ def _constructor_message(err: ValueError) -> str:
 
 
 class MilgpCLI(LightningCLI):
-    """LightningCLI with milgp's model/data base classes in subclass mode, where every output path
-    derives from ``trainer.default_root_dir`` (:mod:`lightning_modules.run_folder`), with the groups
-    ``checkpoint`` (a ``ModelCheckpoint``: ``best.ckpt``, the lowest validation bag NLL unless
-    ``--checkpoint.monitor``/``--checkpoint.mode`` say otherwise, and ``last.ckpt``), ``report``
-    (:class:`ReportWriter`) and ``prediction`` (:class:`PredictionWriter`). The folder's layout and
-    rules (docs/lightning.md, "CLI") are checked right after parsing, before anything is built.
-    """
+    """LightningCLI with milgp's model/data base classes in subclass mode, every output under the run
+    folder (:mod:`lightning_modules.run_folder`, checked right after parsing), and the groups
+    ``checkpoint``, ``report`` and ``prediction`` (docs/lightning.md, "CLI")."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")

@@ -50,11 +50,9 @@ def scans_to_plot(records: list[dict], threshold: float, per_kind: int) -> list[
 
 
 class ReportWriter(Callback):
-    """Writes, on rank 0, into the run's version folder (``trainer.log_dir``, e.g. ``<run>/test/version_0``):
-    after ``test`` and ``validate`` the files ``metrics.json``, ``predictions.json``,
-    ``predictions.csv``, ``calibration.png`` and ``scans/<outcome>_<k>_<id>.png`` (docs/lightning.md,
-    "Outputs and metrics"; aggregate-output models, ``pl_module.is_aggregate``, get the JSON files
-    only), after ``fit`` ``training_curves.png`` from the run's ``metrics.csv``.
+    """Writes, on rank 0, into the run's version folder (``trainer.log_dir``, e.g. ``<run>/test/version_0``)
+    the reports of docs/lightning.md ("Outputs and metrics"): after ``test`` and ``validate`` (the JSON
+    files only for aggregate-output models, ``pl_module.is_aggregate``), and after ``fit``.
 
     Args:
         name: the model's name in the reports (default: its class name).

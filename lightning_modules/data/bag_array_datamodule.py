@@ -34,8 +34,7 @@ class BagArrayDataModule(SplitDataModule):
         predict_split: ``"train"``, ``"val"``, ``"test"`` or ``"all"``.
         num_workers: DataLoader workers.
 
-    :meth:`setup` checks the bags first: every feature finite, every bag label 0 or 1 for a MIL
-    classifier, and every bag a run trains or tests on labelled, each error naming the bag.
+    :meth:`setup` checks the bags first (docs/lightning.md, "Bad input"), each error naming the bag.
     """
 
     def __init__(

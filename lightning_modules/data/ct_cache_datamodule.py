@@ -43,9 +43,8 @@ class CTCacheDataModule(SplitDataModule):
         pin_memory: batches in page-locked memory, so that their copy to the GPU overlaps the
             computation (``None``: when a CUDA device is present).
 
-    A folder that is not a cache is reported when the data module is made; :meth:`setup` checks
-    the bag labels before any training work (0 or 1 for a MIL classifier; present for the splits a
-    subcommand trains or tests on), naming the bag and the cache's ``manifest.json``.
+    A folder that is not a cache is reported when the data module is made; :meth:`setup` checks the
+    bag labels (docs/lightning.md, "Bad input"), naming the bag and the cache's ``manifest.json``.
     """
 
     def __init__(
@@ -156,8 +155,7 @@ class CTCacheDataModule(SplitDataModule):
 
     def _loader(self, split: str, batch_size: int, train: bool = False) -> torch.utils.data.DataLoader:
         """Loader of ``split``; the training one (its dataset made once) shuffles with an
-        :class:`EpochSampler`, which passes each epoch on to the dataset, so the augmentation draw
-        changes every epoch (with or without reloading the dataloaders)."""
+        :class:`EpochSampler`, which gives the dataset every epoch's augmentation draw."""
         if train and self._train is None:
             self._train = self.dataset(split, train=True)
         ds = self._train if train else self.dataset(split)

@@ -23,11 +23,9 @@ __all__ = ["DicomDataModule"]
 class DicomDataModule(pl.LightningDataModule):
     """CT series from DICOM folders, to predict: every series found under the inputs (one scan per
     SeriesInstanceUID, searched recursively; files that are not DICOM images are skipped) is one
-    bag, its id the SeriesInstanceUID, its slices ordered along the scan axis and preprocessed with
-    the model's own CT windows and slice size (``input_preprocessing``, saved in its checkpoint)
-    unless ``windows``/``size`` are given, and rounded as the model's training cache stored them
-    (uint8: steps of 1/255 of the window width), so a scan read from DICOM gives the model exactly
-    the values the same scan gives it from a cache.
+    bag, its id the SeriesInstanceUID, read as :class:`DicomSeriesDataset` says (the values a cache
+    gives) with the CT preprocessing saved in the model's checkpoint (``input_preprocessing``) unless
+    ``windows``/``size`` are given.
 
     Args:
         inputs: study or series folders.
