@@ -10,13 +10,9 @@ __all__ = ["EpochSampler"]
 
 
 class EpochSampler(torch.utils.data.DistributedSampler):
-    """Training order of a dataset as a function of ``(seed, epoch)`` only, sharded under DDP.
-
-    :meth:`set_epoch` (called by Lightning before every training epoch) also hands the epoch to the
-    dataset's own ``set_epoch``, and a shuffled order comes from a generator seeded with
-    ``seed + epoch``, never the global RNG: every epoch gets a fresh, reproducible augmentation draw
-    and a resumed run visits the bags in the same order (docs/lightning.md, "GPU and DDP"). Being a
-    :class:`~torch.utils.data.DistributedSampler`, Lightning uses it as is under DDP.
+    """Training order of a dataset as a function of ``(seed, epoch)`` only: shuffled by a generator
+    seeded with ``seed + epoch`` (never the global RNG), sharded under DDP (a ``DistributedSampler``,
+    used as is by Lightning), each epoch handed on to the dataset (docs/lightning.md, "GPU and DDP").
 
     Args:
         dataset: the (sized) dataset.
