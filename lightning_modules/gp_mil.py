@@ -321,8 +321,11 @@ class GPMILModule(BagModuleBase):
             self.natural_steps += 1
             if learn:
                 loss_value = self._hyper_steps(opt, x, z, train_cnn, global_instances, steps.hyper_objective)
-            else:
-                loss_value = self._count_step(opt)
+            else:  # warm-up: an optimiser step without gradients changes nothing, but Lightning counts it
+                # (its step counter drives checkpointing: else no checkpoint is written in the warm-up epochs)
+                opt.zero_grad(set_to_none=True)
+                opt.step()
+                loss_value = torch.tensor(float("nan"))
             if self.mode == "end_to_end":
                 self.gp.update_standardization(h, self.standardize_momentum, all_reduce_sum)
             # under DDP every rank keeps every rank's bags: a bag drawn on another rank later continues from its π
@@ -337,15 +340,6 @@ class GPMILModule(BagModuleBase):
         if learn:
             self.log("train/neg_elbo_per_instance", loss_value.to(torch.float32), prog_bar=True, batch_size=batch.num_bags)
         return loss_value
-
-    @staticmethod
-    def _count_step(opt: Any) -> Tensor:
-        """A warm-up step (natural step only): an optimiser step without gradients, which changes
-        nothing, so that Lightning counts the training step (its step counter drives checkpointing:
-        without it no checkpoint would be written during the warm-up epochs)."""
-        opt.zero_grad(set_to_none=True)
-        opt.step()
-        return torch.tensor(float("nan"))
 
     # -- bag decision ----------------------------------------------------------------------------
     def _adopt_decision(self, posterior: Any, labels: Tensor, where: str) -> bool:

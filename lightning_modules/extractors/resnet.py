@@ -55,8 +55,7 @@ class ResNetExtractor(nn.Module):
                 warnings.warn(f"{weights_path}: {len(missing)} tensors not loaded (e.g. {missing[:3]})", stacklevel=2)
         if in_channels != 3:
             net.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        width = net.fc.in_features
-        net.fc = nn.Linear(width, feature_dim)
+        net.fc = nn.Linear(net.fc.in_features, feature_dim)
         self.net = net
         self.feature_dim = int(feature_dim)
 
