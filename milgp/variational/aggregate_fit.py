@@ -37,7 +37,6 @@ Exponential models need only marginals: ``O(chunk · M)`` memory whatever the ba
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -60,12 +59,8 @@ def _weights(batch: BagBatch) -> Tensor:
     return batch.instance_weights if batch.instance_weights is not None else torch.ones_like(batch.x[:, 0])
 
 
-@dataclass
-class _Cached:
-    """Hyperparameter-dependent, q-independent quantities of one group (no graph)."""
-
-    proj: Projection
-    block: BlockBase | None
+_Cached = tuple[Projection, BlockBase | None]
+"""One group's projection and block base: hyperparameter-dependent, q-independent (no graph)."""
 
 
 def is_conjugate(likelihood: AggregateLikelihood) -> bool:
@@ -137,7 +132,7 @@ class AggregateSteps:
             block = None
             if self.likelihood.needs_covariance:
                 block = block_base(self.model, x, proj, group.local_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
-        return _Cached(proj, block)
+        return proj, block
 
     def group_terms(
         self, group: BagGroup, m: Tensor, S: Tensor, L: Tensor | None, grad_hyper: bool,
@@ -149,11 +144,11 @@ class AggregateSteps:
         batch = self.batch if batch is None else batch
         if cached is None:
             cached = self._prepare(batch, group, L, grad_hyper)
-        proj = cached.proj
+        proj, block = cached
         w = _weights(batch)[group.inst]
         y = batch.bag_labels[group.bags]
         mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
-        blocks = blocks_from_base(cached.block, m, S) if cached.block is not None else None
+        blocks = blocks_from_base(block, m, S) if block is not None else None
         return self.likelihood.bag_terms(y, w, mean, var, group.local_bags, blocks)
 
     def aggregate_elbo(self, groups: list[BagGroup], q: WhitenedPosterior, cached: list[_Cached] | None = None) -> float:
@@ -187,7 +182,7 @@ class AggregateSteps:
                 for g, c in zip(groups, items):
                     c = c if c is not None else self._prepare(self.batch, g, L, False)
                     part = self.likelihood.closed_form_statistics(
-                        self.batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local_bags
+                        self.batch.bag_labels[g.bags], w_all[g.inst], c[0].A, c[0].prior_mean, g.local_bags
                     )
                     value += float(self.group_terms(g, q.m, q.S, L, False, c).sum())
                     stats = part if stats is None else stats + part
@@ -229,15 +224,12 @@ class AggregateSteps:
         stats, data = self.natural_statistics(groups, self.q, cached=cached)
         if self.reduce is not None:
             stats = self.reduce(stats)
-        if self.reduce_value is not None:
-            data = self.reduce_value(data)
-        self.elbo_estimate = before = scale * data - float(self.q.kl_divergence())
+        total = self.reduce_value or float  # the data term is a sum over ranks, KL is not
+        self.elbo_estimate = before = scale * total(data) - float(self.q.kl_divergence())
         checked: list[float] = []
 
         def ascends(q_new: WhitenedPosterior) -> bool:
-            data_new = self.data_terms(groups, q_new, cached)
-            if self.reduce_value is not None:  # the data term is a sum over ranks, KL is not
-                data_new = self.reduce_value(data_new)
+            data_new = total(self.data_terms(groups, q_new, cached))
             checked.append(scale * data_new - float(q_new.kl_divergence()))
             return math.isfinite(checked[-1]) and checked[-1] >= before - 1e-9 * abs(before)
 
