@@ -52,9 +52,8 @@ def closed_form_elbo(
 
 class ClosedFormSteps:
     """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
-    :class:`AugmentedBagLikelihood` on ``batch``: closed-form natural steps of ``q(v)`` (Algorithm 1
-    of Castro-Macías et al. 2024: the likelihood's quadratic terms at the current ``q(f)``, their
-    natural statistics, the step, the locals' closed-form update under the new ``q(f)``) and Adam on
+    :class:`AugmentedBagLikelihood` on ``batch``: closed-form natural steps of ``q(v)`` and the
+    locals (steps 1–3 of the module docstring) and Adam on
     :meth:`AugmentedBagLikelihood.hyperparameter_terms` per instance.
 
     The Lightning GP head takes its training step with these steps on its batch: :meth:`sweep` with
@@ -260,10 +259,8 @@ def fit_closed_form(
             :class:`RobbinsMonro` ``τ = 1, κ = 0.6``).
         callback: called as ``callback(iteration, elbo)``.
         chunk_size: instances per chunk of ``A`` in the statistics and moment passes.
-        cache_bytes: memory budget for keeping ``A = L⁻¹K_zx`` of all instances between passes
-            (reused until the hyperparameters change). Above it, ``A`` is recomputed chunk by chunk
-            in every pass and no ``N×M`` matrix is kept; ``0`` disables the cache. Results are the
-            same either way (to rounding).
+        cache_bytes: memory budget of the :class:`ProjectionCache` of ``A = L⁻¹K_zx`` (``0``
+            disables it); results are the same either way (to rounding).
         initial_locals: the locals to start from (e.g. ``result.locals`` of an earlier fit on the
             same ``batch``, so that q(y) is not reset); ``None`` initialises them from the
             current q(v) with :meth:`AugmentedBagLikelihood.init_locals`.
@@ -272,9 +269,7 @@ def fit_closed_form(
             search); used until a hyperparameter step changes the kernel.
         max_overrelaxation: cap of the adaptive over-relaxed step
             (:mod:`milgp.variational.overrelaxation`; full-batch sweeps without hyperparameter
-            learning only): past the CAVI optimum of q(v) by a factor ``ω`` that grows while the
-            ELBO rises and returns to 1 when it would fall. 1 (default) is plain CAVI (docs/performance.md
-            compares them).
+            learning only); 1 (default) is plain CAVI (docs/performance.md compares them).
     """
     if max_overrelaxation != 1.0 and (bags_per_batch is not None or learn_hyperparameters):
         raise ValueError(

@@ -27,9 +27,8 @@ GROWTH = 1.25
 
 
 class AdaptiveOverrelaxation:
-    """The step size ``ω`` of the over-relaxed natural step
-    (:meth:`milgp.models.WhitenedPosterior.try_natural_step` with ``ρ = ω``): starts at 1, grows
-    by :data:`GROWTH` after each kept step up to ``max_omega``, and returns to 1 after a rejected one.
+    """The step size ``ω`` of the over-relaxed natural step (module docstring): 1 at the start and
+    after a rejected step, × :data:`GROWTH` after a kept one, up to ``max_omega``.
 
     Args:
         max_omega: the cap (``≥ 1``; 1 is plain CAVI).

@@ -1,7 +1,5 @@
-"""The whitened projections ``A = L⁻¹K_zx`` of one training batch, chunk by chunk, kept between
-the passes of a fit while the hyperparameters are fixed: the one projection cache of
-:class:`~milgp.variational.fit.ClosedFormSteps` (chunks of instances) and
-:class:`~milgp.variational.aggregate_fit.AggregateSteps` (chunks = groups of whole bags)."""
+"""The one projection cache of :class:`~milgp.variational.fit.ClosedFormSteps` (chunks of instances)
+and :class:`~milgp.variational.aggregate_fit.AggregateSteps` (chunks = groups of whole bags)."""
 from __future__ import annotations
 
 import itertools
