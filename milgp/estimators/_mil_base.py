@@ -4,17 +4,16 @@ the calibrated and averaged bag decision, and the prediction API.
 **Fit.** Features are z-scored; ``M`` inducing points are placed by k-means++, half on instances of
 positive bags and half on negative (as the VGPMIL reference code does), except that on features
 wider than ``M`` a quarter of them (``bag_mean_inducing``) sit at training bags' mean instances
-(:func:`~milgp.inducing.mil_inducing`). Every likelihood variant
-(VGPMIL: the reference code's largest-other-π rule and single-instance learning) is fitted at
-every candidate kernel (``kernel``, ``lengthscale``, ``outputscale``; by default a linear kernel
-and RBF kernels with lengthscale ``√D`` and ``2√D`` at outputscale 1 and 10) by closed-form
-coordinate ascent (Algorithm 1 of Castro-Macías et al. 2024 without hyperparameter steps): the
-first from scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
-``search_iter`` sweeps. The inner products ``Z xᵀ`` are computed once for all candidates
-(:class:`~milgp.models.shared_gram.SharedGram`). On features narrower than ``M`` (``D + 1 < M``)
-the linear and affine kernels sit on the ``D`` (``D + 1``) points that span their whole function
-space instead (:meth:`MILClassifierBase._inducing_for`): the same exact linear model, for a
-fraction of the work.
+(:func:`~milgp.inducing.mil_inducing`). Every likelihood variant (VGPMIL: the reference code's
+largest-other-π rule and single-instance learning) is fitted at every candidate kernel (``kernel``,
+``lengthscale``, ``outputscale``; by default :data:`KERNEL_GRID`) by closed-form coordinate ascent
+(Algorithm 1 of Castro-Macías et al. 2024 without hyperparameter steps): the first from scratch for
+``max_iter`` sweeps, the others warm-started from its local variables for ``search_iter`` sweeps.
+The inner products ``Z xᵀ`` are computed once for all candidates
+(:class:`~milgp.models.shared_gram.SharedGram`). On features narrower than ``M`` (``D + 1 < M``) the
+linear and affine kernels sit on the ``D`` (``D + 1``) points that span their whole function space
+instead (:meth:`MILClassifierBase._inducing_for`): the same exact linear model, for a fraction of
+the work.
 
 **Out-of-bag scores, calibration and averaging.** For each fit the leave-one-bag-out cavity
 predictive of every training bag (:func:`~milgp.variational.leave_bag_out.leave_bag_out_posterior`,
@@ -25,11 +24,9 @@ averaged with pseudo-BMA+ weights from their out-of-bag likelihoods
 candidate with the smallest out-of-bag negative log-likelihood. No hyperparameter is learned by
 gradient steps by default: on a few dozen bags that collapses the kernel (docs/core.md, cause 1).
 
-**Instance probabilities.** The averaged instance score keeps the ranking and is mapped, by
-isotonic regression on the training instances, to the MIL fits' posterior instance labels
-``q(y_n = 1)`` (given the bag labels; weighted as the bag decision's candidates are): single-instance
-fits estimate the instance's *bag* label, and the MIL fits' own ``E_q[p(y = 1 | f)]`` ignores the
-bag labels (:class:`~milgp.prediction.InstanceCalibrator`).
+**Instance probabilities.** The averaged instance score is mapped to the MIL fits' posterior
+instance labels ``q(y_n = 1)`` (weighted as the bag decision's candidates are) by
+:class:`~milgp.prediction.InstanceCalibrator` (why: :mod:`milgp.prediction.instance_calibration`).
 """
 from __future__ import annotations
 

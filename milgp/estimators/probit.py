@@ -52,10 +52,9 @@ class ProbitMILClassifier(MILClassifierBase):
     Args:
         inference: ``"vi"`` or ``"gibbs"``.
         single_instance: ``"auto"`` (default: the MIL probit model and, with ``inference="vi"``,
-            single-instance learning, averaged or the best kept with ``average=False``), ``False``
-            (the MIL probit model alone, Wang & Pinar's) or ``True`` (single-instance learning
-            alone: every instance of a positive bag is a positive instance; VI only, the Gibbs
-            sampler samples the MIL model).
+            single-instance learning, as above), ``False`` (the MIL probit model alone, Wang &
+            Pinar's) or ``True`` (single-instance learning alone: every instance of a positive bag
+            is a positive instance; VI only, the Gibbs sampler samples the MIL model).
         num_qmc_points, qmc_replicates: orthant integration (standard error from the replicates).
         num_samples, burn_in, thin, num_chains, init_dispersion: Gibbs settings (kept draws per
             chain; chains start from ``N(m, init_dispersion·S)`` so that split-R̂ can flag chains

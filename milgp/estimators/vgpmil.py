@@ -40,8 +40,8 @@ class VGPMILClassifier(MILClassifierBase):
             update, which falls into 2-cycles and never converges on real data.
         bag_size_cap: ``"median"`` (default): instances of a bag longer than the median training bag
             are tempered so that the bag carries the evidence of a median bag, in the likelihood,
-            the standardisation and the inducing points (one bag of 10,000 instances no longer
-            outweighs the others); a number; ``None``: every instance counts fully (the paper).
+            the standardisation and the inducing points; a number; ``None``: every instance counts
+            fully (the paper).
         bag_rule: ``"auto"`` (chosen among the max at the resolution of the longest training bag,
             top-quarter mean and mean by out-of-bag NLL; :func:`~milgp.prediction.auto_bag_rules`),
             a :mod:`milgp.prediction.bag_rules` name (``"max"``: the plain max) or a
@@ -55,9 +55,8 @@ class VGPMILClassifier(MILClassifierBase):
         lengthscale, outputscale: fix these (standardised units); ``None`` searches
             ``{1, 2}·√D`` and ``{1, 10}``.
         max_iter: sweeps of the first candidate (and of hyperparameter learning).
-        search_iter: sweeps of every other candidate, warm-started from the first. The
-            largest-other-π fits stop at these caps before ``tol`` (at the RBF kernels they needed
-            41–76 sweeps on ucsb), which costs no accuracy beyond the fold noise (docs/core.md).
+        search_iter: sweeps of every other candidate, warm-started from the first (the caps stop
+            the largest-other-π fits before ``tol``: docs/core.md, "Candidate fits run to convergence").
         tol: relative change of the objective below which sweeps stop (twice in a row).
         learn_hyperparameters, lr, hyper_steps: afterwards, Adam on the chosen kernel's
             hyperparameters alternating with the natural steps (Algorithm 1; off by default).

@@ -1,12 +1,9 @@
 """Sparse variational GP head: an RBF, linear or affine kernel on milgp's closed-form strategy.
 
-``SparseGP`` is an ordinary :class:`gpytorch.models.ApproximateGP` (a scaled RBF kernel with
-optional ARD, or a scaled linear kernel with or without a constant term; zero or constant mean)
-whose variational strategy is :class:`~milgp.models.closed_form_strategy.ClosedFormStrategy`:
-GPyTorch's whitened strategy, so the model works with ``gpytorch.mlls.VariationalELBO`` and Adam or
-``gpytorch.optim.NGD``, plus the projections and ``q(v)`` access of the closed-form natural steps
-(``model.variational_strategy.projection(x)``, ``.whitened_posterior()``, ``.marginals(...)``, …).
-Any ``ApproximateGP`` built on that strategy is trained the same way; this one is the estimators'.
+``SparseGP`` is an ordinary :class:`gpytorch.models.ApproximateGP` whose variational strategy is
+:class:`~milgp.models.closed_form_strategy.ClosedFormStrategy` (GPyTorch's whitened strategy plus
+what the closed-form natural steps need: that module's docstring). Any ``ApproximateGP`` built on
+that strategy is trained the same way; this one is the estimators'.
 """
 from __future__ import annotations
 
