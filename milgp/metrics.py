@@ -4,12 +4,9 @@ Everything takes probabilities (or scores) and binary labels as NumPy arrays or 
 
 * :func:`auroc`, :func:`accuracy`, :func:`f1_score` — via ``torchmetrics.functional``;
   ``auroc`` is ``nan`` when only one class is present (it is undefined there);
-* :func:`expected_calibration_error` — equal-width bins on the predicted probability of the
-  positive class: ``ECE = Σ_k (n_k / n) · |mean(y in bin k) − mean(p in bin k)|`` with bins
-  ``[0, 1/K], (1/K, 2/K], …`` (a probability of exactly 0 falls in the first bin);
-* :func:`calibrated_ece` — the ECE a perfectly calibrated forecaster with these probabilities
-  would show on this many samples (labels drawn from the probabilities themselves): the floor
-  against which a measured ECE on a small test set should be read;
+* :func:`expected_calibration_error` — over the equal-width bins ``[0, 1/K], (1/K, 2/K], …`` of the
+  predicted positive probability (a probability of exactly 0 falls in the first bin);
+* :func:`calibrated_ece` — the floor against which a measured ECE on a small test set should be read;
 * :func:`log_loss` — mean binary cross-entropy;
 * :func:`calibration_curve` — the per-bin points of that reliability diagram;
 * :func:`classification_metrics` — all of them as a dict with a common prefix, the format of the

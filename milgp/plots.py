@@ -1,14 +1,10 @@
 """PNG plots of predictions (library side; matplotlib's Agg canvas, no global backend change).
 
-* :func:`plot_scan_predictions` — one scan: per-slice probability with ±1 std bars along the scan
-  axis, the true lesion slices when known, the decision threshold, and the scan's full id and bag
-  prediction in the title (as Fig. 10 of Castro-Macías et al., *Hyperbolic secant representation of
-  the logistic function: application to probabilistic multiple instance learning for CT
-  intracranial hemorrhage detection*, Artificial Intelligence 2024);
-* :func:`plot_calibration` — reliability diagram with the expected calibration error and, below it,
-  the number of bags in every bin;
-* :func:`plot_rule_comparison` — bag probabilities of several bag rules side by side, negatives and
-  positives apart, with the decision threshold and how many of each cross it;
+* :func:`plot_scan_predictions` — one scan's per-slice probabilities (as Fig. 10 of Castro-Macías
+  et al., *Hyperbolic secant representation of the logistic function: application to probabilistic
+  multiple instance learning for CT intracranial hemorrhage detection*, Artificial Intelligence 2024);
+* :func:`plot_calibration` — reliability diagram;
+* :func:`plot_rule_comparison` — bag probabilities of several bag rules side by side;
 * :func:`plot_training_curves` — metrics logged during training (e.g. Lightning's CSV log).
 
 Every function writes ``path`` (parent folders created) and returns it.

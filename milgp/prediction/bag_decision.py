@@ -24,9 +24,7 @@ from milgp.prediction.calibration import BagCalibrator
 __all__ = ["AUTO_BAG_RULES", "BagDecision", "auto_bag_rules", "best_decision", "fit_bag_decision", "score_bag_rules"]
 
 AUTO_BAG_RULES = ("max", "top_k_mean", "mean")
-"""The names of the candidates of ``bag_rule="auto"``, from the most to the least concentrated
-(the most probable instance, the top quarter of the bag, the whole bag); :func:`auto_bag_rules`
-builds them."""
+"""The names of the candidates of ``bag_rule="auto"``, in the order :func:`auto_bag_rules` builds them."""
 
 
 def auto_bag_rules(sizes: Tensor) -> tuple[BagRule, ...]:
