@@ -11,18 +11,9 @@ written (:meth:`~ClosedFormStrategy.whitened_posterior`, :meth:`~ClosedFormStrat
 the :meth:`~ClosedFormStrategy.marginals` and per-bag blocks (:meth:`~ClosedFormStrategy.bag_covariances`)
 of ``q(f)``, and the closed-form :meth:`~ClosedFormStrategy.natural_step`.
 
-Put it where ``VariationalStrategy`` would go::
-
-    class MyGP(gpytorch.models.ApproximateGP):
-        def __init__(self, Z):
-            q = gpytorch.variational.NaturalVariationalDistribution(Z.shape[0])
-            super().__init__(ClosedFormStrategy(self, Z, q))
-            self.mean_module, self.covar_module = gpytorch.means.ZeroMean(), MyKernel()
-        def forward(self, x):
-            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-and :func:`milgp.variational.fit_closed_form` trains it by closed-form natural steps. The jitter is
-GPyTorch's own (``jitter_val``), so the fast path and GPyTorch's predictions agree exactly.
+Put it where ``VariationalStrategy`` would go (an example: README, "Your own model, closed-form
+steps") and :func:`milgp.variational.fit_closed_form` trains it by closed-form natural steps. The
+jitter is GPyTorch's own (``jitter_val``), so the fast path and GPyTorch's predictions agree exactly.
 """
 from __future__ import annotations
 
