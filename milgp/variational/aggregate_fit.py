@@ -265,9 +265,8 @@ class AggregateSteps:
         self._minibatch = None if bags is None else (bags, groups)
 
     def hyper_objective(self, x: Tensor | None = None) -> Tensor:
-        """``Σ_a`` bag terms of the batch with ``q(v)`` fixed, at inputs ``x`` (default ``batch.x``;
-        e.g. features recomputed by a CNN): differentiable in ``x``, the kernel and mean
-        hyperparameters and the likelihood's parameters (the whitened KL does not depend on them)."""
+        """:meth:`~milgp.variational.fit_loop.FitSteps.hyper_objective`: ``Σ_a`` bag terms of the
+        batch, differentiable in the likelihood's parameters too (the whitened KL does not depend on them)."""
         batch = self.batch if x is None else BagBatch(x, self.batch.bag_index, self.batch.bag_labels, instance_weights=self.batch.instance_weights)
         L = self.strategy.inducing_cholesky()
         return torch.stack([self.group_terms(g, self.q.m, self.q.S, L, True, batch=batch).sum() for g in self.groups]).sum()

@@ -170,9 +170,8 @@ class ClosedFormSteps:
         return self.likelihood.hyperparameter_terms(mean, var, batch.bags, batch.bag_labels, locals_).sum()
 
     def hyper_objective(self, x: Tensor | None = None) -> Tensor:
-        """``Σ`` hyperparameter terms of the batch with ``q(v)`` and the locals fixed, at inputs ``x``
-        (default ``batch.x``; e.g. features recomputed by a CNN): differentiable in ``x`` and the
-        hyperparameters (the whitened KL does not depend on them)."""
+        """:meth:`~milgp.variational.fit_loop.FitSteps.hyper_objective`: ``Σ`` hyperparameter terms
+        of the batch (the whitened KL does not depend on the hyperparameters)."""
         return self._hyper_terms(self.batch, self.locals, self.batch.x if x is None else x)
 
     def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:

@@ -55,7 +55,7 @@ class FitSteps(Protocol):
 
     def hyper_objective(self, x: Tensor | None = None) -> Tensor:
         """The data part of the ELBO with ``q(v)`` (and the locals) fixed at inputs ``x`` (default
-        the batch's), differentiable in ``x`` and the hyperparameters."""
+        the batch's; e.g. features recomputed by a CNN), differentiable in ``x`` and the hyperparameters."""
 
     def hyper_step(self, bags: Tensor | None, optimizer: torch.optim.Optimizer) -> None:
         """One optimizer step on the hyperparameters, ``q(v)`` fixed, on the bags ``bags`` (``None``: all)."""

@@ -35,8 +35,7 @@ class FitResult:
             step of non-conjugate aggregate likelihoods).
 
     For aggregate likelihoods there are no locals (``locals`` and ``moments`` stay ``None``) and
-    the hyperparameters ascend the ELBO itself, so ``objective`` repeats ``elbo`` (after each
-    iteration when hyperparameters are learned, else its final value).
+    the hyperparameters ascend the ELBO itself, so ``objective`` repeats ``elbo``.
     """
 
     elbo: list[float] = field(default_factory=list)
