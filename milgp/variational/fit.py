@@ -131,11 +131,9 @@ class ClosedFormSteps:
                 if self.elbo is not None and not elbo >= self.elbo:
                     self.rejected_steps += 1
                     step, elbo = None, None
-            if step is None:  # the plain step, ω back to 1
-                relax.reject()
-            else:
-                relax.accept()
-        elif relax is not None:
+        if relax is not None and relax.omega > 1.0 and step is None:  # the plain step, ω back to 1
+            relax.reject()
+        elif relax is not None:  # a kept over-relaxed step or a plain one by design: ω grows
             relax.accept()
         if step is None:  # the plain step, factorised only when it is taken
             step = q.natural_step(stats, rho=rho, scale=scale)
