@@ -149,10 +149,8 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     def _fit_one(
         self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float, learn: bool = True
     ) -> tuple[SparseGP, Any, Any]:
-        """One model fitted on ``batch`` at these kernel values: ``warmup_iter`` natural steps, then
-        (``learn``) up to ``max_iter`` natural steps alternating with Adam on the constant mean and
-        the Normal noise τ — and on the kernel with ``learn_hyperparameters`` — else natural steps
-        alone to convergence."""
+        """One model fitted on ``batch`` at these kernel values as the class docstring says
+        (``learn=False``, or nothing to learn: natural steps alone, up to ``max_iter``)."""
         model = SparseGP(
             Z, ard=self.ard, constant_mean=self.constant_mean, learn_inducing_locations=self.learn_inducing_locations,
             lengthscale=lengthscale, outputscale=outputscale,

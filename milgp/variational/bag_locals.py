@@ -32,8 +32,7 @@ class BagLocals(nn.Module):
     ``torch.load(weights_only=True)``; their shapes are the stored bags', not fixed at construction
     (:attr:`resizes_on_load`).
 
-    Bag ids are strings (a scan's id); integer ids — a list, an array or a tensor ``(B,)`` — are
-    kept under their decimal string, so ``7`` and ``"7"`` name the same bag.
+    Integer bag ids (:data:`BagIds`) are kept under their decimal string: ``7`` and ``"7"`` name the same bag.
     """
 
     resizes_on_load = True
