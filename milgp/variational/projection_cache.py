@@ -91,13 +91,9 @@ class ProjectionCache:
 
     def chunks(self) -> Iterator[tuple[int, Projection]]:
         """Yield ``(start, Projection)`` of every chunk in turn."""
-        if self._AT is None and self.cacheable:
-            self._fill()
         for s, e in self.bounds:
-            if self._AT is not None:
-                yield s, Projection(self._AT[s:e].mT, self._prior_var[s:e], self._prior_mean[s:e], self._residual[s:e])
-            else:  # callers run under torch.no_grad()
-                yield s, self.strategy.projection(self._inputs(s, e), self.L())
+            proj = self.rows(slice(s, e))  # None when not cached: computed (callers run under torch.no_grad())
+            yield s, proj if proj is not None else self.strategy.projection(self._inputs(s, e), self.L())
 
     def moments(self, q: WhitenedPosterior) -> tuple[Tensor, Tensor]:
         """``q(f)`` mean and variance ``(N,)`` of all inputs under ``q``, chunk by chunk."""
@@ -117,7 +113,7 @@ class ProjectionCache:
                 stats = part if stats is None else stats + part
         return stats
 
-    def rows(self, idx: Tensor) -> Projection | None:
+    def rows(self, idx: Tensor | slice) -> Projection | None:
         """The projection of the inputs at positions ``idx`` (of ``x[order]`` with ``order``) from the
         cache (``None`` when nothing is cached)."""
         if self._AT is None and self.cacheable:
