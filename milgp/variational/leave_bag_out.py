@@ -75,8 +75,7 @@ def leave_bag_out_posterior(
     AT = proj.A.mT  # (N, M)
     M = AT.shape[1]
     # the Gaussian these statistics define (q(v) itself may lag one update behind the locals)
-    stats = natural_statistics(proj.A, beta, lam)
-    eta, P = stats.targets()
+    eta, P = natural_statistics(proj.A, beta, lam).targets()
     target = WhitenedPosterior.from_natural(eta, P)
     m, S = target.m, target.S
 
@@ -108,11 +107,10 @@ def leave_bag_out_posterior(
         return (A_pad @ m_c.unsqueeze(-1)).squeeze(-1), W.mT @ W if full else W.square().sum(-2), mask, A_pad
 
     cav_mean, cav_var = torch.empty_like(mean), torch.empty_like(var)
-    residual = proj.residual
     for g in batch.bags.groups(max(1, block_budget // M), block_budget):
         mean_v, var_v, mask, _ = cavity_v(g, full=False)
         cav_mean[g.inst] = proj.prior_mean[g.inst] + mean_v[mask]
-        cav_var[g.inst] = residual[g.inst] + var_v[mask]
+        cav_var[g.inst] = proj.residual[g.inst] + var_v[mask]
 
     def blocks(group: BagGroup) -> tuple[Tensor, Tensor, Tensor]:
         _, cov_v, _, A_pad = cavity_v(group, full=True)
