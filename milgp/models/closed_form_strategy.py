@@ -256,7 +256,6 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
         """
         A = proj.A
         if torch.is_grad_enabled() and (A.requires_grad or q.S.requires_grad or q.m.requires_grad):
-            # −‖Aₙ‖² + AₙᵀSAₙ = Aₙᵀ(S − I)Aₙ: one GEMM and one elementwise pass over M×N
             S_minus_I = q.S - torch.eye(q.S.shape[0], dtype=q.S.dtype, device=q.S.device)
             var = proj.prior_var + ((S_minus_I @ A) * A).sum(0)
             return proj.prior_mean + A.mT @ q.m, var.clamp_min(1e-10)
