@@ -199,12 +199,10 @@ class ProbitGibbsResult:
     ) -> tuple[Tensor, Tensor]:
         """``P(Y* = 1)`` per bag and its Monte-Carlo standard error, ``(B,)`` each.
 
-        The estimate is ``1 − mean_draws P(Y* = 0 | v)`` (Rao–Blackwellised over ``f*``, ``m*``).
-        The draws of a Markov chain are autocorrelated, so the standard error is
-        ``sd_draws / sqrt(ESS)`` with the multi-chain effective sample size of the per-draw bag
-        probabilities (:func:`milgp.sampling.diagnostics.effective_sample_size`), not
-        ``sd / sqrt(C·S)`` (which would understate it by ``sqrt(C·S/ESS)``). Memory as
-        :meth:`bag_probability_draws`.
+        The estimate is ``1 − mean_draws P(Y* = 0 | v)`` (Rao–Blackwellised over ``f*``, ``m*``), its
+        standard error ``sd_draws / sqrt(ESS)``: the draws are autocorrelated, ESS is the multi-chain
+        :func:`~milgp.sampling.diagnostics.effective_sample_size` of the per-draw bag probabilities
+        (docs/probit.md, "Gibbs sampler"). Memory as :meth:`bag_probability_draws`.
         """
         per_draw = self.bag_probability_draws(model, x, bags, max_elements)  # (C, S, B)
         flat = per_draw.reshape(-1, bags.num_bags)
@@ -249,12 +247,9 @@ def sample_probit_posterior(
         init: start each chain's ``v`` from an independent draw of this ``q(v) = N(m, S)`` (e.g. the
             VI posterior) with its covariance inflated to ``init_dispersion · S``; ``None``: draws
             of the prior ``N(0, I)``.
-        init_dispersion: covariance inflation ``≥ 1`` of the starting distribution (default 4, i.e.
-            twice q's standard deviation). Starting points over-dispersed relative to the target
-            make split-R̂ able to detect chains that have not forgotten their start; with
-            ``init_dispersion = 1`` every chain would start inside VI's (typically too narrow)
-            posterior and R̂ ≈ 1 could hide non-convergence. The starts are drawn from the
-            sampler's ``seed``, so runs are reproducible.
+        init_dispersion: covariance inflation ``≥ 1`` of the starting distribution
+            (:data:`DEFAULT_INIT_DISPERSION`), so that split-R̂ can detect chains that have not
+            forgotten their start (docs/probit.md, "Gibbs sampler"); the starts are drawn from ``seed``.
         diagnostic_instances: how many training instances' latent means feed R̂/ESS.
     """
     if num_samples < 4 or burn_in < 0 or thin < 1 or num_chains < 1:

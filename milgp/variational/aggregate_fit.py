@@ -37,7 +37,7 @@ Exponential models need only marginals: ``O(chunk · M)`` memory whatever the ba
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from gpytorch.models import ApproximateGP
@@ -59,8 +59,11 @@ def _weights(batch: BagBatch) -> Tensor:
     return batch.instance_weights if batch.instance_weights is not None else torch.ones_like(batch.x[:, 0])
 
 
-_Cached = tuple[Projection, BlockBase | None]
-"""One group's projection and block base: hyperparameter-dependent, q-independent (no graph)."""
+class _Cached(NamedTuple):
+    """One group's projection and block base: hyperparameter-dependent, q-independent (no graph)."""
+
+    proj: Projection
+    block: BlockBase | None
 
 
 def is_conjugate(likelihood: AggregateLikelihood) -> bool:
@@ -132,7 +135,7 @@ class AggregateSteps:
             block = None
             if self.likelihood.needs_covariance:
                 block = block_base(self.model, x, proj, group.local_bags, _weights(batch)[group.inst], kernel_grad=grad_hyper)
-        return proj, block
+        return _Cached(proj, block)
 
     def group_terms(
         self, group: BagGroup, m: Tensor, S: Tensor, L: Tensor | None, grad_hyper: bool,
@@ -182,7 +185,7 @@ class AggregateSteps:
                 for g, c in zip(groups, items):
                     c = c if c is not None else self._prepare(self.batch, g, L, False)
                     part = self.likelihood.closed_form_statistics(
-                        self.batch.bag_labels[g.bags], w_all[g.inst], c[0].A, c[0].prior_mean, g.local_bags
+                        self.batch.bag_labels[g.bags], w_all[g.inst], c.proj.A, c.proj.prior_mean, g.local_bags
                     )
                     value += float(self.group_terms(g, q.m, q.S, L, False, c).sum())
                     stats = part if stats is None else stats + part
