@@ -19,7 +19,9 @@ shuffles, estimator ``random_state = fold``, one torch thread.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.candidate_families --data-dir ../shared/data/mil --seeds 10 [--psi gamma]
 
-Prints two markdown tables per data set and writes ``benchmarks/results/candidate_families_<psi>.json``.
+Prints two markdown tables per data set and writes ``benchmarks/results/candidate_families_<psi>.json``
+(``--name``: another name, e.g. for the sets of ``benchmarks/package_mil.py``, whose ``digits.csv``
+holds these same digits bags).
 """
 from __future__ import annotations
 
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--data-dir", required=True, help="folder of MIL CSV files (label, bag id, features...)")
     p.add_argument("--seeds", type=int, default=3, help="CV shuffles (seeds 0..n-1)")
     p.add_argument("--psi", default="pg", choices=("pg", "gamma"))
+    p.add_argument("--name", default=None, help="the JSON's name in benchmarks/results (default: candidate_families_<psi>)")
     add_thread_arg(p)
     args = p.parse_args(argv)
     set_threads(args.threads)
@@ -143,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         candidates, schemes = evaluate(bags, np.asarray(y, dtype=np.float64), list(range(args.seeds)), args.psi)
         print(f"\n## {name} (psi={args.psi}, {args.seeds} shuffles)\n\n{markdown_table(candidates)}\n\n{markdown_table(schemes)}", flush=True)
         results[name] = {"candidates": candidates, "averages": schemes}
-    write_json(f"candidate_families_{args.psi}", {"seeds": args.seeds, "results": results})
+    write_json(args.name or f"candidate_families_{args.psi}", {"seeds": args.seeds, "results": results})
     return results
 
 

@@ -32,6 +32,46 @@ def digits_bags(seed: int = 0) -> tuple[list[np.ndarray], np.ndarray]:
     return [np.asarray(b, dtype=np.float64) for b in bags], np.asarray(labels, dtype=np.float64)
 
 
+def witness_bags(
+    X: np.ndarray, is_pos: np.ndarray, seed: int, bag_size: int = 10, max_pos: int = 4
+) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
+    """Balanced MIL bags of ``bag_size`` rows of ``X`` ``(N, D)``, no row in two bags: each positive
+    bag holds 1–``max_pos`` (uniform) rows with ``is_pos`` ``(N,)`` true among negatives, each
+    negative bag only negatives; as many bag pairs as the rows allow.
+
+    Returns ``bags`` (list of ``(bag_size, D)``), ``bag_labels`` ``(B,)``, ``instance_labels``
+    (list of ``(bag_size,)``), in random order (``numpy.random.default_rng(seed)``).
+    """
+    rng = np.random.default_rng(seed)
+    pos = rng.permutation(np.nonzero(is_pos)[0])
+    neg = rng.permutation(np.nonzero(~is_pos)[0])
+    # number of positive instances in each positive bag, uniform on 1..max_pos
+    n_pos_bags = len(neg) // (2 * bag_size - (1 + max_pos) / 2)  # negatives are the scarce resource
+    n_pos_bags = int(min(n_pos_bags, len(pos) // ((1 + max_pos) / 2)))
+    counts = rng.integers(1, max_pos + 1, size=n_pos_bags)
+    while counts.sum() > len(pos) or n_pos_bags * bag_size * 2 - counts.sum() > len(neg):
+        n_pos_bags -= 1
+        counts = counts[:n_pos_bags]
+    bags, labels, inst = [], [], []
+    ip = ineg = 0
+    for k in counts:  # positive bags
+        idx = np.concatenate([pos[ip : ip + k], neg[ineg : ineg + bag_size - k]])
+        ip += k
+        ineg += bag_size - k
+        idx = rng.permutation(idx)
+        bags.append(X[idx])
+        inst.append(is_pos[idx].astype(int))
+        labels.append(1)
+    for _ in range(n_pos_bags):  # negative bags
+        idx = neg[ineg : ineg + bag_size]
+        ineg += bag_size
+        bags.append(X[idx])
+        inst.append(np.zeros(bag_size, dtype=int))
+        labels.append(0)
+    order = rng.permutation(len(bags))
+    return [bags[i] for i in order], np.asarray(labels)[order], [inst[i] for i in order]
+
+
 def standardise(x: np.ndarray) -> np.ndarray:
     s = x.std(0)
     return (x - x.mean(0)) / np.where(s > 1e-12, s, 1.0)

@@ -36,6 +36,7 @@ from sklearn.metrics import accuracy_score, roc_auc_score
 from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import witness_bags  # noqa: E402
 from milgp.estimators import VGPMILClassifier  # noqa: E402
 from milgp.metrics import expected_calibration_error  # noqa: E402
 
@@ -44,45 +45,17 @@ BAG_SIZE = 10
 
 
 def make_bags(seed: int, bag_size: int = BAG_SIZE, max_pos: int = 4, pca: int | None = None):
-    """Balanced MIL bags from the digits data, without reusing instances.
+    """Balanced MIL bags from the digits data (:func:`benchmarks.common.witness_bags`), positive
+    instances the digits :data:`POSITIVE_DIGITS`, optionally reduced to ``pca`` components.
 
     Returns ``bags`` (list of ``(bag_size, d)``), ``bag_labels`` ``(B,)``, ``instance_labels``
     (list of ``(bag_size,)``).
     """
-    rng = np.random.default_rng(seed)
     X, digit = load_digits(return_X_y=True)
     X = X.astype(np.float64)
     if pca:
         X = PCA(n_components=pca, random_state=seed).fit_transform(X)
-    is_pos = np.isin(digit, POSITIVE_DIGITS)
-    pos = rng.permutation(np.nonzero(is_pos)[0])
-    neg = rng.permutation(np.nonzero(~is_pos)[0])
-    # number of positive instances in each positive bag, uniform on 1..max_pos
-    n_pos_bags = len(neg) // (2 * bag_size - (1 + max_pos) / 2)  # negatives are the scarce resource
-    n_pos_bags = int(min(n_pos_bags, len(pos) // ((1 + max_pos) / 2)))
-    counts = rng.integers(1, max_pos + 1, size=n_pos_bags)
-    while counts.sum() > len(pos) or n_pos_bags * bag_size * 2 - counts.sum() > len(neg):
-        n_pos_bags -= 1
-        counts = counts[:n_pos_bags]
-    bags, labels, inst = [], [], []
-    ip = ineg = 0
-    for k in counts:  # positive bags
-        idx = np.concatenate([pos[ip : ip + k], neg[ineg : ineg + bag_size - k]])
-        ip += k
-        ineg += bag_size - k
-        idx = rng.permutation(idx)
-        bags.append(X[idx])
-        inst.append(is_pos[idx].astype(int))
-        labels.append(1)
-    for _ in range(n_pos_bags):  # negative bags
-        idx = neg[ineg : ineg + bag_size]
-        ineg += bag_size
-        bags.append(X[idx])
-        inst.append(np.zeros(bag_size, dtype=int))
-        labels.append(0)
-    assert ineg <= len(neg) and ip <= len(pos)
-    order = rng.permutation(len(bags))
-    return [bags[i] for i in order], np.asarray(labels)[order], [inst[i] for i in order]
+    return witness_bags(X, np.isin(digit, POSITIVE_DIGITS), seed, bag_size, max_pos)
 
 
 def evaluate(psi: str, num_inducing: int, seed: int, pca: int | None, test_size: float, overrides: dict) -> dict:

@@ -31,7 +31,7 @@ same fold; for every other row, its AUC minus the best logistic-regression row's
 the same folds: the mean, a standard error corrected for repeated cross-validation
 (:func:`paired_difference`) and the folds won. Results: ``benchmarks/results/real_mil.json`` for
 the full run the README shows; other runs are named apart (:func:`result_name`) and never
-overwrite it.
+overwrite it (``--name`` names one outright: ``benchmarks/package_mil.py``).
 """
 from __future__ import annotations
 
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="CV shuffles (seeds 0..n-1)")
     p.add_argument("--models", nargs="*", default=list(MODELS), help="rows to run (default: all)")
     p.add_argument("--quick", action="store_true", help="one seed")
+    p.add_argument("--name", default=None, help="the JSON's name in benchmarks/results (default: result_name's)")
     add_thread_arg(p)
     args = p.parse_args(argv)
     set_threads(args.threads)
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows = evaluate(bags, y, seeds, args.models)
         print(markdown_table(rows, COLUMNS), flush=True)
         results[path.stem] = rows
-    write_json(result_name(args.quick, args.seeds, args.models), {"seeds": seeds, "data_dir": str(args.data_dir), "datasets": results})
+    write_json(args.name or result_name(args.quick, args.seeds, args.models), {"seeds": seeds, "data_dir": str(args.data_dir), "datasets": results})
     return results
 
 
