@@ -72,6 +72,33 @@ def witness_bags(
     return [bags[i] for i in order], np.asarray(labels)[order], [inst[i] for i in order]
 
 
+def proportion_bags(
+    X: np.ndarray, is_pos: np.ndarray, seed: int, bag_size: int = 10,
+    pos_share: tuple[float, float] = (0.4, 0.6), neg_share: tuple[float, float] = (0.1, 0.3),
+) -> tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]:
+    """MIL bags whose label is the *share* of positive rows, not their presence (the collective
+    assumption): ``bag_size`` rows of ``X`` ``(N, D)`` each, no row in two bags, a positive bag a
+    share of rows with ``is_pos`` ``(N,)`` true drawn uniformly from ``pos_share``, a negative bag
+    one from ``neg_share`` (negative bags hold positive rows too); positive and negative bags
+    alternate until the rows run out. Returns what :func:`witness_bags` returns.
+    """
+    rng = np.random.default_rng(seed)
+    pos = list(rng.permutation(np.nonzero(is_pos)[0]))
+    neg = list(rng.permutation(np.nonzero(~is_pos)[0]))
+    bags, labels, inst = [], [], []
+    label = 1
+    while True:
+        k = int(round(rng.uniform(*(pos_share if label else neg_share)) * bag_size))
+        if len(pos) < k or len(neg) < bag_size - k:
+            break
+        idx = rng.permutation([pos.pop() for _ in range(k)] + [neg.pop() for _ in range(bag_size - k)])
+        bags.append(X[idx])
+        inst.append(is_pos[idx].astype(int))
+        labels.append(label)
+        label = 1 - label
+    return bags, np.asarray(labels), inst
+
+
 def standardise(x: np.ndarray) -> np.ndarray:
     s = x.std(0)
     return (x - x.mean(0)) / np.where(s > 1e-12, s, 1.0)
