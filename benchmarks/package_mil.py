@@ -7,11 +7,12 @@ The estimators' defaults were chosen on four classic MIL benchmarks; this is a c
 hold elsewhere. Each set is written as a CSV in ``real_mil``'s layout (label, bag id, features)
 to ``--out`` (default: a temporary folder) and run through :func:`benchmarks.real_mil.main`
 (every row, 5-fold CV over bags × ``--seeds`` shuffles); the JSON is
-``benchmarks/results/package_mil.json``. Bags are drawn once (seed 0), no instance in two bags,
-of two kinds: *witness* bags (:func:`benchmarks.common.witness_bags`: balanced, a positive bag holds
-1 to ``k`` positive instances among negatives, a negative bag none — the standard MIL assumption)
-and *proportion* bags (:func:`benchmarks.common.proportion_bags`: a positive bag holds 40–60 %
-positive instances, a negative bag 10–30 % — the label is the share, the collective assumption):
+``benchmarks/results/package_mil.json`` (``package_mil_<n>_shuffles.json`` for other ``--seeds``).
+Bags are drawn once (seed 0), no instance in two bags, of two kinds: *witness* bags
+(:func:`benchmarks.common.witness_bags`: balanced, a positive bag holds 1 to ``k`` positive
+instances among negatives, a negative bag none — the standard MIL assumption) and *proportion*
+bags (:func:`benchmarks.common.proportion_bags`: a positive bag holds 40–60 % positive instances,
+a negative bag 10–30 % — the label is the share, the collective assumption):
 
 * ``breast_cancer``: Wisconsin diagnostic breast cancer (569 × 30), positive instances the
   malignant samples; witness bags of 8, 1–3 witnesses;
@@ -24,7 +25,8 @@ positive instances, a negative bag 10–30 % — the label is the share, the col
   1–4 witnesses (the bags of ``benchmarks/digits_mil.py``, seed 0);
 * ``digits_proportion``: proportion bags of 10 from the same digits;
 * ``digits_wide``: the witness digits bags seen through one fixed random ReLU layer (64 → 1,024
-  features, weights ``N(0, 1/64)``, biases ``N(0, 1)``), a stand-in for wide learned features.
+  features, pixels scaled to ``[0, 1]``, weights ``N(0, 1/64)``, biases ``N(0, 1)``), a stand-in
+  for wide learned features.
 """
 from __future__ import annotations
 
@@ -53,8 +55,8 @@ def _relu_layer(x: np.ndarray) -> np.ndarray:
     return np.maximum(x / 16.0 @ w + rng.standard_normal(WIDE_FEATURES), 0.0)  # digits' pixels are 0..16
 
 
-Bags = Callable[[np.ndarray, np.ndarray], tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]]
-SETS: dict[str, tuple[Callable[..., Any], Callable[[np.ndarray], np.ndarray], Bags, Callable[[np.ndarray], np.ndarray] | None]] = {
+MakeBags = Callable[[np.ndarray, np.ndarray], tuple[list[np.ndarray], np.ndarray, list[np.ndarray]]]
+SETS: dict[str, tuple[Callable[..., Any], Callable[[np.ndarray], np.ndarray], MakeBags, Callable[[np.ndarray], np.ndarray] | None]] = {
     # name: (loader, positive rows of the targets, bags of the rows (seed 0), feature map of the rows)
     "breast_cancer": (load_breast_cancer, lambda t: t == 0, lambda x, p: witness_bags(x, p, 0, 8, 3), None),
     "breast_cancer_noise": (load_breast_cancer, lambda t: t == 0, lambda x, p: witness_bags(x, p, 0, 8, 3), _noise),
@@ -90,7 +92,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         write_sets(out)
-        return real_mil.main(["--data-dir", str(out), "--seeds", str(args.seeds), "--threads", str(args.threads), "--name", "package_mil"])
+        name = "package_mil" if args.seeds == real_mil.DEFAULT_SEEDS else f"package_mil_{args.seeds}_shuffles"
+        return real_mil.main(["--data-dir", str(out), "--seeds", str(args.seeds), "--threads", str(args.threads), "--name", name])
 
 
 if __name__ == "__main__":
