@@ -147,20 +147,14 @@ class ProbitGibbsResult:
         ps, sds = [], []
         with torch.no_grad():
             for mu0, A, resid in _fitc_chunks(model, x, chunk):
-                if draw_chunk == S:
-                    mu = mu0 + draws @ A  # (S, n_c)
+                sum_p = mu0.new_zeros(mu0.shape)
+                sum_2 = mu0.new_zeros(mu0.shape)
+                for d0 in range(0, S, draw_chunk):  # one pass (all S draws) unless they exceed max_elements
+                    mu = mu0 + draws[d0 : d0 + draw_chunk] @ A  # (s, n_c)
                     p_s, sd_s = ProbitLink().moments(mu, resid.expand_as(mu), num_points)
-                    p = p_s.mean(0)
-                    second = (sd_s * sd_s + p_s * p_s).mean(0)
-                else:
-                    sum_p = mu0.new_zeros(mu0.shape)
-                    sum_2 = mu0.new_zeros(mu0.shape)
-                    for d0 in range(0, S, draw_chunk):
-                        mu = mu0 + draws[d0 : d0 + draw_chunk] @ A
-                        p_s, sd_s = ProbitLink().moments(mu, resid.expand_as(mu), num_points)
-                        sum_p += p_s.sum(0)
-                        sum_2 += (sd_s * sd_s + p_s * p_s).sum(0)
-                    p, second = sum_p / S, sum_2 / S
+                    sum_p += p_s.sum(0)
+                    sum_2 += (sd_s * sd_s + p_s * p_s).sum(0)
+                p, second = sum_p / S, sum_2 / S
                 ps.append(p)
                 sds.append((second - p * p).clamp_min(0.0).sqrt())
         if not ps:
