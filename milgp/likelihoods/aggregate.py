@@ -319,7 +319,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         ``v`` (Normal); ``None`` means use the generic natural gradient."""
         return None
 
-    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sum: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
+    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
         """Predictive mean and variance of the observed ``y_a`` given the mean and variance of
         ``η_a = Σ w_i Ψ(f_i)`` (law of total variance)."""
         return rate_mean, rate_var

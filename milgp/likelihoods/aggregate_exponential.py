@@ -50,7 +50,7 @@ class ExponentialAggregateLikelihood(AggregateLikelihood):
         log_e = segment_logsumexp(log_w + mean + 0.5 * var, bag_index, num_bags)  # log E[η_a]
         return -y * torch.exp(-log_z) - log_e
 
-    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sum: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
+    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
         """``E[y] = E[η]``, ``Var[y] = E[Var(y|η)] + Var[η] = 2·E[η²] − E[η]²``."""
         second = rate_var + rate_mean * rate_mean
         return rate_mean, 2 * second - rate_mean * rate_mean

@@ -91,7 +91,7 @@ class NormalAggregateLikelihood(AggregateLikelihood):
             h = g.mT @ (c * resid)
         return NaturalStatistics(h=h, G=0.5 * (G + G.mT))
 
-    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sum: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
+    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
         """``y_a``: mean ``E[η_a]``, variance ``Var[η_a] + τ Σ w_i²``."""
         return rate_mean, rate_var + self.noise.detach().to(rate_var) * weight_sq_sum
 

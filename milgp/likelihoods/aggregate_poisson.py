@@ -74,7 +74,7 @@ class PoissonAggregateLikelihood(AggregateLikelihood):
         tr2 = (WS * S).sum((-1, -2))
         return torch.log(T) - (2 * quad + tr2) / (T * T)
 
-    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sum: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
+    def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
         """``E[y_a] = E[η_a]``, ``Var[y_a] = E[η_a] + Var[η_a]``."""
         return rate_mean, rate_mean + rate_var
 

@@ -424,9 +424,8 @@ def predict_bag_moments(
                 mu, var = likelihood.bag_rate_moments(bag_blocks(model, xg, proj, g.local_bags, q.m, q.S, wg, kernel_grad=False))
             rate_mean[g.bags] = mu
             rate_var[g.bags] = var
-        w_sum = segment_sum(weights, bag_index, num_bags)
         w_sq = segment_sum(weights * weights, bag_index, num_bags)
-        y_mean, y_var = likelihood.observation_moments(rate_mean, rate_var, w_sum, w_sq)
+        y_mean, y_var = likelihood.observation_moments(rate_mean, rate_var, w_sq)
     return {"rate_mean": rate_mean, "rate_var": rate_var, "y_mean": y_mean, "y_var": y_var}
 
 
