@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from milgp.data.bags import Bags, segment_max, segment_sum
+from milgp.data.bags import Bags, identity_padded, segment_max, segment_sum
 from milgp.likelihoods.instance_link import InstanceLink, ProbitLink
 from milgp.likelihoods.orthant import orthant_probability
 from milgp.linalg import robust_cholesky
@@ -270,10 +270,8 @@ class OrthantRule(BagRule):
         p = posterior.mean.new_zeros(posterior.bags.num_bags)
         err = torch.zeros_like(p)
         for blk in posterior.joint_blocks(self.max_instances):
-            n = blk.cov.shape[-1]
-            eye = torch.eye(n, dtype=blk.cov.dtype, device=blk.cov.device)
-            pair = blk.mask.unsqueeze(-1) & blk.mask.unsqueeze(-2)
-            cov_m = torch.where(pair, blk.cov + eye, eye.expand_as(blk.cov))
+            eye = torch.eye(blk.cov.shape[-1], dtype=blk.cov.dtype, device=blk.cov.device)
+            cov_m = identity_padded(blk.cov + eye, blk.mask)
             p_neg, e = orthant_probability(blk.mean, cov_m, blk.mask, num_points=self.num_points, replicates=self.replicates, seed=seed)
             p[blk.bags], err[blk.bags] = (1.0 - p_neg).clamp(0.0, 1.0), e
         return p, err
