@@ -22,7 +22,7 @@ from milgp.variational.natural_update import NaturalStatistics
 __all__ = ["AggregateGPHead", "aggregate_records_metrics"]
 
 
-def aggregate_records_metrics(records: list[dict], likelihood: AggregateLikelihood | None = None) -> dict[str, float]:
+def aggregate_records_metrics(records: list[dict], likelihood: AggregateLikelihood) -> dict[str, float]:
     """Regression metrics of aggregate-output records.
 
     Bag level: ``bag_nll`` (mean of the records' predictive ``bag_nll``), ``bag_mse``, ``bag_mae``,
@@ -41,8 +41,7 @@ def aggregate_records_metrics(records: list[dict], likelihood: AggregateLikeliho
     out["bag_r2"] = 1.0 - float(np.sum(err**2)) / ss if ss > 0 else float("nan")
     nll = np.array([r.get("bag_nll", np.nan) for r in records], dtype=float)
     out["bag_nll"] = float(np.mean(nll))
-    if likelihood is not None:
-        out.update({f"bag_{name}": value for name, value in likelihood.bag_metrics(y, mu).items()})
+    out.update({f"bag_{name}": value for name, value in likelihood.bag_metrics(y, mu).items()})
     labelled = [r for r in records if r.get("slice_labels") is not None]
     if labelled:
         t = np.concatenate([np.asarray(r["slice_labels"], dtype=float) for r in labelled])
