@@ -3,6 +3,5 @@ from lightning_modules.data.bag_array_datamodule import BagArrayDataModule
 from lightning_modules.data.ct_cache_datamodule import CTCacheDataModule
 from lightning_modules.data.dicom_datamodule import DicomDataModule
 from lightning_modules.data.feature_datamodule import FeatureDataModule
-from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
 
-__all__ = ["BagArrayDataModule", "CTCacheDataModule", "DicomDataModule", "FeatureDataModule", "InMemoryBagDataset"]
+__all__ = ["BagArrayDataModule", "CTCacheDataModule", "DicomDataModule", "FeatureDataModule"]
