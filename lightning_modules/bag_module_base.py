@@ -185,8 +185,7 @@ class BagModuleBase(pl.LightningModule, ABC):
 
     @abstractmethod
     def predict_records(self, batch: BagBatch) -> list[dict]:
-        """One record per bag of ``batch``: ``bag_id``, ``bag_label``, ``bag_prob`` (± ``bag_std``),
-        ``slice_probs`` (± ``slice_stds``), ``slice_labels`` — what the metrics and reports read."""
+        """One record per bag of ``batch`` (its fields: module docstring): what the metrics and reports read."""
 
     # -- validation / test -----------------------------------------------------------------------
     def log_metrics(self, prefix: str, metrics: dict[str, float], prog_bar: tuple[str, ...] = ()) -> None:
