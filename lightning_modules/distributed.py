@@ -19,14 +19,14 @@ def world_size() -> int:
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """In-place sum over ranks (returns ``t``); identity without a process group."""
-    if is_distributed() and world_size() > 1:
+    if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
     """``[obj of rank 0, obj of rank 1, ...]`` on every rank; ``[obj]`` without a process group."""
-    if not (is_distributed() and world_size() > 1):
+    if world_size() == 1:
         return [obj]
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
