@@ -170,12 +170,11 @@ def _index(args: argparse.Namespace) -> BagIndex:
     from milgp.ct.rsna import index_rsna
     from milgp.ct.series_policy import SeriesPolicy
 
-    progress = not args.no_progress
     if args.command == "index":
         return BagIndex.load(args.index)
     policy = SeriesPolicy(allow_non_ct=args.allow_non_ct, allow_non_axial=args.allow_non_axial)
     rule = LabelRule(getattr(args, "target", "binary"), args.label_map)
-    common = dict(workers=args.workers, progress=progress, rule=rule, policy=policy)
+    common = dict(workers=args.workers, progress=not args.no_progress, rule=rule, policy=policy)
     if args.command == "rsna":
         return index_rsna(args.images, args.labels, **common)
     if args.command == "cq500":

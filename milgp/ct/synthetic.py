@@ -380,16 +380,14 @@ def write_rsna_dataset(
         slices: ``(min, max)`` slices per scan at the standard 5 mm spacing, inclusive.
         size: image height = width in pixels.
         prevalence: fraction of positive scans (rounded to a count).
-        lesion_radius: lesion in-plane semi-axis range (1 = half the field of view).
+        lesion_radius, noise_hu, lesion_hu: lesion size, noise and lesion density, as in :func:`sample_phantom`.
         seed: makes the whole dataset, file names and UIDs included, reproducible.
         n_patients: scans are dealt round-robin to this many patients (default: one per scan).
-        noise_hu: noise standard deviation in HU.
         duplicate_rows: how many label rows to repeat verbatim (the real file has duplicates).
         slice_factor: re-slice every scan this many times more finely, as thin-slice external CT
             sets are: a scan drawn with ``n`` slices is written as ``slice_factor · n`` slices of
             ``5 / slice_factor`` mm covering the same head, and its lesion (placed as for the
             ``n``-slice scan) spans ``slice_factor`` times more slices.
-        lesion_hu: range of the lesion density in HU (brain 35 HU).
 
     Returns:
         The ground truth; ``bag_id`` = SeriesInstanceUID.
