@@ -36,7 +36,6 @@ __all__ = [
     "from_padded",
     "identity_padded",
     "Padding",
-    "labels_per_instance",
     "make_bag_groups",
     "random_bags_within",
     "segment_logsumexp",
@@ -184,11 +183,6 @@ def segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tenso
     top = segment_max(values.detach(), bag_index, num_bags)
     top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
     return top + torch.log(segment_sum(torch.exp(values - top[bag_index]), bag_index, num_bags))
-
-
-def labels_per_instance(bag_labels: Tensor, bag_index: Tensor) -> Tensor:
-    """Broadcast bag labels ``(B,)`` to their instances ``(N,)``."""
-    return bag_labels[bag_index]
 
 
 def flatten_bags(bags: Sequence[Any]) -> tuple[Tensor, Tensor]:

@@ -5,8 +5,8 @@ written so that no expression cancels catastrophically or overflows for ``|μ|``
 float64 (and degrades gracefully — finite, correct limits — beyond): the log hazard
 :func:`log_hazard`, ``h(x) − x`` by a continued fraction (:func:`hazard_excess`: what cancels in
 ``E[m | m < 0] = μ − h(μ)`` for large ``μ``), the truncated moments (:func:`mean_below_zero`,
-:func:`var_below_zero` and their ``above`` mirrors), the pieces :func:`log_neg_log_ndtr`,
-:func:`log1mexp` and :func:`log_expm1_ratio` of the positive-bag normaliser ``log(1 − Π_i Φ(−μ_i))``
+:func:`var_below_zero` and their ``above`` mirrors), the pieces :func:`log_neg_log_ndtr` and
+:func:`log_expm1_ratio` of the positive-bag normaliser ``log(1 − Π_i Φ(−μ_i))``
 (:func:`milgp.likelihoods.mil_probit.bag_log_normaliser`: finite even when every ``Φ(−μ_i)``
 rounds to 1), and exact samplers (:func:`sample_above`, :func:`sample_truncated`).
 
@@ -27,7 +27,6 @@ from torch import Tensor
 __all__ = [
     "hazard",
     "hazard_excess",
-    "log1mexp",
     "log_hazard",
     "log_neg_log_ndtr",
     "mean_above_zero",
@@ -123,15 +122,6 @@ def var_below_zero(mu: Tensor) -> Tensor:
 def var_above_zero(mu: Tensor) -> Tensor:
     """``Var[m]`` for ``m ~ N(μ, 1)`` truncated to ``(0, ∞)``."""
     return var_below_zero(-mu)
-
-
-def log1mexp(x: Tensor) -> Tensor:
-    """``log(1 − exp(x))`` for ``x ≤ 0`` (Mächler 2012: ``expm1`` branch near 0, ``log1p`` far)."""
-    x = x.clamp_max(0.0)
-    near = x > -math.log(2.0)
-    x_near = torch.where(near, x, torch.full_like(x, -1.0))
-    x_far = torch.where(near, torch.full_like(x, -1.0), x)
-    return torch.where(near, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
 
 
 def log_neg_log_ndtr(x: Tensor, log_cdf: Tensor | None = None) -> Tensor:

@@ -16,7 +16,6 @@ from milgp.data.bags import (
     flatten_bags,
     from_padded,
     identity_padded,
-    labels_per_instance,
     segment_max,
     segment_sum,
     split_by_bag,
@@ -79,7 +78,6 @@ def test_segment_reductions_and_sizes():
     assert segment_max(values, bag_index, 3).tolist() == [1.0, 3.0, 4.0]
     assert bag_sizes(bag_index).tolist() == [2, 1, 2]
     assert bag_sizes(bag_index, 4).tolist() == [2, 1, 2, 0]
-    assert labels_per_instance(torch.tensor([1, 0, 1]), bag_index).tolist() == [1, 1, 0, 1, 1]
 
 
 def test_select_bags_reindexes_and_keeps_fields():
