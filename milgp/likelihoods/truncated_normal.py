@@ -27,6 +27,7 @@ from torch import Tensor
 __all__ = [
     "hazard",
     "hazard_excess",
+    "log_expm1_ratio",
     "log_hazard",
     "log_neg_log_ndtr",
     "mean_above_zero",
