@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_modules.bag_module_base import records_metrics
 from milgp.data.bags import BagBatch, Bags
+from milgp.data.standardize import standardization_scale
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
@@ -60,7 +61,8 @@ class GPHead(nn.Module):
         learn_inducing_locations: make Z trainable.
         constant_mean: constant instead of zero GP mean (``None``: the head's
             :attr:`default_constant_mean`, zero here).
-        standardize: z-score features with training statistics.
+        standardize: z-score features with training statistics (features constant in training
+            are ignored: :mod:`milgp.data.standardize`).
         lengthscale: initial RBF lengthscale (``None``: median pairwise distance of the
             standardised training features).
         outputscale: initial kernel variance.
@@ -159,7 +161,7 @@ class GPHead(nn.Module):
         if self.standardize_features:
             scale = x.std(0, unbiased=False)
             self.feature_mean.copy_(x.mean(0))
-            self.feature_scale.copy_(torch.where(scale > 1e-12, scale, torch.ones_like(scale)))
+            self.feature_scale.copy_(standardization_scale(self.feature_mean.cpu(), scale))  # constant features: inf, ignored
         z = ((x - self.feature_mean.cpu()) / self.feature_scale.cpu()).numpy()
         labels = instance_bag_labels.detach().cpu().numpy()
         Z = kmeans_pp_inducing(z, labels, self.num_inducing, seed=self.seed)  # M points, jittered copies when fewer are distinct
@@ -194,7 +196,8 @@ class GPHead(nn.Module):
         var = (s2 / n - mean * mean).clamp_min(0)
         self.feature_mean.mul_(1 - momentum).add_(momentum * mean)
         new_var = (1 - momentum) * self.feature_scale**2 + momentum * var
-        self.feature_scale.copy_(new_var.sqrt().clamp_min(1e-8))
+        # features constant at initialize stay ignored (inf scale; 0 · inf would be NaN at momentum 1)
+        self.feature_scale.copy_(torch.where(self.feature_scale.isinf(), self.feature_scale, new_var.sqrt().clamp_min(1e-8)))
 
     @property
     def strategy(self) -> ClosedFormStrategy:

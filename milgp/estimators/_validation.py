@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from scipy.sparse import issparse
 
+from milgp.data.standardize import standardization_scale
+
 __all__ = ["FeatureScaler", "as_float_array", "check_bag_weights", "check_bags", "check_binary_bag_labels", "torch_dtype"]
 
 
@@ -100,11 +102,12 @@ def torch_dtype(name: str) -> torch.dtype:
 class FeatureScaler:
     """z-scoring with training statistics, refusing what would make it meaningless.
 
-    Constant features (zero spread in training) are kept unscaled and reported in one warning —
-    they carry no information, and when every feature is constant the model can only predict the
-    base rate. Features whose spread overflows (e.g. values of 1e154: their variance is inf) are
-    refused with an error naming the first one: scaling by an infinite standard deviation would
-    silently turn them into zeros or NaN.
+    Constant features (zero spread in training) are reported in one warning and ignored: they
+    standardise to 0 in training and in prediction
+    (:func:`milgp.data.standardize.standardization_scale`); when every feature is constant the
+    model can only predict the base rate. Features whose spread overflows (e.g. values of 1e154:
+    their variance is inf) are refused with an error naming the first one: they do vary, and
+    scaling them by an infinite standard deviation would silently turn them into zeros or NaN.
     """
 
     def __init__(self, standardize: bool = True):
@@ -128,15 +131,15 @@ class FeatureScaler:
                 f"feature {j} cannot be standardised: its mean or spread overflows float64 "
                 f"(max |value| {np.abs(flat[:, j]).max():.3g}); rescale it before fitting"
             )
-        constant = np.nonzero(scale <= 1e-12 * np.maximum(1.0, np.abs(mean)))[0]
+        scale = standardization_scale(torch.as_tensor(mean), torch.as_tensor(scale)).numpy()
+        constant = np.nonzero(np.isinf(scale))[0]
         if len(constant):
             warnings.warn(
                 f"{len(constant)} of {D} features are constant in the training bags (first: feature {int(constant[0])}); "
-                "they carry no information" + (" — every feature is constant, so only the base rate can be learned" if len(constant) == D else ""),
+                "they carry no information and are ignored" + (" — every feature is constant, so only the base rate can be learned" if len(constant) == D else ""),
                 UserWarning,
                 stacklevel=3,
             )
-            scale = np.where(np.isin(np.arange(D), constant), 1.0, scale)
         self.mean_, self.scale_ = mean, scale
         return self
 

@@ -1,12 +1,12 @@
-"""Bag predictions under shift: longer bags at prediction time, one huge bag in training, and
-decisions at threshold ½ for G-VGPMIL. Each failed on the defaults before the calibrated,
+"""Bag predictions under shift: longer bags at prediction time, one huge bag in training, a
+feature that was constant in training, and decisions at threshold ½ for G-VGPMIL. Each failed on the defaults before the calibrated,
 length-invariant bag decision (noisy-OR bag rule, learned kernel): see docs/core.md."""
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 from sklearn.metrics import roc_auc_score
 
-from milgp.estimators import VGPMILClassifier
+from milgp.estimators import ProbitMILClassifier, VGPMILClassifier
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -95,3 +95,23 @@ def test_g_vgpmil_threshold_half_is_as_good_as_the_best_training_threshold():
     acc_tuned = ((p_test > best) == y_test).mean()
     assert acc_half >= acc_tuned - 0.03
     assert acc_half > 0.7
+
+
+@pytest.mark.parametrize("make", [VGPMILClassifier, ProbitMILClassifier])
+def test_a_feature_constant_in_training_changes_no_prediction(make):
+    """A feature that was the same in every training instance (a slice thickness of 5 mm at the
+    training site) and takes other values at prediction (0.625 mm, or a unit of 400 elsewhere)
+    must leave every bag and instance probability as it was: the model learned nothing from it.
+    Kept at scale 1, the value 20 pulled every bag to about the same probability and 400 took the
+    bag AUC to 0.5 (the RBF distances grew in raw units)."""
+    train, y_train = digit_bags(40, 10, seed=6)
+    test, _ = digit_bags(20, 10, seed=7)
+    add = lambda bags, v: [np.c_[b, np.full(len(b), v)] for b in bags]
+    with pytest.warns(UserWarning, match="of 65 features are constant"):
+        clf = make(random_state=0, **FAST).fit(add(train, 5.0), y_train)
+    p = clf.predict_proba(add(test, 5.0))
+    q = clf.predict_instance_proba(add(test, 5.0))
+    for value in (0.625, 20.0, 400.0):
+        np.testing.assert_array_equal(clf.predict_proba(add(test, value)), p)
+        for a, b in zip(clf.predict_instance_proba(add(test, value)), q):
+            np.testing.assert_array_equal(a, b)

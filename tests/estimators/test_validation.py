@@ -32,14 +32,16 @@ def test_sparse_bags_are_the_same_fit_as_their_dense_arrays():
     np.testing.assert_array_equal(sparse.predict_proba([csr_matrix(b) for b in bags]), dense.predict_proba(bags))
 
 
-def test_constant_features_warn_and_are_left_unscaled():
-    """Constant training features must be reported in one warning (naming the first) and kept
-    finite (scale 1); all-constant features say that only the base rate can be learned."""
+def test_constant_features_warn_and_are_ignored():
+    """Constant training features must be reported in one warning (naming the first) and
+    standardise to 0 whatever value they take later; all-constant features say that only the base
+    rate can be learned."""
     flat = np.c_[np.arange(6.0), np.full(6, 3.0), np.full(6, -2.0)]
-    with pytest.warns(UserWarning, match=r"2 of 3 features are constant .*feature 1"):
+    with pytest.warns(UserWarning, match=r"2 of 3 features are constant .*feature 1.*ignored"):
         sc = FeatureScaler().fit(flat)
     z = sc.transform(torch.as_tensor(flat))
-    assert torch.isfinite(z).all() and (z[:, 1:].abs() < 1e-12).all()
+    assert torch.isfinite(z).all() and (z[:, 1:] == 0).all()
+    assert (sc.transform(torch.tensor([[2.5, 400.0, -1e9]], dtype=torch.float64))[0, 1:] == 0).all()
     with pytest.warns(UserWarning, match="only the base rate"):
         FeatureScaler().fit(np.ones((4, 2)))
 

@@ -1,4 +1,4 @@
-"""GPHead's training step: its cost on a GPU is one launch per operation."""
+"""GPHead: its training step's cost on a GPU (one launch per operation), and features constant in training."""
 from __future__ import annotations
 
 import torch
@@ -28,3 +28,23 @@ def test_the_default_heads_step_launches_as_many_operations_for_long_bags_as_for
     every operation is a kernel launch, from 1,393 to 2,450 launches at 24 and 57 slices)."""
     _ops_per_step(4)  # made once per device and kept (the quadrature's nodes)
     assert _ops_per_step(8) == _ops_per_step(57)
+
+
+def test_a_feature_constant_at_initialize_is_ignored_in_prediction_and_end_to_end() -> None:
+    """A feature with no spread in the head's training features (a CNN unit never active on the
+    training slices) must standardise to 0 whatever value it takes later, and keep doing so through
+    end-to-end updates of the statistics (even at momentum 1, where 0 · inf would give NaN). Before,
+    its scale was 1 and a value it took only at prediction entered the kernel in raw units."""
+    from lightning_modules.gp_head import GPHead
+
+    head = GPHead(feature_dim=3, num_inducing=8)
+    h = torch.randn(40, 3, dtype=torch.float64)
+    h[:, 1] = 0.0
+    head.initialize(h, torch.arange(40) % 2)
+    probe = torch.tensor([[0.5, 0.0, -0.2], [0.5, 30.0, -0.2]], dtype=torch.float64)
+    z = head.standardize(probe)
+    assert torch.equal(z[0], z[1]) and z[1, 1] == 0
+    for momentum in (0.1, 1.0):
+        head.update_standardization(torch.randn(20, 3, dtype=torch.float64), momentum, lambda t: t)
+        z = head.standardize(probe)
+        assert torch.isfinite(z).all() and torch.equal(z[0], z[1])
