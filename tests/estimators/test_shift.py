@@ -1,6 +1,8 @@
 """Bag predictions under shift: longer bags at prediction time, one huge bag in training, a
-feature that was constant in training, and decisions at threshold ½ for G-VGPMIL. Each failed on the defaults before the calibrated,
-length-invariant bag decision (noisy-OR bag rule, learned kernel): see docs/core.md."""
+feature that was constant in training, and decisions at threshold ½ for G-VGPMIL. The longer bags,
+the huge bag and G-VGPMIL's threshold failed on the defaults before the calibrated,
+length-invariant bag decision (noisy-OR bag rule, learned kernel); the constant feature failed
+while such features kept scale 1 (docs/core.md, "Estimator")."""
 import numpy as np
 import pytest
 from sklearn.datasets import load_digits
