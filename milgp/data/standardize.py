@@ -15,6 +15,12 @@ __all__ = ["standardization_scale"]
 
 
 def standardization_scale(mean: Tensor, spread: Tensor) -> Tensor:
-    """``spread`` ``(D,)``, or ``inf`` where a feature is constant: its ``spread`` at most
-    ``1e-12 · max(1, |mean|)`` (``mean`` ``(D,)``), rounding's share of a constant value."""
-    return torch.where(spread <= 1e-12 * mean.abs().clamp_min(1.0), torch.full_like(spread, torch.inf), spread)
+    """``spread`` ``(D,)``, or ``inf`` where a feature is constant: its ``spread`` at most a
+    millionth of ``|mean|`` (``mean`` ``(D,)``).
+
+    A millionth is about the resolution of float32 numbers (7 significant digits), in which most
+    feature pipelines compute: a slice thickness of 5 mm taken from float32 slice positions varies
+    by about that much and carries nothing else. The test is relative, so scaling a feature by any
+    factor does not change it (a feature at 1e-13 that varies is kept).
+    """
+    return torch.where(spread <= 1e-6 * mean.abs(), torch.full_like(spread, torch.inf), spread)

@@ -347,8 +347,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     # -- data --------------------------------------------------------------------------------------
     def _to_tensor(self, bags: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         x, bag_index = flatten_bags(bags)
-        x = self.scaler_.transform(x.to(dtype=torch_dtype(self.dtype), device=self.device))
-        return x, bag_index.to(self.device)
+        bag_index = bag_index.to(self.device)
+        return self.scaler_.transform(x.to(dtype=torch_dtype(self.dtype), device=self.device), bag_index), bag_index
 
     def _features(self, bags: Sequence[Any]) -> tuple[torch.Tensor, Bags]:
         """Standardised instances ``(N, D)`` and their :class:`Bags`."""

@@ -143,6 +143,21 @@ class FeatureScaler:
         self.mean_, self.scale_ = mean, scale
         return self
 
-    def transform(self, x: torch.Tensor) -> torch.Tensor:
-        """Standardised ``x`` ``(N, D)`` (same dtype and device)."""
-        return (x - torch.as_tensor(self.mean_).to(x)) / torch.as_tensor(self.scale_).to(x)
+    def transform(self, x: torch.Tensor, bag_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Standardised ``x`` ``(N, D)`` (same dtype and device). An instance whose standardised
+        squared norm overflows the dtype — what every kernel of the model computes from it (e.g. a
+        value of 1e155 where training saw values near 1: a NaN prediction otherwise) — is refused
+        with a ``ValueError`` naming it and, given ``bag_index`` ``(N,)``, its bag."""
+        z = (x - torch.as_tensor(self.mean_).to(x)) / torch.as_tensor(self.scale_).to(x)
+        overflow = ~torch.isfinite(z.square().sum(1))
+        if overflow.any():
+            i = int(overflow.nonzero()[0, 0])
+            where = f"instance {i}"
+            if bag_index is not None:
+                b = int(bag_index[i])
+                where = f"bags[{b}] instance {i - int((bag_index < b).sum())}"
+            raise ValueError(
+                f"{where}: its features, standardised with the training statistics, overflow {str(x.dtype).removeprefix('torch.')} "
+                f"(largest |value| {float(x[i].abs().max()):.3g}); rescale the features"
+            )
+        return z

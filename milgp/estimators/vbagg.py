@@ -106,12 +106,14 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
 
     def _flat(self, bags: list[np.ndarray], weights: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
         x, bag_index = flatten_bags(bags)
-        x = self._transform(x)
-        return x, bag_index.to(self.device), torch.as_tensor(np.concatenate(weights), dtype=x.dtype, device=self.device)
+        bag_index = bag_index.to(self.device)
+        x = self._transform(x, bag_index)
+        return x, bag_index, torch.as_tensor(np.concatenate(weights), dtype=x.dtype, device=self.device)
 
-    def _transform(self, x: np.ndarray | torch.Tensor) -> torch.Tensor:
-        """Validated float64 instances ``(n, d)``, standardised, in the model's dtype and on its device."""
-        return self.scaler_.transform(torch.as_tensor(x).to(dtype=torch_dtype(self.dtype), device=self.device))
+    def _transform(self, x: np.ndarray | torch.Tensor, bag_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Validated float64 instances ``(n, d)``, standardised, in the model's dtype and on its device
+        (an instance that overflows is named by its bag, given ``bag_index`` ``(n,)``)."""
+        return self.scaler_.transform(torch.as_tensor(x).to(dtype=torch_dtype(self.dtype), device=self.device), bag_index)
 
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "VBAggRegressor":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays), aggregate targets ``y`` ``(B,)`` and

@@ -17,7 +17,12 @@ def test_constant_features_get_an_infinite_scale_and_the_others_their_spread():
     assert (z[0, :3] == 0).all() and torch.isclose(z[0, 3], torch.tensor(1.0, dtype=torch.float64))
 
 
-def test_a_small_spread_of_a_small_feature_is_kept():
-    """The tolerance is relative to max(1, |mean|): a feature of spread 1e-9 around 0 varies."""
-    scale = standardization_scale(torch.tensor([0.0], dtype=torch.float64), torch.tensor([1e-9], dtype=torch.float64))
-    assert scale.item() == 1e-9
+def test_the_rule_is_relative_to_the_features_magnitude():
+    """Constant means a spread of at most a millionth of |mean|, whatever the unit: float32
+    rounding around 5 (spread 5e-7) is constant; a feature at 1e-13 that varies by half its mean,
+    or one of spread 1e-9 around 0, is kept (an absolute floor would call both constant and turn a
+    data set scaled by 1e-13 into a model of the base rate)."""
+    mean = torch.tensor([5.0, 5.0, 1e-13, 0.0], dtype=torch.float64)
+    spread = torch.tensor([5e-7, 5e-5, 5e-14, 1e-9], dtype=torch.float64)
+    scale = standardization_scale(mean, spread)
+    assert torch.isinf(scale[0]) and torch.equal(scale[1:], spread[1:])

@@ -46,6 +46,28 @@ def test_constant_features_warn_and_are_ignored():
         FeatureScaler().fit(np.ones((4, 2)))
 
 
+def test_a_prediction_that_would_overflow_is_refused_naming_the_bag():
+    """A value whose standardised square overflows (1e155 where training saw values near 0) must
+    give a one-line error naming the bag and instance, as fit does for such features, not a NaN
+    probability (the linear kernel's variance became inf − inf)."""
+    from milgp.estimators import ProbitMILClassifier, VBAggRegressor
+
+    rng = np.random.default_rng(0)
+    bags = [rng.normal(size=(4, 3)) for _ in range(8)]
+    y = np.array([0, 1] * 4)
+    test = [b.copy() for b in bags[:3]]
+    test[1][2, 0] = 1e155
+    for clf in (VGPMILClassifier(num_inducing=4, max_iter=3, search_iter=2), ProbitMILClassifier(num_inducing=4, max_iter=3, search_iter=2)):
+        clf.fit(bags, y)
+        with pytest.raises(ValueError, match=r"bags\[1\] instance 2: .*overflow float64"):
+            clf.predict_proba(test)
+    reg = VBAggRegressor(num_inducing=4, max_iter=3).fit(bags, np.arange(8.0) + 1)
+    with pytest.raises(ValueError, match=r"bags\[1\] instance 2: .*overflow"):
+        reg.predict_bags(test)
+    with pytest.raises(ValueError, match=r"instance 6: .*overflow"):
+        reg.predict(np.concatenate(test))
+
+
 def test_overflowing_features_are_refused_naming_the_feature():
     """Features of scale 1e154 overflow the variance: the fit must refuse them with a message
     naming the feature, not standardise them into zeros or NaN."""
