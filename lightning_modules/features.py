@@ -110,7 +110,13 @@ def save_features(path: str | os.PathLike[str], table: FeatureTable) -> str:
 
 
 def load_features(path: str | os.PathLike[str]) -> FeatureTable:
-    """Read a feature file written by :func:`save_features` (or by hand in the same columns)."""
+    """Read a feature file written by :func:`save_features` (or by hand in the same columns).
+
+    Raises a ``ValueError`` naming the file (and the bag) when its bags cannot be told apart — a bag
+    id given twice, a CSV bag whose rows are not together, a slice index repeated within a bag, rows
+    of no bag or a bag without rows — when a CSV's feature columns are not ``f0 … f{D−1}`` (they are
+    read by name, in any order), or when a CSV value is beyond float32, in which features are kept.
+    """
     path = Path(path)
     if path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as z:
@@ -118,30 +124,75 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
                 raise ValueError(f"{path}: not a milgp feature file (format {z['format']!r})")
             if int(z["version"]) != VERSION:
                 raise ValueError(f"{path}: feature file version {int(z['version'])}, this milgp reads {VERSION}")
-            return FeatureTable(
+            table = FeatureTable(
                 features=z["features"], bag_index=z["bag_index"], slice_index=z["slice_index"],
                 instance_labels=z["instance_labels"], bag_ids=[str(s) for s in z["bag_ids"]],
                 bag_labels=z["bag_labels"], patient_ids=[str(s) for s in z["patient_ids"]],
                 splits=[str(s) for s in z["splits"]],
             )
+        _check_bags(path, table)
+        return table
     if path.suffix != ".csv":
         raise ValueError(f"{path}: feature files must end in .npz or .csv")
     per_bag: dict[str, dict] = {}
     fcols: list[str] = []
-    for _, row in read_csv_rows(path, ("bag_id", "bag_label")):
-        fcols = fcols or [c for c in row if c.startswith("f") and c[1:].isdigit()]
+    previous = None
+    for line, row in read_csv_rows(path, ("bag_id", "bag_label")):
+        fcols = fcols or _feature_columns(path, list(row))
+        if row["bag_id"] != previous and row["bag_id"] in per_bag:
+            raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} again after other bags; a bag's rows must be together (two scans with one id?)")
+        previous = row["bag_id"]
         bag = per_bag.setdefault(row["bag_id"], {
             "label": float(row["bag_label"]), "patient": row.get("patient_id", ""),
             "split": row.get("split", ""), "rows": []})
         lab = row.get("instance_label", "")
         k = int(row["slice_index"]) if "slice_index" in row else len(bag["rows"])
-        bag["rows"].append((k, np.nan if lab == "" else float(lab), [float(row[c]) for c in fcols]))
+        values = np.array([float(row[c]) for c in fcols])
+        if (np.abs(values) > np.finfo(np.float32).max).any():
+            j = int(np.argmax(np.abs(values) > np.finfo(np.float32).max))
+            raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} field f{j} = {values[j]:.3g} is beyond float32, in which features are kept")
+        bag["rows"].append((k, np.nan if lab == "" else float(lab), values))
     ids = list(per_bag)
     bags, inst = [], []
     for b in ids:
         rows = sorted(per_bag[b]["rows"], key=lambda r: r[0])
+        repeated = [r[0] for r, s in zip(rows[1:], rows) if r[0] == s[0]]
+        if repeated:
+            raise ValueError(f"{path}: bag {b!r} has slice_index {repeated[0]} twice (two scans with one id?)")
         bags.append(np.array([r[2] for r in rows], np.float32).reshape(len(rows), len(fcols)))
         inst.append(np.array([r[1] for r in rows], np.float32))
     return FeatureTable.from_bags(
         bags, ids, [per_bag[b]["label"] for b in ids], inst, [per_bag[b]["patient"] for b in ids], [per_bag[b]["split"] for b in ids]
     )
+
+
+def _feature_columns(path: Path, columns: list[str]) -> list[str]:
+    """The CSV's feature columns ``f0 … f{D−1}`` in index order (``ValueError`` naming the file
+    when one is missing, repeated or numbered otherwise)."""
+    names = [c for c in columns if c.startswith("f") and c[1:].isdigit()]
+    expected = [f"f{j}" for j in range(len(names))]
+    if not names or sorted(names, key=lambda c: (int(c[1:]), c)) != expected:
+        raise ValueError(f"{path}: the feature columns must be f0 … f{max(len(names) - 1, 0)}, each once; the header has {names}")
+    return expected
+
+
+def _check_bags(path: Path, table: FeatureTable) -> None:
+    """``ValueError`` naming the file and the bag when the table's bags cannot be told apart."""
+    B, N = table.num_bags, len(table.bag_index)
+    if not (len(table.bag_labels) == len(table.patient_ids) == len(table.splits) == B):
+        raise ValueError(f"{path}: bag_ids, bag_labels, patient_ids and splits must have one entry per bag ({B})")
+    if not (len(table.features) == len(table.slice_index) == len(table.instance_labels) == N):
+        raise ValueError(f"{path}: features, bag_index, slice_index and instance_labels must have one row per slice ({N})")
+    if N and (table.bag_index.min() < 0 or table.bag_index.max() >= B):
+        raise ValueError(f"{path}: bag_index must lie in 0..{B - 1} (one per bag id); it holds {int(table.bag_index.min())}..{int(table.bag_index.max())}")
+    ids, counts = np.unique(np.array(table.bag_ids, dtype=str), return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"{path}: bag id {str(ids[counts > 1][0])!r} is given to {int(counts.max())} bags; each scan needs its own id")
+    sizes = np.bincount(table.bag_index, minlength=B)
+    if (sizes == 0).any():
+        raise ValueError(f"{path}: bag {table.bag_ids[int(np.argmin(sizes))]!r} has no rows")
+    pairs = table.bag_index.astype(np.int64) * (int(table.slice_index.max(initial=0)) + 1) + table.slice_index
+    unique, counts = np.unique(pairs, return_counts=True)
+    if (counts > 1).any():
+        b, k = divmod(int(unique[counts > 1][0]), int(table.slice_index.max(initial=0)) + 1)
+        raise ValueError(f"{path}: bag {table.bag_ids[b]!r} has slice_index {k} twice (two scans with one id?)")

@@ -4,13 +4,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 # the modules' classes are imported so that class_path names resolve and subclasses are found
 from lightning_modules.attention_mil import AttentionMILModule  # noqa: F401
 from lightning_modules.bag_module_base import BagModuleBase
-from lightning_modules.callbacks import FeatureWriter, PredictionWriter, ReportWriter  # noqa: F401
+from lightning_modules.callbacks import BestAndLastCheckpoint, FeatureWriter, PredictionWriter, ReportWriter  # noqa: F401
 from lightning_modules.data import BagArrayDataModule, CTCacheDataModule, DicomDataModule, FeatureDataModule  # noqa: F401
 from lightning_modules.gp_mil import GPMILModule  # noqa: F401
 from lightning_modules.input_error import InputError
@@ -41,7 +40,7 @@ class MilgpCLI(LightningCLI):
     ``checkpoint``, ``report`` and ``prediction`` (docs/lightning.md, "CLI")."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(BestAndLastCheckpoint, "checkpoint")
         monitor, mode = BagModuleBase.selection_metric
         parser.set_defaults({"checkpoint.filename": "best", "checkpoint.monitor": monitor, "checkpoint.mode": mode,
                              "checkpoint.save_last": True, "checkpoint.save_top_k": 1, "checkpoint.enable_version_counter": False})

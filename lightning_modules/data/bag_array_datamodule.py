@@ -31,6 +31,8 @@ class BagArrayDataModule(SplitDataModule):
         shuffle: shuffle training bags each epoch (an order fixed by ``(seed, epoch)``, see
             :class:`~lightning_modules.data.sampler.EpochSampler`, so resuming from a checkpoint is exact).
         seed: shuffle seed.
+        test_split: the split ``test`` serves (``"all"``: every bag, e.g. an external set that has
+            no split names and would otherwise be split like a development set).
         predict_split: ``"train"``, ``"val"``, ``"test"`` or ``"all"``.
         num_workers: DataLoader workers.
 
@@ -53,11 +55,13 @@ class BagArrayDataModule(SplitDataModule):
         predict_split: str = "all",
         num_workers: int = 0,
         seed: int = 0,
+        test_split: str = "test",
     ):
         super().__init__()
         self.fractions, self.split_seed = tuple(fractions), split_seed
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.shuffle, self.predict_split, self.num_workers, self.seed = shuffle, predict_split, num_workers, seed
+        self.test_split = test_split
         self.source = "in-memory bags"
         self._checked_stages: set[str] = set()
         self._assign(bags, bag_labels, instance_labels, bag_ids, patient_ids, splits)
@@ -96,14 +100,14 @@ class BagArrayDataModule(SplitDataModule):
             check_features(self.source, self.bag_ids, self.bags)
             check_bag_labels(self.source, self.bag_ids, self.labels, kind, required=False)
         if stage != "predict":
-            names = ("train", "val") if stage == "fit" else ("val",) if stage == "validate" else ("test",)
-            keep = [i for i, s in enumerate(self.split_names) if s in names]
+            names = ("train", "val") if stage == "fit" else ("val",) if stage == "validate" else (self.test_split,)
+            keep = [i for i, s in enumerate(self.split_names) if s in names or "all" in names]
             check_bag_labels(self.source, [self.bag_ids[i] for i in keep], [self.labels[i] for i in keep], kind)
         self._checked_stages.add(stage)
 
     def describe(self, subcommand: str) -> dict[str, Any]:
         """The data a run used, for its reports."""
-        split = {"fit": "train", "validate": "val", "test": "test", "predict": self.predict_split}.get(subcommand, subcommand)
+        split = {"fit": "train", "validate": "val", "test": self.test_split, "predict": self.predict_split}.get(subcommand, subcommand)
         count = len(self.bag_ids) if split == "all" else sum(s == split for s in self.split_names)
         return {"class": type(self).__qualname__, "source": self.source, "split": split, "bags": count}
 

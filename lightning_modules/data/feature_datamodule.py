@@ -24,6 +24,8 @@ class FeatureDataModule(BagArrayDataModule):
         path: ``.npz`` or ``.csv`` feature file.
         batch_size: training bags per batch; ``None`` (default) = all training bags in one batch,
             i.e. full-batch closed-form natural updates (CAVI).
+        test_split: ``"all"`` tests every bag of the file (an external set without split names,
+            which would otherwise be split and only its test part scored).
         other arguments: as :class:`BagArrayDataModule`.
     """
 
@@ -38,12 +40,14 @@ class FeatureDataModule(BagArrayDataModule):
         predict_split: str = "test",
         num_workers: int = 0,
         seed: int = 0,
+        test_split: str = "test",
     ):
         if not Path(path).is_file():
             raise InputError(f"{path}: no such feature file")
         super().__init__(
             bags=[], bag_labels=[], fractions=fractions, split_seed=split_seed, batch_size=batch_size,
             eval_batch_size=eval_batch_size, shuffle=shuffle, predict_split=predict_split, num_workers=num_workers, seed=seed,
+            test_split=test_split,
         )
         self.path = str(path)
         self.source = self.path
@@ -54,8 +58,8 @@ class FeatureDataModule(BagArrayDataModule):
         if not self.bags:
             try:
                 table = load_features(self.path)
-            except (KeyError, ValueError) as err:
-                raise InputError(f"{self.path}: not a readable feature file ({err})") from err
+            except (KeyError, ValueError) as err:  # load_features' own messages name the file already
+                raise InputError(str(err) if str(err).startswith(self.path) else f"{self.path}: not a readable feature file ({err})") from err
             rows = table.bag_rows()
             self._assign([table.features[r] for r in rows], table.bag_labels.tolist(), [table.instance_labels[r] for r in rows],
                          table.bag_ids, table.patient_ids, table.splits)

@@ -168,3 +168,24 @@ def test_threshold_half_means_something_for_g_vgpmil(tmp_path: Path) -> None:
     pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False).test(model, dm, verbose=False)
     assert raw.test_metrics["bag_accuracy"] <= 0.6
     assert model.test_metrics["bag_accuracy"] >= 0.8 and model.test_metrics["bag_nll"] < raw.test_metrics["bag_nll"]
+
+
+def test_last_checkpoint_is_the_latest_epoch_when_the_best_is_earlier(tmp_path: Path) -> None:
+    """``milgp-train``'s checkpoint callback keeps ``best.ckpt`` at the best epoch and ``last.ckpt``
+    at the latest. With Lightning's own ``ModelCheckpoint`` (``save_top_k=1``, ``save_last=True``)
+    ``last.ckpt`` is only rewritten when the best improves: here it held epoch 0, and
+    ``--ckpt_path last`` would resume from there and train epochs 1–3 again."""
+    from pytorch_lightning.demos.boring_classes import BoringModel
+
+    from lightning_modules.callbacks import BestAndLastCheckpoint
+
+    class Worsening(BoringModel):
+        def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            self.log("val_loss", float(self.current_epoch))  # best at epoch 0
+
+    callback = BestAndLastCheckpoint(dirpath=str(tmp_path), filename="best", monitor="val_loss", mode="min", save_top_k=1, save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=4, limit_train_batches=2, limit_val_batches=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], default_root_dir=str(tmp_path))
+    trainer.fit(Worsening())
+    assert torch.load(tmp_path / "best.ckpt", weights_only=False)["epoch"] == 0
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["epoch"] == 3

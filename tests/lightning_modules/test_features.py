@@ -1,4 +1,5 @@
-"""The feature-file format round-trips in both encodings."""
+"""The feature-file format round-trips in both encodings, reads CSV feature columns by name, and
+refuses files whose bags cannot be told apart; an external file can be tested whole."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,3 +26,81 @@ def test_feature_file_round_trip(tmp_path: Path, suffix: str) -> None:
     for r1, r2 in zip(back.bag_rows(), table.bag_rows()):
         np.testing.assert_allclose(back.features[r1], table.features[r2], rtol=1e-6)
         np.testing.assert_array_equal(np.isnan(back.instance_labels[r1]), np.isnan(table.instance_labels[r2]))
+
+
+def _table() -> FeatureTable:
+    rng = np.random.default_rng(1)
+    return FeatureTable.from_bags([rng.standard_normal((n, 3)).astype(np.float32) for n in (3, 4, 2)], ["a", "b", "c"], [0.0, 1.0, 0.0])
+
+
+def _csv_rows(tmp_path: Path) -> list[list[str]]:
+    save_features(tmp_path / "f.csv", _table())
+    return [line.split(",") for line in (tmp_path / "f.csv").read_text().splitlines()]
+
+
+def _write(path: Path, rows: list[list[str]]) -> Path:
+    path.write_text("\n".join(",".join(r) for r in rows) + "\n")
+    return path
+
+
+def test_csv_feature_columns_are_read_by_name_and_must_be_f0_to_fd(tmp_path: Path) -> None:
+    """Columns ``f2,f1,f0`` (each with its own values) read as the same features; a header with a
+    column missing or misnumbered is refused naming the file. Read by position, the reordered file
+    was accepted with every feature in the wrong place (all positive scans called negative)."""
+    rows = _csv_rows(tmp_path)
+    order = list(range(6)) + [8, 7, 6]
+    back = load_features(_write(tmp_path / "rev.csv", [[r[i] for i in order] for r in rows]))
+    np.testing.assert_array_equal(back.features, load_features(tmp_path / "f.csv").features)
+    rows[0][8] = "f4"
+    with pytest.raises(ValueError, match=r"gap\.csv: the feature columns must be f0 … f2"):
+        load_features(_write(tmp_path / "gap.csv", rows))
+
+
+def test_bags_that_cannot_be_told_apart_are_refused_naming_the_file_and_bag(tmp_path: Path) -> None:
+    """Two scans given one id must not be merged into one bag (a CSV bag whose rows come back after
+    other bags, or that repeats a slice index) nor lose one of them (an ``.npz`` bag id given
+    twice); a bag id without rows is refused too. Before, the CSV merged the scans (a negative scan
+    reported at 0.99) and the ``.npz`` dropped one."""
+    rows = _csv_rows(tmp_path)
+    apart = [r[:] for r in rows]
+    apart[-1][0] = "a"
+    with pytest.raises(ValueError, match=r"apart\.csv: line 10: bag 'a' again after other bags"):
+        load_features(_write(tmp_path / "apart.csv", apart))
+    twice = [r[:] for r in rows]
+    twice[2][4] = twice[1][4]
+    with pytest.raises(ValueError, match=r"twice\.csv: bag 'a' has slice_index 0 twice"):
+        load_features(_write(tmp_path / "twice.csv", twice))
+    table = _table()
+    table.bag_ids = ["a", "b", "a"]
+    save_features(tmp_path / "dup.npz", table)
+    with pytest.raises(ValueError, match=r"dup\.npz: bag id 'a' is given to 2 bags"):
+        load_features(tmp_path / "dup.npz")
+    table = _table()
+    table.bag_index = np.where(table.bag_index == 2, 1, table.bag_index)
+    save_features(tmp_path / "empty.npz", table)
+    with pytest.raises(ValueError, match=r"empty\.npz: bag 'c' has no rows"):
+        load_features(tmp_path / "empty.npz")
+
+
+def test_a_csv_value_beyond_float32_is_named_not_called_infinite(tmp_path: Path) -> None:
+    """Features are kept in float32: a finite 1e39 must be reported as such, with its bag and field."""
+    rows = _csv_rows(tmp_path)
+    rows[1][7] = "1e39"
+    with pytest.raises(ValueError, match=r"big\.csv: line 2: bag 'a' field f1 = 1e\+39 is beyond float32"):
+        load_features(_write(tmp_path / "big.csv", rows))
+
+
+def test_an_external_feature_file_is_tested_whole_with_test_split_all(tmp_path: Path) -> None:
+    """A file without split names is split like a development set; ``test_split="all"`` scores
+    every bag (before, ``milgp-train test`` on 20 external scans scored the 4 of its own split)."""
+    from lightning_modules.data import FeatureDataModule
+
+    rng = np.random.default_rng(2)
+    bags = [rng.standard_normal((3, 2)).astype(np.float32) for _ in range(20)]
+    save_features(tmp_path / "ext.npz", FeatureTable.from_bags(bags, [f"s{i}" for i in range(20)], [i % 2 for i in range(20)]))
+    split = FeatureDataModule(str(tmp_path / "ext.npz"))
+    whole = FeatureDataModule(str(tmp_path / "ext.npz"), test_split="all")
+    for dm in (split, whole):
+        dm.setup("predict")
+    assert len(whole.dataset(whole.test_split)) == 20 and whole.describe("test")["bags"] == 20
+    assert len(split.dataset(split.test_split)) == split.describe("test")["bags"] == 4
