@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_modules.data.checks import check_bag_labels, check_features, label_kind
+from lightning_modules.data.checks import check_bag_ids, check_bag_labels, check_features, label_kind
 from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, SplitDataModule, patient_split
@@ -97,6 +97,7 @@ class BagArrayDataModule(SplitDataModule):
             return
         kind = label_kind(self.trainer)
         if not self._checked_stages:
+            check_bag_ids(self.source, self.bag_ids)
             check_features(self.source, self.bag_ids, self.bags)
             check_bag_labels(self.source, self.bag_ids, self.labels, kind, required=False)
         if stage != "predict":

@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 
 from lightning_modules.input_error import InputError
 
-__all__ = ["check_bag_labels", "check_features", "label_kind"]
+__all__ = ["check_bag_ids", "check_bag_labels", "check_features", "label_kind"]
 
 
 def label_kind(trainer: pl.Trainer | None) -> str | None:
@@ -33,6 +33,16 @@ def check_bag_labels(source: str, bag_ids: Sequence[str], labels: Sequence[float
             continue
         if kind == "binary" and y not in (0.0, 1.0):
             raise InputError(f"{source}: bag {bag_id!r} has label {y:g}; a MIL classifier needs bag labels 0 or 1")
+
+
+def check_bag_ids(source: str, bag_ids: Sequence[str]) -> None:
+    """Every bag id given once: splits, predictions, reports and the GP's per-bag locals are keyed
+    by it, so two bags with one id would share them."""
+    seen: set[str] = set()
+    for bag_id in bag_ids:
+        if bag_id in seen:
+            raise InputError(f"{source}: bag id {bag_id!r} is given to more than one bag; each scan needs its own id")
+        seen.add(bag_id)
 
 
 def check_features(source: str, bag_ids: Sequence[str], bags: Sequence[np.ndarray]) -> None:

@@ -83,3 +83,14 @@ def test_non_finite_validation_prediction_raises_naming_the_bag() -> None:
     model._val_records = model.make_records(batch, torch.tensor([0.3, float("nan")]), None, torch.full((batch.num_instances,), 0.1), None)
     with pytest.raises(ValueError, match="validation bag 'bag_7'.*non-finite"):
         model.on_validation_epoch_end()
+
+
+def test_two_bags_with_one_id_are_refused_naming_the_id() -> None:
+    """In-memory bags given one id twice must stop before training: the split, the reports and the
+    GP's per-bag locals are keyed by the id, so the two bags would share them."""
+    from lightning_modules.input_error import InputError
+
+    data = feature_bags(num_bags=8)
+    dm = BagArrayDataModule(**data, bag_ids=[f"s{i}" for i in range(7)] + ["s3"], splits=["train"] * 6 + ["val"] * 2)
+    with pytest.raises(InputError, match=r"in-memory bags: bag id 's3' is given to more than one bag"):
+        dm.setup("fit")
