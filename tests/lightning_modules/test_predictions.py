@@ -72,9 +72,10 @@ def test_milgp_predict_on_new_dicom_from_the_checkpoint_alone(gp_run: Path, tmp_
     assert summary["data"]["inputs"] == [new.image_dir] and summary["checkpoint"].endswith("best.ckpt")
 
 
-def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache: str, tmp_path: Path) -> None:
+def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same entry point serves a whole CT cache (slice positions: indices in the cached scan)
-    and a feature file (its slice_index), each into a new version folder of --out."""
+    and a feature file (its slice_index), each into a new version folder of --out; a feature file
+    of another width is refused in one line naming it."""
     assert predict_main([str(gp_run / "checkpoints" / "last.ckpt"), tiny_cache, "--out", str(tmp_path / "cache_run"), "--no-plots"]) == 0
     scans = _rows(tmp_path / "cache_run" / "predict" / "version_0" / "predictions.csv")
     assert len(scans) == 12 and {s["bag_label"] for s in scans} <= {"0.0", "1.0"}
@@ -92,6 +93,11 @@ def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache
     assert predict_main([str(tmp_path / "gp2" / "checkpoints" / "last.ckpt"), str(tmp_path / "f.npz"), "--no-plots"]) == 0
     slices = _rows(tmp_path / "gp2" / "predict" / "version_0" / "slices.csv")
     assert len(slices) == sum(len(b) for b in bags["bags"]) and slices[0]["position"] == "0.0"
+    wide = feature_bags(num_bags=4, dim=5)
+    save_features(tmp_path / "wide.npz", FeatureTable.from_bags(wide["bags"], [f"w{i}" for i in range(4)], [float("nan")] * 4))
+    capsys.readouterr()
+    assert predict_main([str(tmp_path / "gp2" / "checkpoints" / "last.ckpt"), str(tmp_path / "wide.npz"), "--no-plots"]) == 2
+    assert "wide.npz: the inputs have 5 features per instance, the GP head expects 4" in capsys.readouterr().err
 
 
 def test_a_scan_predicted_from_dicom_equals_the_same_scan_predicted_from_its_cache(gp_run: Path, tiny_cache: str, tmp_path: Path) -> None:
