@@ -187,7 +187,7 @@ def _check_bags(path: Path, table: FeatureTable) -> None:
         raise ValueError(f"{path}: bag_index must lie in 0..{B - 1} (one per bag id); it holds {int(table.bag_index.min())}..{int(table.bag_index.max())}")
     ids, counts = np.unique(np.array(table.bag_ids, dtype=str), return_counts=True)
     if (counts > 1).any():
-        raise ValueError(f"{path}: bag id {str(ids[counts > 1][0])!r} is given to {int(counts.max())} bags; each scan needs its own id")
+        raise ValueError(f"{path}: bag id {str(ids[counts > 1][0])!r} is given to {int(counts[counts > 1][0])} bags; each scan needs its own id")
     sizes = np.bincount(table.bag_index, minlength=B)
     if (sizes == 0).any():
         raise ValueError(f"{path}: bag {table.bag_ids[int(np.argmin(sizes))]!r} has no rows")
