@@ -104,6 +104,20 @@ def test_bags_given_to_the_instance_predictions_get_a_one_line_error_pointing_to
     np.testing.assert_array_equal(est.predict(csr_matrix(x)), est.predict(x))
 
 
+def test_bag_predictions_of_a_fit_on_populations_need_the_populations(fitted):
+    """A fit on populations predicts a bag's count from its populations: called without them,
+    ``predict_bags`` and ``score`` must refuse instead of counting every instance as a population of
+    1 (the counts came out tens of times too small, silently)."""
+    models, bags, y, weights, x, lam = fitted
+    est = models["exp"]
+    assert est.fitted_with_weights_
+    for call in (lambda: est.predict_bags(bags), lambda: est.score(bags, y)):
+        with pytest.raises(ValueError, match="fitted with populations"):
+            call()
+    unit = VBAggRegressor("poisson", "exp", num_inducing=6, max_iter=5, random_state=0).fit(bags, y, [np.ones(len(b)) for b in bags])
+    assert not unit.fitted_with_weights_ and unit.predict_bags(bags)["y_mean"].shape == (len(bags),)
+
+
 def test_clone_and_params():
     """sklearn contract: clone gives an unfitted copy with the same parameters."""
     est = VBAggRegressor("normal", num_inducing=7, lr=0.1)
