@@ -57,6 +57,8 @@ class Link(ABC):
     """``η = Ψ(f)``; moments and quantiles of ``Ψ(f)`` for ``f ~ N(μ, σ²)``."""
 
     name: str = ""
+    positive: bool = True
+    """Whether ``Ψ`` takes positive values only (a zero rate has no finite latent value)."""
 
     @abstractmethod
     def __call__(self, f: Tensor) -> Tensor: ...
@@ -66,8 +68,8 @@ class Link(ABC):
 
     @abstractmethod
     def inverse(self, rate: float) -> float:
-        """``Ψ⁻¹(rate)``: the latent value whose link is ``rate`` (rates floored at 1e-8 where
-        ``Ψ`` is positive), e.g. to start a constant mean at the pooled rate ``Σy / Σw``."""
+        """``Ψ⁻¹(rate)``: the latent value whose link is ``rate`` (positive where ``Ψ`` is), e.g.
+        to start a constant mean at the pooled rate ``Σy / Σw``."""
 
     @abstractmethod
     def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
@@ -93,7 +95,7 @@ class ExpLink(Link):
         return torch.exp(f)
 
     def inverse(self, rate: float) -> float:
-        return math.log(max(rate, 1e-8))
+        return math.log(rate)
 
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return torch.exp(mu + 0.5 * var)
@@ -118,7 +120,7 @@ class SquareLink(Link):
         return f * f
 
     def inverse(self, rate: float) -> float:
-        return math.sqrt(max(rate, 1e-8))
+        return math.sqrt(rate)
 
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return mu * mu + var
@@ -138,6 +140,7 @@ class IdentityLink(Link):
     """``Ψ(f) = f``: Gaussian."""
 
     name = "identity"
+    positive = False
 
     def __call__(self, f: Tensor) -> Tensor:
         return f
@@ -279,8 +282,16 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
 
     def pooled_latent(self, y: Tensor, weights: Tensor) -> float:
         """``Ψ⁻¹(Σ_a y_a / Σ_i w_i)``: the constant latent value whose rate explains the total of
-        the targets ``y`` ``(B,)`` over the weights ``(N,)`` — where a constant mean starts."""
-        return self.link.inverse(float(y.sum() / weights.sum()))
+        the targets ``y`` ``(B,)`` over the weights ``(N,)`` — where a constant mean starts.
+
+        A positive link cannot start at a zero total (all counts 0): half a count stands in for it
+        (a continuity correction). Either way the start is relative to ``Σ_i w_i``, so scaling every
+        population by one factor shifts it by that factor's log and changes no prediction; a fixed
+        floor of the rate (1e-8, before) started populations of 1e9 and more far from their rate."""
+        total = float(y.sum())
+        if self.link.positive and total <= 0:
+            total = 0.5
+        return self.link.inverse(total / float(weights.sum()))
 
     # -- interface --------------------------------------------------------------------------
     @abstractmethod

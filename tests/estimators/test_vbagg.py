@@ -118,6 +118,24 @@ def test_bag_predictions_of_a_fit_on_populations_need_the_populations(fitted):
     assert not unit.fitted_with_weights_ and unit.predict_bags(bags)["y_mean"].shape == (len(bags),)
 
 
+def test_scaling_every_population_by_one_factor_changes_no_prediction():
+    """Populations of 1e9 (a country) or 1e12 must predict the same bag counts as the same bags at
+    scale 1: the constant mean absorbs the factor. Its start had a rate floor of 1e-8, so at 1e9
+    and 1e12 the fit began far from the pooled rate, did not converge, and predicted other counts
+    (e.g. 5.7 / 20.3 where they were 12.7 / 3.3), and all-zero counts must still start finite."""
+    rng = np.random.default_rng(0)
+    bags = [rng.normal(size=(4, 2)) for _ in range(8)]
+    w = [rng.uniform(50, 200, size=4) for _ in bags]
+    y = np.array([rng.poisson((wi * np.exp(b[:, 0]) * 0.01).sum()) for b, wi in zip(bags, w)])
+    predict = lambda scale: VBAggRegressor("poisson", "exp", num_inducing=5, random_state=0).fit(  # noqa: E731
+        bags, y, [wi * scale for wi in w]).predict_bags(bags, [wi * scale for wi in w])["y_mean"]
+    base = predict(1.0)
+    for scale in (1e9, 1e12):
+        np.testing.assert_allclose(predict(scale), base, rtol=1e-6)
+    zero = VBAggRegressor("poisson", "exp", num_inducing=5, max_iter=5, random_state=0).fit(bags, np.zeros(8), w)
+    assert np.isfinite(zero.predict_bags(bags, w)["y_mean"]).all()
+
+
 def test_clone_and_params():
     """sklearn contract: clone gives an unfitted copy with the same parameters."""
     est = VBAggRegressor("normal", num_inducing=7, lr=0.1)
