@@ -7,6 +7,7 @@ One row per instance (slice), rows of a bag contiguous and in scan order, as ``.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import os
 from dataclasses import dataclass
@@ -156,14 +157,14 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     bags, inst = [], []
     for b in ids:
         rows = sorted(per_bag[b]["rows"], key=lambda r: r[0])
-        repeated = [r[0] for r, s in zip(rows[1:], rows) if r[0] == s[0]]
-        if repeated:
-            raise ValueError(f"{path}: bag {b!r} has slice_index {repeated[0]} twice (two scans with one id?)")
         bags.append(np.array([r[2] for r in rows], np.float32).reshape(len(rows), len(fcols)))
         inst.append(np.array([r[1] for r in rows], np.float32))
-    return FeatureTable.from_bags(
+    table = FeatureTable.from_bags(
         bags, ids, [per_bag[b]["label"] for b in ids], inst, [per_bag[b]["patient"] for b in ids], [per_bag[b]["split"] for b in ids]
     )
+    # checked with the file's own slice indices (the table renumbers each bag's rows 0..n_b-1)
+    _check_bags(path, dataclasses.replace(table, slice_index=np.concatenate([sorted(r[0] for r in per_bag[b]["rows"]) for b in ids])))
+    return table
 
 
 def _feature_columns(path: Path, columns: list[str]) -> list[str]:
