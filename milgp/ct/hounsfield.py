@@ -135,7 +135,7 @@ def read_slice_values(path: str | os.PathLike[str], allow_non_ct: bool = False) 
     """One slice's rescaled pixel values: ``stored * RescaleSlope + RescaleIntercept``.
 
     Missing slope/intercept mean 1/0 (``rescale_assumed``); :func:`repair_rsna_12bit_fault` is
-    applied where :func:`needs_rsna_12bit_repair` says so. Compressed transfer syntaxes are
+    applied to CT slices where :func:`needs_rsna_12bit_repair` says so. Compressed transfer syntaxes are
     decoded when an installed handler can, otherwise refused.
 
     Args:
@@ -166,7 +166,8 @@ def read_slice_values(path: str | os.PathLike[str], allow_non_ct: bool = False) 
     intercept, intercept_assumed = _rescale_tag(ds, "RescaleIntercept", 0.0, path)
     bits_stored = required_int(ds, "BitsStored", 16, path)
     pixel_rep = required_int(ds, "PixelRepresentation", 0, path)
-    repaired, clamped = needs_rsna_12bit_repair(bits_stored, pixel_rep, intercept), 0
+    # the repair is of a CT archive's fault; another modality's 12-bit values are its own units
+    repaired, clamped = header.modality == "CT" and needs_rsna_12bit_repair(bits_stored, pixel_rep, intercept), 0
     if repaired:
         raw, intercept, clamped = repair_rsna_12bit_fault(raw)
     with np.errstate(over="ignore", invalid="ignore"):  # checked right below

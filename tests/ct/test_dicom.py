@@ -145,6 +145,23 @@ def test_rsna_12bit_fault_is_repaired(ct_small_path: str, tmp_path: Path) -> Non
     assert intercept == -1000.0 and (fixed + intercept).tolist() == [0, 2999, -1000, -1000, -1000, -1] and clamped == 2
 
 
+def test_the_12bit_repair_leaves_other_modalities_alone(ct_small_path: str, tmp_path: Path) -> None:
+    """An MR slice stored as 12-bit unsigned without rescale tags (a common MR layout) looks like the
+    RSNA CT fault by its tags alone; read with ``allow_non_ct`` its values must come back as stored.
+    If this fails, bright MR pixels are wrapped to dark ones (3500 → -596) and values ≥ 4000 set to the minimum."""
+    raw = np.array([[0, 100, 2000, 3500], [3999, 4000, 4050, 4095]], dtype=np.uint16)
+    ds = pydicom.dcmread(ct_small_path)
+    ds.Modality, ds.Rows, ds.Columns = "MR", *raw.shape
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 12, 11, 0
+    del ds.RescaleSlope, ds.RescaleIntercept
+    ds.PixelData = raw.tobytes()
+    path = tmp_path / "mr12.dcm"
+    ds.save_as(path)
+    sv = read_slice_values(path, allow_non_ct=True)
+    np.testing.assert_array_equal(sv.values, raw.astype(np.float32))
+    assert not sv.repaired_12bit and sv.clamped_air == 0 and sv.units.startswith("MR")
+
+
 def test_missing_rescale_tags_mean_identity(ct_small_path: str, tmp_path: Path) -> None:
     """Without RescaleSlope/RescaleIntercept the HU are the stored values (slope 1, intercept 0), and the
     assumption is announced with a warning naming the file."""
