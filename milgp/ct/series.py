@@ -96,7 +96,7 @@ def load_series(
         hu=np.stack(read.values).astype(np.float32, copy=False),
         paths=[checked.headers[i].path for i in read.kept],
         positions=np.asarray(checked.positions[read.kept], dtype=np.float64),
-        series_uid=headers[0].series_uid,
+        series_uid=checked.headers[0].series_uid,
         ordering=checked.ordering,
         skipped=skipped,
         units=read.units.pop(),

@@ -829,6 +829,18 @@ def test_nuclear_medicine_and_localizer_and_secondary_capture_are_left_out(tmp_p
     assert index.bags[0].slice_paths == ds.scans[0].paths
 
 
+def test_a_localizer_of_another_series_does_not_name_the_scan(tmp_path: Path) -> None:
+    """A localizer exported into the scan's folder under its own SeriesInstanceUID is left out, and the
+    series read must carry the scan's UID; with the localizer's (its file sorted first) predictions and
+    reports would name a series that was never read."""
+    ds = _generic(tmp_path / "gen")
+    folder = Path(ds.image_dir) / ds.scans[0].bag_id
+    _copy_at(ds.scans[0].paths[0], folder / "0_scout.dcm", ImageType=["ORIGINAL", "PRIMARY", "LOCALIZER"], SOPInstanceUID=generate_uid(),
+             SeriesInstanceUID="9.9.9", ImageOrientationPatient=[0, 1, 0, 0, 0, -1])
+    series = load_series(folder)
+    assert series.paths == list(ds.scans[0].paths) and series.series_uid == pydicom.dcmread(ds.scans[0].paths[0]).SeriesInstanceUID != "9.9.9"
+
+
 def test_mr_values_are_never_called_hu(bundled) -> None:
     """read_hu must refuse an MR image (its values are not Hounsfield units); accepted explicitly, its series says
     so in its units, and a cache built from it records the same."""
