@@ -23,6 +23,8 @@ _WARNINGS = (
     # the training callbacks when predicting from a checkpoint: prediction needs none of them
     r".*Be aware that when using `ckpt_path`, callbacks used to create the checkpoint.*",
     r".*LeafSpec.*",  # PyTorch's deprecation inside Lightning
+    # DICOM folders are read as an iterable dataset; the prediction writer needs no batch indices
+    r".*Couldn't infer the batch indices fetched from your dataloader.*",
 )
 # Lightning's log lines advertising other packages and the TPU/HPU summary lines of a machine
 # without them (the GPU line stays)

@@ -9,6 +9,7 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 
 from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.callbacks.run_metadata import csv_text, finite_or_none, run_metadata, slice_positions
+from lightning_modules.input_error import InputError
 from milgp.data.atomic import atomic_write_json, atomic_write_text
 from milgp.ct.cache_bag import bag_file_stem
 from milgp.metrics import json_safe
@@ -47,7 +48,11 @@ class PredictionWriter(BasePredictionWriter):
     def write_on_epoch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
     ) -> None:
-        records = BagModuleBase.gather_records(flatten_records(predictions))
+        # the slice positions are looked up on the rank that served the scan (the slices it was given)
+        records = BagModuleBase.gather_records([{**r, "positions": slice_positions(trainer, r["bag_id"], len(r["slice_probs"]))}
+                                                for r in flatten_records(predictions)])
+        if not records:
+            raise InputError("no scan could be predicted: every input was skipped (the lines above say why)")
         if trainer.global_rank != 0:
             return
         out = Path(trainer.log_dir or trainer.default_root_dir)
@@ -55,7 +60,7 @@ class PredictionWriter(BasePredictionWriter):
         value = "prediction" if aggregate else "probability"
         scans, slice_rows = [], []
         for r in records:
-            positions, axis = slice_positions(trainer, r["bag_id"], len(r["slice_probs"]))
+            positions, axis = r["positions"]
             stds = r.get("slice_stds") or [None] * len(r["slice_probs"])
             labels = r.get("slice_labels") or [None] * len(r["slice_probs"])
             scan = {"bag_id": r["bag_id"], "num_slices": len(r["slice_probs"]), value: float(r["bag_prob"]),

@@ -1,7 +1,6 @@
 """Data module for new, unlabelled scans given as DICOM folders (``predict`` only)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -9,12 +8,10 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from lightning_modules.data.dicom_series_dataset import DicomSeriesDataset
+from lightning_modules.data.dicom_series_dataset import DicomSeriesDataset, report_skipped
 from lightning_modules.input_error import InputError
-from milgp.data.bags import collate_bags
-from milgp.ct.dataset import uniform_subsample
+from milgp.data.bags import BagBatch, collate_bags
 from milgp.ct.dicom import read_folder_headers
-from milgp.ct.report_entry import printable
 from milgp.ct.series_check import SeriesRefused, check_series
 
 __all__ = ["DicomDataModule"]
@@ -26,6 +23,10 @@ class DicomDataModule(pl.LightningDataModule):
     bag, its id the SeriesInstanceUID, read as :class:`DicomSeriesDataset` says (the values a cache
     gives) with the CT preprocessing saved in the model's checkpoint (``input_preprocessing``) unless
     ``windows``/``size`` are given.
+
+    Its DataLoader yields ``(BagBatch, {series id: (slice positions, axis)})``; the module receives
+    the :class:`~milgp.data.bags.BagBatch` alone (:meth:`on_before_batch_transfer` keeps the
+    positions of the slices actually served, which :meth:`slice_positions` then gives).
 
     Args:
         inputs: study or series folders.
@@ -55,10 +56,11 @@ class DicomDataModule(pl.LightningDataModule):
         self.windows, self.size, self.max_slices = windows, size, max_slices
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers
         self._series: list[tuple[str, list[str]]] = []
-        self._positions: dict[str, tuple[np.ndarray, str]] = {}
+        self._positions: dict[str, tuple[np.ndarray, str]] = {}  # of the slices served, per series
         self._source: dict[str, str] = {}
         self.skipped: list[tuple[str, str]] = []
-        """Files and series left out of the prediction, with the reason."""
+        """Files and series left out at :meth:`setup` (headers), with the reason; what cannot be
+        decoded is found and reported when the pixels are read (:class:`DicomSeriesDataset`)."""
 
     def setup(self, stage: str) -> None:
         """Read the headers (no pixels), group the files by series, and check and order each series
@@ -85,11 +87,9 @@ class DicomDataModule(pl.LightningDataModule):
                     continue
                 self.skipped.extend((str(e.path), e.reason) for e in checked.skipped)
                 self._series.append((uid, [h.path for h in checked.headers]))
-                axis = "position along the scan axis (mm)" if checked.ordering == "geometry" else "InstanceNumber"
-                self._positions[uid] = (checked.positions, axis)
                 self._source[uid] = folder
         for path, reason in self.skipped:
-            print(f"milgp: skipped {printable(path)}: {reason}", file=sys.stderr)
+            report_skipped(path, reason)
         if not self._series:
             raise InputError(f"{', '.join(self.inputs)}: no readable CT series found")
 
@@ -108,15 +108,22 @@ class DicomDataModule(pl.LightningDataModule):
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
         windows, size, dtype = self._preprocessing()
         ds = DicomSeriesDataset(self._series, windows, size, self.max_slices, storage_dtype=dtype)
-        return torch.utils.data.DataLoader(ds, batch_size=self.eval_batch_size, collate_fn=collate_bags, num_workers=self.num_workers)
+        return torch.utils.data.DataLoader(ds, batch_size=self.eval_batch_size, collate_fn=_collate, num_workers=self.num_workers)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, tuple):  # this module's own batches: keep the positions served
+            batch, positions = batch
+            self._positions.update(positions)
+        return batch
 
     def slice_positions(self, bag_id: str) -> tuple[np.ndarray, str] | None:
-        """The slice positions of a series (mm along the scan axis), as served (``max_slices``)."""
-        found = self._positions.get(bag_id)
-        if found is None:
-            return None
-        positions, axis = found
-        return positions[uniform_subsample(len(positions), self.max_slices)], axis
+        """The positions of a series' slices as served to the model in this process (mm along the
+        scan axis, or InstanceNumber): without the slices that could not be decoded, after ``max_slices``."""
+        return self._positions.get(bag_id)
 
     def describe(self, subcommand: str) -> dict[str, Any]:
         return {"class": type(self).__qualname__, "inputs": self.inputs, "series": dict(self._source), "max_slices": self.max_slices}
+
+
+def _collate(items: list[dict[str, Any]]) -> tuple[BagBatch, dict[str, tuple[np.ndarray, str]]]:
+    return collate_bags(items), {it["bag_id"]: (it["positions"], it["position_axis"]) for it in items}

@@ -1,26 +1,40 @@
 """Torch dataset of CT series read straight from DICOM files, preprocessed like a cache."""
 from __future__ import annotations
 
-from typing import Sequence
+import sys
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
 
+from lightning_modules.distributed import is_distributed
 from milgp.ct.cache_params import CacheParams
 from milgp.ct.dataset import uniform_subsample
+from milgp.ct.report_entry import printable
 from milgp.ct.series import load_series
 from milgp.ct.windows import ct_channels
 
-__all__ = ["DicomSeriesDataset"]
+__all__ = ["DicomSeriesDataset", "report_skipped"]
 
 
-class DicomSeriesDataset(torch.utils.data.Dataset):
-    """Items ``(slices (S, C, H, W) float32 in [0, 1], None, nan, series id)``: one CT series per
-    item, ordered along the scan axis (:func:`milgp.ct.series.load_series`), windowed and
-    resized as a cache would (:func:`milgp.ct.windows.ct_channels`) and, with ``storage_dtype``,
-    quantised as the cache stores it (:meth:`milgp.ct.cache_params.CacheParams.encode`), so a
-    model trained on a cache sees the values it was trained on; the label is unknown.
+def report_skipped(what: str, reason: str) -> None:
+    """The one stderr line of a file or series left out of a prediction."""
+    print(f"milgp: skipped {printable(what)}: {reason}", file=sys.stderr)
+
+
+class DicomSeriesDataset(torch.utils.data.IterableDataset):
+    """One CT series per item, as a dict for :func:`milgp.data.bags.collate_bags`: ``x`` (slices
+    ``(S, C, H, W)`` float32 in [0, 1]), ``bag_id``, ``bag_label`` (nan: unknown) and, for the
+    slices served, ``positions`` ``(S,)`` with their ``position_axis``. Each series is ordered along
+    the scan axis (:func:`milgp.ct.series.load_series`), windowed and resized as a cache would
+    (:func:`milgp.ct.windows.ct_channels`) and, with ``storage_dtype``, quantised as the cache
+    stores it (:meth:`milgp.ct.cache_params.CacheParams.encode`), so a model trained on a cache sees
+    the values it was trained on.
+
+    Pixels are read only here, so what cannot be decoded is found here: a series with no decodable
+    slice (or slices of different sizes) is skipped and a slice that cannot be decoded is left out,
+    each reported in one line on stderr (:func:`report_skipped`), and the other series are served.
+    Under several DataLoader workers and DDP ranks each series is read by exactly one of them.
 
     Args:
         series: ``(id, file paths)`` of every series.
@@ -39,13 +53,29 @@ class DicomSeriesDataset(torch.utils.data.Dataset):
         self.max_slices = max_slices
         self.storage = None if storage_dtype is None else CacheParams(windows=self.windows, size=self.size, dtype=storage_dtype)
 
-    def __len__(self) -> int:
-        return len(self.series)
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        worker = torch.utils.data.get_worker_info()
+        rank, ranks = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if is_distributed() else (0, 1)
+        workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
+        for i in range(rank * workers + worker_id, len(self.series), ranks * workers):
+            item = self.read(i)
+            if item is not None:
+                yield item
 
-    def __getitem__(self, i: int) -> tuple[Tensor, None, float, str]:
+    def read(self, i: int) -> dict[str, Any] | None:
+        """Series ``i`` as an item, or ``None`` (reported) when none of its slices can be used."""
         bag_id, paths = self.series[i]
-        ct = load_series(paths)
-        x = ct_channels(ct.hu, self.windows, self.size)[uniform_subsample(len(ct.hu), self.max_slices)]
+        try:
+            ct = load_series(paths)
+        except ValueError as err:
+            report_skipped(f"series {bag_id}", str(err))
+            return None
+        for entry in ct.skipped:
+            report_skipped(entry.path, entry.reason)
+        served = uniform_subsample(len(ct.hu), self.max_slices)
+        x = ct_channels(ct.hu, self.windows, self.size)[served]
         if self.storage is not None:
             x = self.storage.decode(self.storage.encode(x))
-        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), None, float("nan"), bag_id
+        axis = "position along the scan axis (mm)" if ct.ordering == "geometry" else "InstanceNumber"
+        return {"x": torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), "bag_label": float("nan"), "bag_id": bag_id,
+                "positions": ct.positions[served], "position_axis": axis}

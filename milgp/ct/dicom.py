@@ -63,11 +63,11 @@ _READ_KILLED_WORKER = "reading this file killed the worker process (a crash in p
 class DicomReadError(ValueError):
     """A file could not be read as a single-frame grayscale CT image (the faults: ``docs/ct_data.md``,
     "From DICOM to three channels", bad files); ``path`` is the file at fault and ``reason`` the short
-    explanation (both also in the message)."""
+    explanation, on one line (a decoder's multi-line message is joined; both also in the message)."""
 
     def __init__(self, path: str | os.PathLike[str], reason: str):
         self.path = str(path)
-        self.reason = reason
+        self.reason = " ".join(reason.split())
         super().__init__(f"{printable(self.path)}: {reason}")
 
 

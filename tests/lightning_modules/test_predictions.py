@@ -6,10 +6,14 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pydicom
 import pytest
+from pydicom.encaps import encapsulate
+from pydicom.uid import JPEGLSLossless
 
 from lightning_modules.cli import run_cli
 from lightning_modules.predict import main as predict_main
+from milgp.ct.dataset import uniform_subsample
 from milgp.ct.synthetic import write_rsna_dataset
 from lm_helpers import trainer_cfg, write_config
 
@@ -70,6 +74,44 @@ def test_milgp_predict_on_new_dicom_from_the_checkpoint_alone(gp_run: Path, tmp_
     summary = json.loads((out / "predictions.json").read_text())
     assert summary["scans"][0]["position_axis"].startswith("position along the scan axis (mm)")
     assert summary["data"]["inputs"] == [new.image_dir] and summary["checkpoint"].endswith("best.ckpt")
+
+
+def _undecodable(path: str) -> None:
+    """Make a slice's pixel data undecodable (JPEG-LS junk): its header stays readable."""
+    ds = pydicom.dcmread(path)
+    ds.file_meta.TransferSyntaxUID = JPEGLSLossless
+    ds.PixelData = encapsulate([b"\xff\xd8junk\xff\xd9"])
+    ds["PixelData"].VR = "OB"
+    ds.save_as(path)
+
+
+@pytest.mark.parametrize("max_slices", [None, 3])
+def test_milgp_predict_skips_what_cannot_be_decoded_and_places_the_slices_it_served(
+    gp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], max_slices: int | None
+) -> None:
+    """Pixels are read after the headers were checked, so an undecodable slice is found only then.
+    A scan whose every slice is undecodable must be skipped and reported in one line, not abort the
+    run; a scan with one undecodable slice is predicted without it, the slice named, and every served
+    slice must carry its own position (with ``--max-slices`` too). Before, the first aborted the
+    whole run with a traceback and the second dropped the slice silently and shifted the positions."""
+    new = write_rsna_dataset(tmp_path / "new", n_scans=3, slices=(5, 5), size=32, seed=4)
+    damaged, broken = new.scans[1], new.scans[2]
+    _undecodable(damaged.paths[2])
+    for p in broken.paths:
+        _undecodable(p)
+    capsys.readouterr()
+    args = [str(gp_run / "checkpoints" / "best.ckpt"), new.image_dir, "--out", str(tmp_path / "out"), "--no-plots"]
+    assert predict_main(args + ([] if max_slices is None else ["--max-slices", str(max_slices)])) == 0
+    err = capsys.readouterr().err
+    assert f"milgp: skipped {damaged.paths[2]}: " in err and "cannot be decoded" in err
+    assert f"milgp: skipped series {broken.series_uid}:" in err and "every image failed to decode" in err
+    out = tmp_path / "out" / "predict" / "version_0"
+    assert {s["bag_id"] for s in _rows(out / "predictions.csv")} == {new.scans[0].series_uid, damaged.series_uid}
+    served = [z for k, z in enumerate(damaged.z_mm) if k != 2]
+    if max_slices is not None:
+        served = [served[k] for k in uniform_subsample(len(served), max_slices)]
+    positions = [float(r["position"]) for r in _rows(out / "slices.csv") if r["bag_id"] == damaged.series_uid]
+    np.testing.assert_allclose(positions, served, atol=1e-3)
 
 
 def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
