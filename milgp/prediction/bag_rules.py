@@ -37,6 +37,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -201,29 +202,42 @@ class TopKMeanRule(MarginalBagRule):
         return f"TopKMeanRule(k={self.k})" if self.k is not None else f"TopKMeanRule(fraction={self.fraction})"
 
 
-class _SamplingRule(BagRule):
-    """A joint rule estimated by sampling ``f*_b ~ q(f*_b)``: mean and std of a per-sample value."""
+def _draw_seed(seed: int, generator: torch.Generator | None) -> int:
+    """``seed``, or a seed drawn from ``generator`` when one is given."""
+    return seed if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
 
-    def __init__(self, num_samples: int = 512, max_instances: int = MAX_JOINT_INSTANCES):
+
+class _SamplingRule(BagRule):
+    """A joint rule estimated by sampling ``f*_b ~ q(f*_b)``: mean and std of a per-sample value.
+
+    The ``k``-th instance of every bag gets the same ``num_samples`` standard normal numbers (the
+    ``k``-th row of one stream from the seed, drawn instance by instance), so a bag's value depends
+    on the bag alone, never on the bags predicted with it or their order (common random numbers:
+    the bags' Monte-Carlo errors are correlated, which also steadies their ranking). The seed is
+    ``seed``, or drawn from ``generator`` when one is given."""
+
+    def __init__(self, num_samples: int = 512, max_instances: int = MAX_JOINT_INSTANCES, seed: int = 0):
         if num_samples < 2:
             raise ValueError(f"a sampling bag rule needs num_samples >= 2, got {num_samples}")
         self.num_samples = int(num_samples)
         self.max_instances = int(max_instances)
+        self.seed = int(seed)
 
     @abstractmethod
     def per_sample(self, f: Tensor, mask: Tensor, link: InstanceLink) -> Tensor:
         """``(S, B_g)`` bag values from joint samples ``f`` ``(S, B_g, n)`` (padding masked)."""
 
     def __call__(self, posterior, link, generator=None):
+        seed = _draw_seed(self.seed, generator)
         p = posterior.mean.new_zeros(posterior.bags.num_bags)
         std = torch.zeros_like(p)
         for blk in posterior.joint_blocks(self.max_instances):
             L = robust_cholesky(blk.cov, jitter=1e-10, what="the within-bag predictive covariance q(f*_b)")
-            eps = torch.randn(
-                (self.num_samples,) + tuple(blk.mean.shape), dtype=blk.mean.dtype, device=blk.mean.device, generator=generator
-            )
+            # NumPy fills row by row from one stream: the first n rows are the same for any block width
+            eps = np.random.default_rng(seed).standard_normal((blk.mean.shape[-1], self.num_samples))
+            eps = torch.as_tensor(eps.T, dtype=blk.mean.dtype, device=blk.mean.device)  # (S, n), shared by the bags
             # one batched GEMM over bags (B, S, n) @ (B, n, n): no S copies of every L[b]
-            f = blk.mean + (eps.transpose(0, 1) @ L.mT).transpose(0, 1)
+            f = blk.mean + (eps @ L.mT).transpose(0, 1)
             values = self.per_sample(f, blk.mask, link)
             p[blk.bags], std[blk.bags] = values.mean(0), values.std(0)
         return p, std
@@ -266,7 +280,7 @@ class OrthantRule(BagRule):
         """The Sobol scrambling seed is ``seed``, or drawn from ``generator`` when one is given."""
         if not isinstance(link, ProbitLink):
             raise ValueError(f"the orthant bag rule is defined for the probit link only, not {link!r}")
-        seed = self.seed if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device))
+        seed = _draw_seed(self.seed, generator)
         p = posterior.mean.new_zeros(posterior.bags.num_bags)
         err = torch.zeros_like(p)
         for blk in posterior.joint_blocks(self.max_instances):

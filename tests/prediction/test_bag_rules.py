@@ -261,3 +261,27 @@ def test_from_blocks_keeps_each_bag_its_own_block():
 
     expect = torch.stack([1 - Phi(1 / s2) * Phi(-0.5 / s2) * 0.5, 1 - Phi(-0.2 / s2)])
     torch.testing.assert_close(p, expect, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("rule", [JointNoisyOrRule(num_samples=256), JointMaxRule(num_samples=256), OrthantRule(num_points=256)])
+def test_joint_rules_give_a_bag_its_value_whatever_is_predicted_with_it(rule):
+    """A bag's probability must depend on the bag alone: predicted alone, among other bags of other
+    lengths (other padding) or in the reverse order, from the same generator seed, it is the same.
+    If this fails, the Monte-Carlo noise of a bag depends on its neighbours (the sampling rules drew
+    one stream for the whole block: 0.011 apart between alone and together)."""
+    g = torch.Generator().manual_seed(2)
+    B, n = 5, 6
+    X = torch.randn(B, n, n, generator=g, dtype=torch.float64)
+    cov = X @ X.mT / n + 0.1 * torch.eye(n, dtype=torch.float64)
+    mean = torch.randn(B, n, generator=g, dtype=torch.float64)
+    mask = torch.arange(n) < torch.tensor([6, 2, 4, 3, 5])[:, None]
+    link = ProbitLink()
+
+    def predict(order):
+        order = torch.tensor(order)
+        return rule(BagPosterior.from_blocks(mean[order], cov[order], mask[order]), link, torch.Generator().manual_seed(7))[0]
+
+    together = predict([0, 1, 2, 3, 4])
+    torch.testing.assert_close(predict([4, 3, 2, 1, 0]).flip(0), together, rtol=0, atol=1e-12)
+    for b in range(B):
+        torch.testing.assert_close(predict([b]), together[b : b + 1], rtol=0, atol=1e-12)

@@ -218,7 +218,8 @@ def test_kl_with_cached_cholesky_equals_refactorised():
 
 def test_joint_bag_sampling_matches_broadcast_formula():
     """The joint noisy-OR rule samples all bags of a group with one batched GEMM; it must equal the
-    plain broadcast formula f = mean + L·eps draw for draw (same generator), padding masked."""
+    plain broadcast formula f = mean + L·eps draw for draw (the same seed drawn from the generator,
+    the k-th instance of every bag on the k-th row of its stream), padding masked."""
     g = torch.Generator().manual_seed(0)
     B, n, S = 7, 5, 64
     X = torch.randn(B, n, n, generator=g, dtype=torch.float64)
@@ -230,8 +231,9 @@ def test_joint_bag_sampling_matches_broadcast_formula():
     order = next(post.joint_blocks()).bags  # the rule's group order (smallest bags first)
     p, s = JointNoisyOrRule(num_samples=S)(post, LogisticLink(), torch.Generator().manual_seed(5))
     L = torch.linalg.cholesky_ex(cov[order] + 1e-10 * torch.eye(n, dtype=torch.float64))[0]
-    eps = torch.randn((S, B, n), dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    f = mean[order] + (L @ eps.unsqueeze(-1)).squeeze(-1)
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(5)))
+    eps = torch.as_tensor(np.random.default_rng(seed).standard_normal((n, S)).T)  # (S, n)
+    f = mean[order] + (L @ eps[:, None, :, None]).squeeze(-1)
     p_bag = -torch.expm1((torch.nn.functional.logsigmoid(-f) * mask[order]).sum(-1))
     torch.testing.assert_close(p[order], p_bag.mean(0), rtol=0, atol=1e-12)
     torch.testing.assert_close(s[order], p_bag.std(0), rtol=0, atol=1e-12)
