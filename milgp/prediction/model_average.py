@@ -133,6 +133,8 @@ class ModelAverage:
 
     def _mix(self, parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         w = [m.weight for m in self.members]
-        p = sum(wk * pk for wk, (pk, _) in zip(w, parts))
-        second = sum(wk * (sk.square() + pk.square()) for wk, (pk, sk) in zip(w, parts))
-        return p, (second - p.square()).clamp_min(0).sqrt()
+        # the weights sum to 1 up to rounding: a probability of 1 could come out as 1 + 2e-16
+        p = sum(wk * pk for wk, (pk, _) in zip(w, parts)).clamp(0.0, 1.0)
+        # the law of total variance, centred: no cancellation, 0 where every candidate is certain
+        var = sum(wk * (sk.square() + (pk - p).square()) for wk, (pk, sk) in zip(w, parts))
+        return p, var.sqrt()

@@ -117,3 +117,14 @@ def test_bag_rules_of_one_fit_share_its_instance_moments(monkeypatch):
     p_bag, _ = ModelAverage(members).bag_probability(x, bags)
     assert len(calls) == 2
     torch.testing.assert_close(p_bag, sum(m.weight * ref[0] for m, ref in zip(members, reference)), rtol=1e-12, atol=1e-14)
+
+
+def test_rounding_in_the_weights_keeps_probabilities_in_the_unit_interval():
+    """Weights that sum to 1 up to rounding must not mix probabilities of 1 into 1 + 2e-16 (or 0
+    into a negative number): uncalibrated ``predict_proba`` returned 1.0000000000000002 and −2e-16."""
+    decision = BagDecision(make_bag_rule("max"), BagCalibrator(), 0.0, {})
+    avg = ModelAverage([AveragedFit(None, None, decision, w) for w in (0.1, 0.2, 0.7000000000000002)])
+    ones, zeros = torch.ones(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    assert sum(m.weight for m in avg.members) > 1.0  # the rounding this is about
+    p, s = avg._mix([(ones, zeros)] * 3)
+    assert (p == 1.0).all() and (s == 0.0).all()
