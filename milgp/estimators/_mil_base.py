@@ -41,7 +41,7 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, flatten_bags, split_by_bag
-from milgp.estimators._validation import FeatureScaler, check_bags, check_binary_bag_labels, torch_dtype
+from milgp.estimators._validation import FeatureScaler, check_bags, check_binary_bag_labels, check_positive, check_seed, torch_dtype
 from milgp.inducing import linear_span_inducing, mil_inducing
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.shared_gram import SharedGram
@@ -144,16 +144,14 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         kinds = tuple(dict.fromkeys(kind for kind, _, _ in self.kernel_grid))
         if self.kernel != "auto" and self.kernel not in kinds:
             raise ValueError(f"kernel must be 'auto' or one of {kinds}, got {self.kernel!r}")
-        for name in ("lengthscale", "outputscale"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be None (searched) or a positive number, got {value!r}")
+        lengthscale = check_positive("lengthscale", self.lengthscale, none="searched")
+        outputscale = check_positive("outputscale", self.outputscale, none="searched")
         out: list[tuple[str, float, float]] = []
         for kind, factor, scale in self.kernel_grid:
             if self.kernel not in ("auto", kind):
                 continue
-            ls = 1.0 if kind != "rbf" else float(self.lengthscale) if self.lengthscale is not None else factor * math.sqrt(dim)
-            candidate = (kind, ls, float(self.outputscale) if self.outputscale is not None else scale)
+            ls = 1.0 if kind != "rbf" else lengthscale if lengthscale is not None else factor * math.sqrt(dim)
+            candidate = (kind, ls, outputscale if outputscale is not None else scale)
             if candidate not in out:
                 out.append(candidate)
         return out
@@ -216,6 +214,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
         bags_np = check_bags(bags)
         y_np = check_binary_bag_labels(y, len(bags_np))
+        self.seed_ = check_seed(self.random_state)
         rules = self._rule_candidates(np.array([len(b) for b in bags_np]))  # an unknown bag_rule is refused here, before any fitting
         self.n_features_in_ = bags_np[0].shape[1]
         self.classes_ = np.unique(np.asarray(y))  # the negative label (0, −1 or False), then the positive
@@ -229,7 +228,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             self.fit_result_ = fit_closed_form(
                 best.model, best.likelihood, batch, max_iter=self.max_iter, tol=self.tol, learn_hyperparameters=True,
                 lr=self.lr, hyper_steps=self.hyper_steps, initial_locals=best.fit.locals,
-                bags_per_batch=self.bags_per_batch, seed=self.random_state, progress=self.verbose,
+                bags_per_batch=self.bags_per_batch, seed=self.seed_, progress=self.verbose,
             ).after(best.fit)
             heldout = leave_bag_out_posterior(best.model, best.likelihood, batch, self.fit_result_.locals)
             scored = score_bag_rules(heldout, best.likelihood.instance_link, batch.bag_labels, rules, self._generator(batch.x), self.calibrate)
@@ -248,7 +247,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """``fits`` averaged with pseudo-BMA+ weights (``average``, more than one candidate), or the
         one with the smallest out-of-bag NLL."""
         if self._averages() and len(fits) > 1:
-            return ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in fits], labels, self.random_state)
+            return ModelAverage.from_candidates([(c.model, c.likelihood, c.decision) for c in fits], labels, self.seed_)
         best = min(fits, key=lambda c: c.decision.heldout_nll)
         return ModelAverage([AveragedFit(best.model, best.likelihood, best.decision, 1.0)])
 
@@ -283,12 +282,12 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         index_np = bag_index.cpu().numpy()
         Z = mil_inducing(
             x.detach().cpu().numpy(), index_np, y_np[index_np], self.num_inducing, self.bag_mean_inducing,
-            seed=self.random_state, weights=weights,
+            seed=self.seed_, weights=weights,
         )
         return batch, torch.as_tensor(Z, dtype=x.dtype, device=self.device)
 
     def _generator(self, x: torch.Tensor) -> torch.Generator:
-        return torch.Generator(device=x.device).manual_seed(self.random_state)
+        return torch.Generator(device=x.device).manual_seed(self.seed_)
 
     def _search(
         self, batch: BagBatch, Z: torch.Tensor, plan: list[tuple[Any, Any]], rules: Sequence[str | BagRule]
@@ -318,7 +317,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
             result = fit_closed_form(
                 model, likelihood, batch,
                 max_iter=max(1, self.max_iter if i == 0 else self.search_iter), tol=self.tol, learn_hyperparameters=False,
-                initial_locals=warm, projection=projection, bags_per_batch=self.bags_per_batch, seed=self.random_state,
+                initial_locals=warm, projection=projection, bags_per_batch=self.bags_per_batch, seed=self.seed_,
                 progress=self.verbose,
             )
             if i == 0:
@@ -348,7 +347,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def _to_tensor(self, bags: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         x, bag_index = flatten_bags(bags)
         bag_index = bag_index.to(self.device)
-        return self.scaler_.transform(x.to(dtype=torch_dtype(self.dtype), device=self.device), bag_index), bag_index
+        return self.scaler_.transform(x.to(device=self.device), bag_index, torch_dtype(self.dtype)), bag_index
 
     def _features(self, bags: Sequence[Any]) -> tuple[torch.Tensor, Bags]:
         """Standardised instances ``(N, D)`` and their :class:`Bags`."""

@@ -4,8 +4,10 @@ Every check raises a one-line ``ValueError`` naming the bag, instance or feature
 """
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -13,33 +15,45 @@ from scipy.sparse import issparse
 
 from milgp.data.standardize import standardization_scale
 
-__all__ = ["FeatureScaler", "as_float_array", "check_bag_weights", "check_bags", "check_binary_bag_labels", "torch_dtype"]
+__all__ = [
+    "FeatureScaler", "as_float_array", "check_bag_weights", "check_bags", "check_binary_bag_labels", "check_positive", "check_seed",
+    "torch_dtype",
+]
 
 
-def as_float_array(a: Any) -> np.ndarray:
+def as_float_array(a: Any, name: str = "X") -> np.ndarray:
     """``a`` as a float64 NumPy array; a SciPy sparse matrix (e.g. word counts) as its dense array,
-    since the standardisation makes every feature dense anyway."""
-    return np.asarray(a.toarray() if issparse(a) else a, dtype=np.float64)
+    since the standardisation makes every feature dense anyway; a torch tensor detached. What is not
+    numeric is refused in one line naming ``name``."""
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu()
+    try:
+        return np.asarray(a.toarray() if issparse(a) else a, dtype=np.float64)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} is not an array of numbers: {err}") from None
 
 
-def check_bags(bags: Sequence[Any], name: str = "bags", n_features: int | None = None) -> list[np.ndarray]:
-    """Validate bags: a non-empty sequence of non-empty 2-D finite float arrays of equal width
-    (``n_features``, where given: the width a fitted model expects); sparse bags are taken as their
-    dense arrays (:func:`as_float_array`)."""
+def check_bags(bags: Iterable[Any], name: str = "bags", n_features: int | None = None) -> list[np.ndarray]:
+    """Validate bags: a non-empty sequence (or other iterable) of non-empty 2-D finite float arrays
+    with at least one feature, of equal width (``n_features``, where given: the width a fitted model
+    expects); sparse bags are taken as their dense arrays (:func:`as_float_array`)."""
     if isinstance(bags, np.ndarray) and bags.dtype != object and bags.ndim == 2:
         raise ValueError(f"{name} must be a sequence of (n_b, d) arrays, one per bag, not a single 2-D array")
+    bags = bags if isinstance(bags, (Sequence, np.ndarray, torch.Tensor)) else list(bags)
     if len(bags) == 0:
         raise ValueError(f"{name} is empty: need at least one bag")
     out = []
     width = None
     for b, bag in enumerate(bags):
-        arr = as_float_array(bag)
+        arr = as_float_array(bag, f"{name}[{b}]")
         if arr.ndim == 1:
             raise ValueError(f"{name}[{b}] is 1-D with shape {arr.shape}; each bag must be (n_b, d) — use reshape(1, -1) for a bag of one")
         if arr.ndim != 2:
             raise ValueError(f"{name}[{b}] must be 2-D (n_b, d), got shape {arr.shape}")
         if arr.shape[0] == 0:
             raise ValueError(f"{name}[{b}] is empty: every bag needs at least one instance")
+        if arr.shape[1] == 0:
+            raise ValueError(f"{name}[{b}] has no features: every instance needs at least one")
         if not np.isfinite(arr).all():
             row = int(np.nonzero(~np.isfinite(arr).all(1))[0][0])
             raise ValueError(f"{name}[{b}] has NaN or inf features (first in instance {row})")
@@ -90,6 +104,29 @@ def check_bag_weights(weights: Any, bags: list[np.ndarray], name: str = "weights
             raise ValueError(f"bag {b} has weight/population {float(w[i])} (instance {i}); populations must be finite and > 0")
         out.append(w)
     return out
+
+
+def check_positive(name: str, value: Any, none: str | None = None, integer: bool = False) -> Any:
+    """``value`` as a Python ``float`` (``int`` with ``integer``) when it is a finite number > 0 (NumPy
+    scalars included), ``None`` when it is ``None`` and ``none`` says what that means; otherwise a
+    one-line ``ValueError`` naming the setting."""
+    if value is None and none is not None:
+        return None
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, kind) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value) and value > 0:
+        return int(value) if integer else float(value)
+    what = "a positive integer" if integer else "a positive number"
+    raise ValueError(f"{name} must be {what}" + (f" or None ({none})" if none is not None else "") + f", got {value!r}")
+
+
+def check_seed(random_state: Any) -> int:
+    """The seed of ``random_state``: an integer ≥ 0 (NumPy integers included) as is; ``None`` a fresh
+    seed from the operating system's entropy (the global random states are never read or moved)."""
+    if random_state is None:
+        return int(np.random.SeedSequence().generate_state(1)[0])
+    if isinstance(random_state, numbers.Integral) and not isinstance(random_state, (bool, np.bool_)) and random_state >= 0:
+        return int(random_state)
+    raise ValueError(f"random_state must be an integer >= 0 or None, got {random_state!r}")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -143,12 +180,15 @@ class FeatureScaler:
         self.mean_, self.scale_ = mean, scale
         return self
 
-    def transform(self, x: torch.Tensor, bag_index: torch.Tensor | None = None) -> torch.Tensor:
-        """Standardised ``x`` ``(N, D)`` (same dtype and device). An instance whose standardised
-        squared norm overflows the dtype — what every kernel of the model computes from it (e.g. a
-        value of 1e155 where training saw values near 1: a NaN prediction otherwise) — is refused
-        with a ``ValueError`` naming it and, given ``bag_index`` ``(N,)``, its bag."""
-        z = (x - torch.as_tensor(self.mean_).to(x)) / torch.as_tensor(self.scale_).to(x)
+    def transform(self, x: torch.Tensor, bag_index: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Standardised ``x`` ``(N, D)`` on its device, computed in ``x``'s dtype and returned in
+        ``dtype`` (default: the same): from float64 instances a float32 model gets features whose common
+        offset cancelled before the rounding (an offset of 1e6 on features of spread 1 had moved its
+        probabilities by 0.04). An instance whose standardised squared norm overflows ``dtype`` —
+        what every kernel of the model computes from it (e.g. a value of 1e155 where training saw
+        values near 1: a NaN prediction otherwise) — is refused with a ``ValueError`` naming it and,
+        given ``bag_index`` ``(N,)``, its bag."""
+        z = ((x - torch.as_tensor(self.mean_).to(x)) / torch.as_tensor(self.scale_).to(x)).to(dtype or x.dtype)
         overflow = ~torch.isfinite(z.square().sum(1))
         if overflow.any():
             i = int(overflow.nonzero()[0, 0])
@@ -157,7 +197,7 @@ class FeatureScaler:
                 b = int(bag_index[i])
                 where = f"bags[{b}] instance {i - int((bag_index < b).sum())}"
             raise ValueError(
-                f"{where}: its features, standardised with the training statistics, overflow {str(x.dtype).removeprefix('torch.')} "
+                f"{where}: its features, standardised with the training statistics, overflow {str(z.dtype).removeprefix('torch.')} "
                 f"(largest |value| {float(x[i].abs().max()):.3g}); rescale the features"
             )
         return z

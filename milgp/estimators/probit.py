@@ -4,6 +4,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 
@@ -80,20 +81,22 @@ class ProbitMILClassifier(MILClassifierBase):
         ``single_instance`` asks; the Gibbs sampler's fit keeps to the MIL model."""
         if self.inference not in ("vi", "gibbs"):
             raise ValueError(f"inference must be 'vi' or 'gibbs', got {self.inference!r}")
-        if self.single_instance not in ("auto", True, False):
+        # True and False as booleans only (NumPy's too): 1 or 0 are refused, not read as a third choice
+        flag = bool(self.single_instance) if isinstance(self.single_instance, (bool, np.bool_)) else self.single_instance
+        if not (isinstance(flag, bool) or (isinstance(flag, str) and flag == "auto")):
             raise ValueError(f"single_instance must be 'auto', True or False, got {self.single_instance!r}")
-        if self.single_instance is True:
+        if flag is True:
             if self.inference == "gibbs":
                 raise ValueError("single_instance=True has no Gibbs sampler (it samples the MIL probit model): use inference='vi'")
             return ("single",)
-        return ("mil", "single") if self.single_instance == "auto" and self.inference == "vi" else ("mil",)
+        return ("mil", "single") if flag == "auto" and self.inference == "vi" else ("mil",)
 
     def _make_likelihood(self, variant: str | None = None) -> MILProbitLikelihood:
         return MILProbitLikelihood(single_instance=variant == "single")
 
     def _bag_rule_object(self) -> BagRule:
         if self.bag_rule in ("orthant", "joint"):
-            return OrthantRule(num_points=self.num_qmc_points, replicates=self.qmc_replicates, seed=self.random_state)
+            return OrthantRule(num_points=self.num_qmc_points, replicates=self.qmc_replicates, seed=self.seed_)
         return make_bag_rule(self.bag_rule)
 
     def _after_fit(self, batch: BagBatch) -> None:
@@ -103,7 +106,7 @@ class ProbitMILClassifier(MILClassifierBase):
             self.gibbs_ = sample_probit_posterior(
                 self.model_, batch, num_samples=self.num_samples, burn_in=self.burn_in, thin=self.thin,
                 num_chains=self.num_chains, init=self.model_.variational_strategy.whitened_posterior(), init_dispersion=self.init_dispersion,
-                seed=self.random_state, progress=self.verbose,
+                seed=self.seed_, progress=self.verbose,
             )
             self.gibbs_summary_ = self.gibbs_.summary()
             problem = self.gibbs_.convergence_problem()

@@ -14,7 +14,9 @@ from sklearn.model_selection import KFold
 from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, flatten_bags
-from milgp.estimators._validation import FeatureScaler, as_float_array, check_bag_weights, check_bags, torch_dtype
+from milgp.estimators._validation import (
+    FeatureScaler, as_float_array, check_bag_weights, check_bags, check_positive, check_seed, torch_dtype,
+)
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
 from milgp.likelihoods.aggregate_normal import NormalAggregateLikelihood
@@ -63,9 +65,10 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             pooled rate ``Σy / Σw`` (default); ``False``: zero-mean GP, as in Law et al.'s models.
         bags_per_batch: minibatches of whole bags (stochastic natural steps); ``None``: full batch
             (still chunked: ``chunk_instances``, ``block_budget``).
-        ard, learn_inducing_locations, standardize, dtype, device, random_state, verbose.
+        random_state: as :class:`~milgp.estimators.VGPMILClassifier`'s (``None``: a fresh seed, ``seed_``).
+        ard, learn_inducing_locations, standardize, dtype, device, verbose.
 
-    Fitted attributes: ``model_`` (:class:`~milgp.models.SparseGP`), ``likelihood_``,
+    Fitted attributes: ``model_`` (:class:`~milgp.models.SparseGP`), ``likelihood_``, ``seed_``,
     ``fit_result_``, ``elbo_``, ``n_features_in_``, ``fitted_with_weights_`` (populations other
     than 1 were given: :meth:`predict_bags` and :meth:`score` then need them too).
     """
@@ -114,7 +117,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     def _transform(self, x: np.ndarray | torch.Tensor, bag_index: torch.Tensor | None = None) -> torch.Tensor:
         """Validated float64 instances ``(n, d)``, standardised, in the model's dtype and on its device
         (an instance that overflows is named by its bag, given ``bag_index`` ``(n,)``)."""
-        return self.scaler_.transform(torch.as_tensor(x).to(dtype=torch_dtype(self.dtype), device=self.device), bag_index)
+        return self.scaler_.transform(torch.as_tensor(x, dtype=torch.float64).to(self.device), bag_index, torch_dtype(self.dtype))
 
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "VBAggRegressor":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays), aggregate targets ``y`` ``(B,)`` and
@@ -127,25 +130,26 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         self.fitted_with_weights_ = any((w != 1).any() for w in w_list)
         sizes = [len(b) for b in bags_np]
         self._make_likelihood().check_data(y_np, np.concatenate(w_list), Bags(bag_index_from_sizes(sizes), len(sizes)))
-        if self.outputscale is not None and not self.outputscale > 0:
-            raise ValueError(f"outputscale must be None (chosen by cross-validation) or > 0, got {self.outputscale!r}")
+        self.seed_ = check_seed(self.random_state)
+        given_lengthscale = check_positive("lengthscale", self.lengthscale, none="the median heuristic")
+        given_outputscale = check_positive("outputscale", self.outputscale, none="chosen by cross-validation")
         flat = np.concatenate(bags_np, 0)
         self.n_features_in_ = flat.shape[1]
         self.scaler_ = FeatureScaler(self.standardize).fit(flat)
         x, bag_index, w = self._flat(bags_np, w_list)
         x_np = x.detach().cpu().numpy()
         Z = torch.as_tensor(
-            kmeans_pp_inducing(x_np, np.zeros(len(x_np)), min(self.num_inducing, len(x_np)), seed=self.random_state),
+            kmeans_pp_inducing(x_np, np.zeros(len(x_np)), min(self.num_inducing, len(x_np)), seed=self.seed_),
             dtype=x.dtype, device=self.device,
         )
-        lengthscale = median_lengthscale(x_np, seed=self.random_state) if self.lengthscale is None else self.lengthscale
+        lengthscale = median_lengthscale(x_np, seed=self.seed_) if given_lengthscale is None else given_lengthscale
         batch = BagBatch(x, bag_index, torch.as_tensor(y_np, dtype=x.dtype, device=self.device), instance_weights=w)
         self.search_: dict[float, float] = {}
-        if self.outputscale is None and len(bags_np) >= 2 * CV_FOLDS:
+        if given_outputscale is None and len(bags_np) >= 2 * CV_FOLDS:
             self.search_ = {s: self._cross_validated_nll(batch, Z, lengthscale, s) for s in SEARCH_OUTPUTSCALES}
             outputscale = min(self.search_, key=self.search_.get)
         else:
-            outputscale = 1.0 if self.outputscale is None else float(self.outputscale)
+            outputscale = 1.0 if given_outputscale is None else given_outputscale
         self.model_, self.likelihood_, self.fit_result_ = self._fit_one(batch, Z, lengthscale, outputscale)
         self.elbo_ = self.fit_result_.elbo[-1]
         return self
@@ -167,7 +171,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
                 p.requires_grad_(False)
         common = dict(
             tol=self.tol, bags_per_batch=self.bags_per_batch, chunk_instances=self.chunk_instances,
-            block_budget=self.block_budget, seed=self.random_state, progress=self.verbose,
+            block_budget=self.block_budget, seed=self.seed_, progress=self.verbose,
         )
         learn = learn and bool(model.variational_strategy.hyperparameters() or list(likelihood.parameters()))
         result = fit_aggregate(
@@ -185,7 +189,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         """Mean held-out negative log-likelihood of the bag targets under the Gaussian predictive
         ``N(E[y_a], Var[y_a])`` (a proper score that includes the predictive uncertainty), by
         ``CV_FOLDS``-fold cross-validation over bags."""
-        folds = KFold(CV_FOLDS, shuffle=True, random_state=self.random_state).split(np.zeros(batch.num_bags))
+        folds = KFold(CV_FOLDS, shuffle=True, random_state=self.seed_).split(np.zeros(batch.num_bags))
         total = 0.0
         for train, test in folds:
             tr, te = batch.select_bags(torch.as_tensor(train)), batch.select_bags(torch.as_tensor(test))
@@ -210,7 +214,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             X = as_float_array(X)
         except ValueError:  # ragged: a sequence of bags
             X = None
-        if X is None or X.ndim != 2 or X.shape[1] != self.n_features_in_:
+        if X is None or X.ndim != 2 or X.shape[1] != self.n_features_in_ or X.shape[0] == 0:
             got = "a sequence of bags" if X is None or X.ndim == 3 else f"shape {X.shape}"
             raise ValueError(f"X must be an (n, {self.n_features_in_}) array of individual covariates, got {got}; bag aggregates: predict_bags")
         if not np.isfinite(X).all():

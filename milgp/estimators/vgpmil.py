@@ -60,13 +60,14 @@ class VGPMILClassifier(MILClassifierBase):
         tol: relative change of the objective below which sweeps stop (twice in a row).
         learn_hyperparameters, lr, hyper_steps: afterwards, Adam on the chosen kernel's
             hyperparameters alternating with the natural steps (Algorithm 1; off by default).
-        ard, learn_inducing_locations, standardize, bags_per_batch, dtype, device, random_state,
-            verbose.
+        random_state: the seed of every random choice (an integer; ``None``: a fresh one from the
+            operating system, kept in ``seed_``); the global random states are never used.
+        ard, learn_inducing_locations, standardize, bags_per_batch, dtype, device, verbose.
 
     Fitted attributes: ``ensemble_`` (the weighted candidates, :class:`~milgp.prediction.ModelAverage`);
     ``model_``, ``likelihood_``, ``fit_result_``, ``decision_`` (rule and calibration) of its
     heaviest candidate; ``search_`` (every fit's out-of-bag NLL); ``elbo_`` (the un-augmented ELBO
-    of the heaviest fit, a lower bound of ``log p(T)`` for the logistic MIL model), ``scaler_``;
+    of the heaviest fit, a lower bound of ``log p(T)`` for the logistic MIL model), ``scaler_``, ``seed_``;
     ``instance_calibrator_`` (the map of instance scores to the MIL fits' posterior instance labels,
     or ``None`` without a MIL fit).
     """

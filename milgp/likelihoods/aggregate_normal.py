@@ -60,6 +60,9 @@ class NormalAggregateLikelihood(AggregateLikelihood):
     @noise.setter
     def noise(self, value: float | Tensor) -> None:
         value = torch.as_tensor(value, dtype=self.raw_noise.dtype)
+        bound = self.raw_noise_constraint.lower_bound
+        if value.numel() != 1 or not bool(value > bound) or not bool(torch.isfinite(value)):
+            raise ValueError(f"the noise τ must be a finite number above its lower bound {float(bound):g}, got {value.tolist()}")
         self.initialize(raw_noise=self.raw_noise_constraint.inverse_transform(value))
 
     def bag_terms(

@@ -17,6 +17,7 @@ random bags, the ELBO trace and the stopping rule.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from typing import Any, Callable, Protocol
 
@@ -89,6 +90,8 @@ def fit_loop(
     """Run the iterations of the module docstring until the watched value (the hyperparameters'
     objective when ``optimizer`` is given, else the ELBO) changes by less than ``tol`` twice in a
     row (:class:`RelativeChangeStop`) or ``max_iter`` iterations have run."""
+    if bags_per_batch is not None and not (isinstance(bags_per_batch, numbers.Integral) and bags_per_batch >= 1):
+        raise ValueError(f"bags_per_batch must be a positive integer or None (full batch), got {bags_per_batch!r}")
     start = time.perf_counter()
     batch, strategy = steps.batch, steps.strategy
     generator = torch.Generator().manual_seed(seed)

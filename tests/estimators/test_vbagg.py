@@ -68,6 +68,30 @@ def test_predictions_shapes_quantiles_and_bag_moments(fitted):
         assert est.score(bags, y, weights) > 0.7
         with pytest.raises(ValueError, match="individual covariates"):
             est.predict(x[:, 0])
+        with pytest.raises(ValueError, match=r"individual covariates, got shape \(0, 1\)"):
+            est.predict(x[:0])
+        for bad in (np.nan, [[0.1, 0.9]], 1.0):  # NaN came back as NaN quantiles; 2-D as a 3-D array
+            with pytest.raises(ValueError, match="quantile levels must be a number or a 1-D array in"):
+                est.predict_quantiles(x, bad)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(lengthscale=-1.0), "lengthscale must be a positive number or None"),
+        (dict(lengthscale=float("nan")), "lengthscale must be a positive number or None"),
+        (dict(outputscale=0), "outputscale must be a positive number or None"),
+        (dict(likelihood="normal", link="identity", noise=0.0), "the noise τ must be a finite number above its lower bound"),
+        (dict(bags_per_batch=0), "bags_per_batch must be a positive integer or None"),
+        (dict(random_state=1.5), "random_state must be an integer >= 0 or None"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(settings, message):
+    """Each of these gave a GPyTorch constraint error, a Cholesky failure or Python's
+    ``range() arg 3 must not be zero`` instead of naming the setting (the classifiers already named them)."""
+    bags, y, weights, *_ = _poisson_problem(n_bags=12)
+    with pytest.raises(ValueError, match=message):
+        VBAggRegressor(**{"num_inducing": 4, "max_iter": 2, **settings}).fit(bags, y, weights)
 
 
 def test_predict_latent_is_the_posterior_of_f_behind_the_rate(fitted):
