@@ -57,7 +57,9 @@ def main(args: Sequence[str] | None = None) -> int:
         return 0
     from lightning_modules.input_error import run_reporting_input_errors
 
-    return run_reporting_input_errors("milgp-train", lambda: run_cli(argv))
+    # from the command line the CLI reads sys.argv itself and leaves it whole: Lightning starts the
+    # other DDP ranks with the same command (given the arguments, run_cli would empty it)
+    return run_reporting_input_errors("milgp-train", lambda: run_cli(None if args is None else argv))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 
 from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.callbacks.prediction_writer import flatten_records
+from lightning_modules.callbacks.run_metadata import output_folder
 from lightning_modules.features import FeatureTable, save_features
 from lightning_modules.input_error import InputError
 
@@ -64,6 +65,6 @@ class FeatureWriter(BasePredictionWriter):
             [patient_of(b) for b in ids],
             [split[b] for b in ids],
         )
-        path = save_features(Path(trainer.log_dir or trainer.default_root_dir) / self.output_path, table)  # an absolute path stays as it is
+        path = save_features(output_folder(trainer) / self.output_path, table)  # an absolute path stays as it is
         self.written = path
         print(f"wrote features of {table.num_bags} bags ({len(table.features)} slices, D={table.feature_dim}) to {path}")

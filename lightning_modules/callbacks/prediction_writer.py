@@ -1,14 +1,13 @@
 """Predictions for new scans from ``predict``: per scan and per slice, CSV + JSON + one PNG per scan."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Sequence
 
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import BasePredictionWriter
 
 from lightning_modules.bag_module_base import BagModuleBase
-from lightning_modules.callbacks.run_metadata import csv_text, finite_or_none, run_metadata, slice_positions
+from lightning_modules.callbacks.run_metadata import csv_text, finite_or_none, output_folder, run_metadata, slice_positions
 from lightning_modules.input_error import InputError
 from milgp.data.atomic import atomic_write_json, atomic_write_text
 from milgp.ct.cache_bag import bag_file_stem
@@ -55,7 +54,7 @@ class PredictionWriter(BasePredictionWriter):
             raise InputError("no scan could be predicted: every input was skipped (the lines above say why)")
         if trainer.global_rank != 0:
             return
-        out = Path(trainer.log_dir or trainer.default_root_dir)
+        out = output_folder(trainer)
         aggregate = bool(getattr(pl_module, "is_aggregate", False))
         value = "prediction" if aggregate else "probability"
         scans, slice_rows = [], []

@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_only
 
-from lightning_modules.callbacks.run_metadata import csv_text, finite_or_none, run_metadata, slice_positions
+from lightning_modules.callbacks.run_metadata import csv_text, finite_or_none, output_folder, run_metadata, slice_positions
 from milgp.data.atomic import atomic_write_json, atomic_write_text
 from milgp.ct.cache_bag import bag_file_stem
 from milgp.metrics import json_safe
@@ -50,7 +50,7 @@ def scans_to_plot(records: list[dict], threshold: float, per_kind: int) -> list[
 
 
 class ReportWriter(Callback):
-    """Writes, on rank 0, into the run's version folder (``trainer.log_dir``, e.g. ``<run>/test/version_0``)
+    """Writes, on rank 0, into the run's version folder (:func:`output_folder`, e.g. ``<run>/test/version_0``)
     the reports of docs/lightning.md ("Outputs and metrics"): after ``test`` and ``validate`` (the JSON
     files only for aggregate-output models, ``pl_module.is_aggregate``), and after ``fit``.
 
@@ -72,7 +72,7 @@ class ReportWriter(Callback):
 
     @staticmethod
     def _dir(trainer: pl.Trainer) -> Path:
-        d = Path(trainer.log_dir or trainer.default_root_dir)
+        d = output_folder(trainer)
         d.mkdir(parents=True, exist_ok=True)
         return d
 

@@ -7,10 +7,23 @@ import io
 import math
 from typing import Any, Sequence
 
+from pathlib import Path
+
 import numpy as np
 import pytorch_lightning as pl
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 
-__all__ = ["csv_text", "finite_or_none", "run_metadata", "slice_positions"]
+__all__ = ["csv_text", "finite_or_none", "output_folder", "run_metadata", "slice_positions"]
+
+
+def output_folder(trainer: pl.Trainer) -> Path:
+    """The run's version folder, where the writers write (``<run>/<subcommand>/version_<n>``): the
+    first logger's folder, as ``trainer.log_dir`` has it but without its broadcast, a collective
+    that the writers, running on rank 0 alone under DDP, would wait on forever."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    if logger is None:
+        return Path(trainer.default_root_dir)
+    return Path(logger.log_dir if isinstance(logger, (CSVLogger, TensorBoardLogger)) else logger.save_dir)
 
 
 def run_metadata(trainer: pl.Trainer, pl_module: pl.LightningModule, subcommand: str) -> dict[str, Any]:
@@ -23,7 +36,7 @@ def run_metadata(trainer: pl.Trainer, pl_module: pl.LightningModule, subcommand:
     return {
         "subcommand": subcommand,
         "run_folder": str(trainer.default_root_dir),
-        "output_folder": str(trainer.log_dir),
+        "output_folder": str(output_folder(trainer)),
         "model": describe_model() if callable(describe_model) else {"class": type(pl_module).__qualname__},
         "checkpoint": None if trainer.ckpt_path is None else str(trainer.ckpt_path),
         "data": describe_data(subcommand) if callable(describe_data) else {"class": type(dm).__qualname__ if dm else None},

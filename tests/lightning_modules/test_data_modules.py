@@ -114,7 +114,7 @@ def test_split_and_patient_lookups_read_the_cache_once(tiny_cache: str, monkeypa
 
 def _trainer(folder: Path) -> SimpleNamespace:
     """What ReportWriter reads of a trainer: the version folder, the run folder, data and checkpoint."""
-    return SimpleNamespace(log_dir=str(folder), default_root_dir=str(folder), datamodule=None, ckpt_path=None, state=SimpleNamespace(fn="test"))
+    return SimpleNamespace(loggers=[], default_root_dir=str(folder), datamodule=None, ckpt_path=None, state=SimpleNamespace(fn="test"))
 
 
 def test_report_writer_never_leaves_a_truncated_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

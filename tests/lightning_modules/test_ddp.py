@@ -51,3 +51,33 @@ def test_ddp_two_processes_same_q_and_same_as_one_process(tmp_path: Path, shuffl
     for k in one["locals"]:
         assert torch.equal(r0["locals"][k], r1["locals"][k]), k
         torch.testing.assert_close(r0["locals"][k], one["locals"][k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_milgp_train_runs_ddp_from_the_command_line(tmp_path: Path) -> None:
+    """`milgp-train fit ... --trainer.strategy ddp --trainer.devices 2` as a user types it: Lightning
+    starts rank 1 by running the same command again, so the CLI must leave ``sys.argv`` whole.
+    Before, rank 1 got no arguments, printed the usage and exited, and rank 0 waited for it forever.
+    Then `predict` on two ranks writes every scan once, each with its slice positions."""
+    from lightning_modules.features import FeatureTable, save_features
+    from lm_helpers import feature_bags, trainer_cfg, write_config
+
+    bags = feature_bags(num_bags=16, dim=4)
+    ids = [f"b{i}" for i in range(16)]
+    save_features(tmp_path / "f.npz", FeatureTable.from_bags(bags["bags"], ids, bags["bag_labels"]))
+    cfg = {"seed_everything": 0, "trainer": trainer_cfg(tmp_path, "run", max_epochs=1),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, "num_inducing": 4}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "f.npz"), "batch_size": 4}}}
+    config = write_config(tmp_path / "gp.yaml", cfg)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    ddp = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
+    for sub, extra in (("fit", []), ("predict", ["--ckpt_path", "last", "--data.init_args.predict_split", "all"])):
+        proc = subprocess.run([sys.executable, "-m", "lightning_modules.cli", sub, "--config", config, *ddp, *extra],
+                              cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    import csv
+
+    with open(tmp_path / "run" / "predict" / "version_0" / "slices.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert sorted({r["bag_id"] for r in rows}) == sorted(ids) and len(rows) == sum(len(b) for b in bags["bags"])

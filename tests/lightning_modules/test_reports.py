@@ -21,7 +21,7 @@ def _record(bag_id: str, label: float, prob: float, slice_labels: list[int] | No
 
 
 def _writer_run(tmp_path: Path, records: list[dict]) -> tuple[Path, list[Figure]]:
-    trainer = SimpleNamespace(log_dir=str(tmp_path), default_root_dir=str(tmp_path), datamodule=None, ckpt_path=str(tmp_path / "best.ckpt"),
+    trainer = SimpleNamespace(loggers=[], default_root_dir=str(tmp_path), datamodule=None, ckpt_path=str(tmp_path / "best.ckpt"),
                               state=SimpleNamespace(fn="test"))
     module = SimpleNamespace(test_records=records, test_metrics={"bag_auc": 0.7}, describe=lambda: {"class": "Model"})
     figures: list[Figure] = []
