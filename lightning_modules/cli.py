@@ -23,7 +23,8 @@ subcommands:
   test       evaluate on the test split; <run>/test/version_<n>/ (metrics, predictions, plots)
   predict    predictions for scans (DICOM folders, a cache, a feature file); <run>/predict/version_<n>/
 
-the run folder is --trainer.default_root_dir; --ckpt_path best|last names its checkpoints.
+the run folder is --trainer.default_root_dir; --ckpt_path best|last names its checkpoints
+(validate, test and predict need one).
 A fit into a folder that holds one already must resume it (--ckpt_path last).
 
 examples:

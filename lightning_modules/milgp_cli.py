@@ -59,6 +59,8 @@ class MilgpCLI(LightningCLI):
             raise InputError("give the run folder with --trainer.default_root_dir DIR (or in the config): every output goes under it")
         self.run_folder = RunFolder(root)
         cfg.ckpt_path = self.run_folder.resolve_checkpoint(cfg.get("ckpt_path"))
+        if subcommand != "fit":
+            self.run_folder.check_evaluation(subcommand, cfg.ckpt_path)
         self._history = self.run_folder.check_fit(cfg.ckpt_path) if subcommand == "fit" else (None, None)
 
     def instantiate_classes(self) -> None:

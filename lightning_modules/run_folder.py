@@ -53,6 +53,15 @@ class RunFolder:
             raise InputError(f"--ckpt_path {ckpt_path}: no checkpoint at {path}")
         return str(path)
 
+    def check_evaluation(self, subcommand: str, ckpt_path: str | None) -> None:
+        """Refuse ``validate``, ``test`` or ``predict`` without a checkpoint: the config's model is
+        untrained (a GP head not even set up), and its report would sit beside the real ones."""
+        if ckpt_path is not None:
+            return
+        existing = sorted(p.stem for p in self.checkpoint_dir.glob("*.ckpt")) if self.checkpoint_dir.is_dir() else []
+        where = f"this run folder's --ckpt_path {'|'.join(existing)}" if existing else "--ckpt_path PATH of a trained model"
+        raise InputError(f"{subcommand} without a checkpoint would evaluate the untrained model of the config: give {where}")
+
     def check_fit(self, ckpt_path: str | None) -> tuple[Path | None, int | None]:
         """Refuse a fit that would mix two runs in this folder; for a resumed fit return the
         ``metrics.csv`` to continue and the checkpoint's epoch (``(None, None)`` otherwise)."""

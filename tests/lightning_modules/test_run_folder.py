@@ -93,6 +93,19 @@ def test_every_output_lies_under_the_run_folder_and_folders_are_never_mixed(tmp_
     assert sorted(p.name for p in (tmp_path / "elsewhere" / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
 
 
+@pytest.mark.parametrize("subcommand", ["test", "validate", "predict"])
+def test_evaluating_without_a_checkpoint_is_refused(tmp_path: Path, subcommand: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`milgp-train test` (validate, predict) without --ckpt_path evaluated the config's untrained
+    model (bag NLL ln 2, AUC 0.5, the GP head never set up) and wrote that report beside the run's
+    checkpoints with exit status 0; it must be one line naming the checkpoints to give, and write nothing."""
+    path = _gp_config(tmp_path, epochs=1)
+    run_cli(["fit", "--config", path])
+    assert main([subcommand, "--config", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "untrained model" in err and "--ckpt_path best|last" in err
+    assert not (tmp_path / "gp" / subcommand).exists()
+
+
 def test_reports_name_model_checkpoint_and_data(tmp_path: Path) -> None:
     """Two models tested on the same external data write two reports, each in its own run folder,
     each naming its model, its checkpoint and the data it was computed on.
