@@ -155,3 +155,24 @@ def test_a_scan_predicted_from_dicom_equals_the_same_scan_predicted_from_its_cac
     dicom = {s["bag_id"]: float(s["probability"]) for s in _rows(tmp_path / "from_dicom" / "predict" / "version_0" / "predictions.csv")}
     assert set(dicom) == set(cached)
     np.testing.assert_allclose([dicom[k] for k in sorted(cached)], [cached[k] for k in sorted(cached)], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--threshold", "1.5", "--threshold must lie in (0, 1), got 1.5"),
+    ("--max-slices", "0", "--max-slices must be at least 1"),
+    ("--batch-size", "0", "--batch-size must be at least 1, got 0"),
+    ("--out", "a_file", "a file, not a run folder"),
+])
+def test_milgp_predict_refuses_bad_options_before_writing_anything(
+    gp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
+) -> None:
+    """Each of these ended in a traceback (exit 1), --max-slices 0 only after prediction had started,
+    and left an empty predict/version_<n> folder behind; each must be one line (exit 2), nothing written."""
+    (tmp_path / "a_file").write_text("not a folder")
+    value = str(tmp_path / value) if option == "--out" else value
+    before = sorted((gp_run / "predict").iterdir()) if (gp_run / "predict").is_dir() else []
+    capsys.readouterr()
+    assert predict_main([str(gp_run / "checkpoints" / "best.ckpt"), str(tmp_path), "--no-plots", option, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+    assert (sorted((gp_run / "predict").iterdir()) if (gp_run / "predict").is_dir() else []) == before
