@@ -50,6 +50,7 @@ _HEADER_TAGS = [
     "ImageOrientationPatient",
     "Rows",
     "Columns",
+    "PixelSpacing",
     "SamplesPerPixel",
     "PhotometricInterpretation",
     "NumberOfFrames",
@@ -116,7 +117,8 @@ class SliceHeader:
     """Header fields of one slice, read without pixel data.
 
     ``position`` is ImagePositionPatient ``(3,)`` in mm and ``orientation`` ImageOrientationPatient
-    ``(6,)`` direction cosines (row then column); either is ``None`` when missing or malformed.
+    ``(6,)`` direction cosines (row then column), ``pixel_spacing`` PixelSpacing ``(2,)`` in mm (row,
+    column); each is ``None`` when missing or malformed.
     ``sop_class_uid`` is SOPClassUID (or the file meta's MediaStorageSOPClassUID), ``""`` when
     absent. ``is_image`` says the header has an image-pixel module (Rows, Columns); whether the
     pixel data itself is present and decodable is only known when it is read
@@ -145,6 +147,7 @@ class SliceHeader:
     photometric: str = ""
     samples_per_pixel: int = 1
     frames: int = 1
+    pixel_spacing: tuple[float, float] | None = None
 
 
 def element_value(ds: pydicom.Dataset, tag: str, path: str | os.PathLike[str]) -> Any:
@@ -237,6 +240,7 @@ def header_from_dataset(ds: pydicom.Dataset, path: str | os.PathLike[str]) -> Sl
         photometric=_text(ds, "PhotometricInterpretation", path).upper(),
         samples_per_pixel=required_int(ds, "SamplesPerPixel", 1, path),
         frames=required_int(ds, "NumberOfFrames", 1, path),
+        pixel_spacing=_floats(ds, "PixelSpacing", 2, path),  # type: ignore[arg-type]
     )
 
 

@@ -48,7 +48,7 @@ def tilt_deg(orientation: Sequence[float]) -> float:
 
 
 def check_single_series(headers: Sequence[SliceHeader], series_name: str) -> None:
-    """Raise :class:`SeriesRefused` naming files when ``headers`` mix series or image sizes."""
+    """Raise :class:`SeriesRefused` naming files when ``headers`` mix series, image sizes or pixel spacings."""
     uids = sorted({h.series_uid for h in headers})
     if len(uids) > 1:
         examples = {u: next(h.path for h in headers if h.series_uid == u) for u in uids}
@@ -63,6 +63,14 @@ def check_single_series(headers: Sequence[SliceHeader], series_name: str) -> Non
         raise SeriesRefused(
             f"{series_name}: inconsistent image sizes in one series: {printable(headers[0].path)} is "
             f"{first[0]}x{first[1]} but {printable(odd.path)} is {odd.rows}x{odd.columns}"
+        )
+    spaced = [h for h in headers if h.pixel_spacing is not None]
+    odd = next((h for h in spaced if not np.allclose(h.pixel_spacing, spaced[0].pixel_spacing, rtol=1e-3, atol=1e-4)), None)
+    if odd is not None:  # resized to one size, they would show the anatomy at two scales
+        raise SeriesRefused(
+            f"{series_name}: inconsistent pixel spacing in one series: {printable(spaced[0].path)} has "
+            f"{spaced[0].pixel_spacing[0]:g}x{spaced[0].pixel_spacing[1]:g} mm but {printable(odd.path)} has "
+            f"{odd.pixel_spacing[0]:g}x{odd.pixel_spacing[1]:g} mm"
         )
 
 
@@ -251,4 +259,11 @@ def check_series(headers: Sequence[SliceHeader], bag_id: str, policy: SeriesPoli
         _check_acquisitions(ordered, positions, name, policy)
     ordered, positions, copies = _deduplicate(ordered, positions, name, bag_id, policy)
     found = _check_spacing(ordered, positions, name, bag_id, policy) if ordering == "geometry" else []
+    anonymous = [h for h in ordered if not h.series_uid]
+    if anonymous:  # a required tag: without it two series in one folder cannot be told apart
+        found.insert(0, ReportEntry(
+            bag_id, anonymous[0].path,
+            f"{len(anonymous)} of {len(ordered)} slices have no SeriesInstanceUID: taken as one series with the other "
+            "files of the folder (a second series without it would be merged into this one)",
+        ))
     return CheckedSeries(ordered, positions, ordering, skipped + copies, found)

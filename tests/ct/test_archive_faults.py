@@ -40,6 +40,7 @@ from milgp.ct.cache_verify import verify_cache
 from milgp.ct.dataset import CTBagDataset
 from milgp.ct.index import BagIndex
 from milgp.ct.series import load_series
+from milgp.ct.series_check import SeriesRefused
 from milgp.ct.dicom import DicomReadError, read_headers, read_slice_header, walk_files
 from milgp.ct.generic_layout import index_generic
 from milgp.ct.hounsfield import read_hu, read_slice_values
@@ -336,6 +337,33 @@ def test_mixed_image_sizes_refuse_the_bag_naming_both_files(tmp_path: Path) -> N
     index = index_generic(ds.image_dir, ds.labels_csv)
     assert index.bag_ids == [s.bag_id for s in ds.scans[1:]]
     assert "inconsistent image sizes" in index.refused[0].reason and odd in index.refused[0].reason
+
+
+def test_mixed_pixel_spacings_refuse_the_bag_naming_both_files(tmp_path: Path) -> None:
+    """A slice of the same size but another PixelSpacing (another field of view) was accepted and
+    resized with the others, showing the anatomy at two scales in one scan; it must be refused like
+    mixed sizes, naming a file of each spacing (rounding in the last digits of the tag is no difference)."""
+    ds = _generic(tmp_path / "gen")
+    spacing = [float(v) for v in pydicom.dcmread(ds.scans[0].paths[0]).PixelSpacing]
+    odd = ds.scans[0].paths[2]
+    _rewrite(odd, PixelSpacing=[2 * spacing[0], 2 * spacing[1]])
+    _rewrite(ds.scans[1].paths[1], PixelSpacing=[spacing[0] * (1 + 1e-6), spacing[1]])
+    index = index_generic(ds.image_dir, ds.labels_csv)
+    assert index.bag_ids == [s.bag_id for s in ds.scans[1:]]
+    assert "inconsistent pixel spacing" in index.refused[0].reason and odd in index.refused[0].reason
+    with pytest.raises(SeriesRefused, match="inconsistent pixel spacing"):
+        load_series(Path(ds.image_dir) / ds.scans[0].bag_id)
+
+
+def test_slices_without_a_series_uid_are_read_with_a_warning(tmp_path: Path) -> None:
+    """Without SeriesInstanceUID (a required tag) two series in one folder cannot be told apart and
+    were merged into one volume without a word; the series is still read, with one warning saying so."""
+    ds = _generic(tmp_path / "gen")
+    for p in ds.scans[0].paths:
+        _rewrite(p, SeriesInstanceUID="")
+    with pytest.warns(UserWarning, match=r"4 of 4 slices have no SeriesInstanceUID: taken as one series"):
+        series = load_series(Path(ds.image_dir) / ds.scans[0].bag_id)
+    assert series.paths == list(ds.scans[0].paths)
 
 
 # -- labels ----------------------------------------------------------------------------------------
