@@ -115,14 +115,16 @@ class AggregateGPHead(GPHead):
         ``instance`` is the individual rate ``E[Ψ(f)]``, ``bag`` the predicted aggregate ``E[y_a]``
         with its predictive std; ``bag_fields`` hold ``y_mean``, ``y_var`` and ``bag_rate_mean``,
         ``bag_rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` (full within-bag covariance,
-        :func:`~milgp.variational.aggregate_fit.predict_bag_moments`) and, with ``bag_targets``,
-        ``bag_nll``, the predictive ``−log p(y_a | data)``
+        :func:`~milgp.variational.aggregate_fit.predict_bag_moments`), ``outside_training``
+        (:meth:`GPHead.outside_training`) and, with ``bag_targets``, ``bag_nll``, the predictive
+        ``−log p(y_a | data)``
         (:func:`~milgp.variational.aggregate_fit.bag_log_predictive`: exact for the Normal model,
         Monte Carlo over the joint ``q(f_b)`` with ``nll_samples`` draws for the others)."""
         z, lik, w = z.to(torch.float64), self.likelihood, weights
         mean, var = self.moments(z)
         bag = predict_bag_moments(self.gp, lik, z, bags, w, self.chunk_instances, self.block_budget)
-        fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"]}
+        fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"],
+                  "outside_training": self.outside_training(z, bags)}
         if bag_targets is not None:
             fields["bag_nll"] = -bag_log_predictive(
                 self.gp, lik, z, bags, bag_targets.to(z), w, samples=self.nll_samples, generator=self.generator(z.device),

@@ -1,6 +1,7 @@
 """Predictions for new scans from ``predict``: per scan and per slice, CSV + JSON + one PNG per scan."""
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 import pytorch_lightning as pl
@@ -30,7 +31,9 @@ class PredictionWriter(BasePredictionWriter):
     (``<run>/predict/version_<n>``; docs/lightning.md, "Outputs and metrics").
 
     Aggregate-output models write their predicted aggregate (``prediction``) instead of a
-    probability and no decision. Under DDP the ranks' scans are gathered and rank 0 writes.
+    probability and no decision. GP heads add ``outside_training``, the share of a scan's slices
+    the training data say nothing about (:meth:`~lightning_modules.gp_head.GPHead.outside_training`),
+    and a scan at 50 % or more is named in one line on stderr. Under DDP the ranks' scans are gathered and rank 0 writes.
 
     Args:
         threshold: decision threshold of the scan probability.
@@ -66,6 +69,8 @@ class PredictionWriter(BasePredictionWriter):
                     "std": finite_or_none(r.get("bag_std")), "bag_label": finite_or_none(r["bag_label"]), "position_axis": axis}
             if not aggregate:
                 scan["decision"] = int(r["bag_prob"] > self.threshold)
+            if "outside_training" in r:
+                scan["outside_training"] = float(r["outside_training"])
             scan["slices"] = [{"slice": k, "position": float(x), value: float(pk), "std": finite_or_none(sk), "label": lk}
                               for k, (x, pk, sk, lk) in enumerate(zip(positions, r["slice_probs"], stds, labels))]
             scans.append(scan)
@@ -77,10 +82,15 @@ class PredictionWriter(BasePredictionWriter):
                     threshold=None if aggregate else self.threshold, score_name="E[rate]" if aggregate else "P(slice positive)",
                 )
         header = ["bag_id", "num_slices", value, "std"] + ([] if aggregate else ["decision"]) + ["bag_label"]
+        header += ["outside_training"] if any("outside_training" in s for s in scans) else []
         atomic_write_text(out / "predictions.csv", csv_text(header, [[s.get(k) for k in header] for s in scans]))
         atomic_write_text(out / "slices.csv", csv_text(["bag_id", "slice", "position", value, "std", "label"], slice_rows))
         meta = run_metadata(trainer, pl_module, "predict")
         atomic_write_json(out / "predictions.json", json_safe({**meta, "threshold": None if aggregate else self.threshold, "scans": scans}))
+        for s in scans:
+            if s.get("outside_training", 0.0) >= 0.5:
+                print(f"milgp: scan {s['bag_id']}: {s['outside_training']:.0%} of its slices lie outside the training data (the GP knows "
+                      f"nothing about them, its posterior there is the prior): its {value} is not evidence", file=sys.stderr)
         called = sum(s.get("decision", 0) for s in scans)
         print(f"wrote predictions of {len(scans)} scans to {out}" + ("" if aggregate else f" ({called} above the threshold {self.threshold:g})"))
 

@@ -45,7 +45,7 @@ def test_milgp_train_predict_writes_scan_and_slice_predictions(gp_run: Path) -> 
     run_cli(["predict", "--config", str(gp_run.parent / "gp.yaml"), "--ckpt_path", "last", "--data.init_args.predict_split", "test"])
     out = gp_run / "predict" / "version_0"
     scans = _rows(out / "predictions.csv")
-    assert scans and set(scans[0]) == {"bag_id", "num_slices", "probability", "std", "decision", "bag_label"}
+    assert scans and set(scans[0]) == {"bag_id", "num_slices", "probability", "std", "decision", "bag_label", "outside_training"}
     for s in scans:
         assert 0 <= float(s["probability"]) <= 1 and float(s["std"]) >= 0 and s["decision"] == str(int(float(s["probability"]) > 0.5))
     slices = _rows(out / "slices.csv")
@@ -176,3 +176,28 @@ def test_milgp_predict_refuses_bad_options_before_writing_anything(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
     assert (sorted((gp_run / "predict").iterdir()) if (gp_run / "predict").is_dir() else []) == before
+
+
+def test_milgp_predict_names_scans_that_lie_outside_the_training_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A scan whose slice features lie far from every training slice (here ×50) gets the GP prior at
+    every slice, which the calibrated bag decision read as near-certain (0.9999 ± 6e-5, called
+    positive, no word). Its `outside_training` share must be 1 and the scan named on stderr; the
+    training scans themselves, and the same features again, must read (near) 0 and stay silent."""
+    from lightning_modules.features import FeatureTable, save_features
+    from lm_helpers import feature_bags
+
+    train = feature_bags(num_bags=24, dim=4, seed=3)
+    save_features(tmp_path / "train.npz", FeatureTable.from_bags(train["bags"], [f"t{i}" for i in range(24)], train["bag_labels"]))
+    cfg = {"trainer": trainer_cfg(tmp_path, "gp", max_epochs=3),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, "num_inducing": 8}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "train.npz")}}}
+    run_cli(["fit", "--config", write_config(tmp_path / "gp.yaml", cfg)])
+    new = [train["bags"][0], train["bags"][1], 50.0 * train["bags"][1]]
+    save_features(tmp_path / "new.npz", FeatureTable.from_bags(new, ["same0", "same1", "far"], [float("nan")] * 3))
+    capsys.readouterr()
+    assert predict_main([str(tmp_path / "gp" / "checkpoints" / "last.ckpt"), str(tmp_path / "new.npz"), "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    scans = {s["bag_id"]: s for s in _rows(tmp_path / "gp" / "predict" / "version_0" / "predictions.csv")}
+    assert float(scans["far"]["outside_training"]) == 1.0
+    assert float(scans["same0"]["outside_training"]) < 0.5 and float(scans["same1"]["outside_training"]) < 0.5
+    assert "milgp: scan far: 100% of its slices lie outside the training data" in err and "scan same" not in err
