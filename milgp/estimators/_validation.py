@@ -106,17 +106,15 @@ def check_bag_weights(weights: Any, bags: list[np.ndarray], name: str = "weights
     return out
 
 
-def check_positive(name: str, value: Any, none: str | None = None, integer: bool = False) -> Any:
-    """``value`` as a Python ``float`` (``int`` with ``integer``) when it is a finite number > 0 (NumPy
-    scalars included), ``None`` when it is ``None`` and ``none`` says what that means; otherwise a
-    one-line ``ValueError`` naming the setting."""
+def check_positive(name: str, value: Any, none: str | None = None) -> float | None:
+    """``value`` as a Python ``float`` when it is a finite number > 0 (NumPy scalars included),
+    ``None`` when it is ``None`` and ``none`` says what that means; otherwise a one-line
+    ``ValueError`` naming the setting."""
     if value is None and none is not None:
         return None
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, kind) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value) and value > 0:
-        return int(value) if integer else float(value)
-    what = "a positive integer" if integer else "a positive number"
-    raise ValueError(f"{name} must be {what}" + (f" or None ({none})" if none is not None else "") + f", got {value!r}")
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise ValueError(f"{name} must be a positive number" + (f" or None ({none})" if none is not None else "") + f", got {value!r}")
 
 
 def check_seed(random_state: Any) -> int:
