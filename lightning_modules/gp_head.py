@@ -19,6 +19,7 @@ from milgp.data.bags import BagBatch, Bags, segment_sum
 from milgp.data.standardize import standardization_scale
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.base import AugmentedBagLikelihood
+from milgp.likelihoods.instance_link import ProbitLink
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.metrics import log_loss
 from milgp.models.closed_form_strategy import ClosedFormStrategy, WhitenedPosterior
@@ -120,6 +121,9 @@ class GPHead(nn.Module):
         if not isinstance(likelihood, self.likelihood_type):
             raise TypeError(f"{type(self).__name__} needs a likelihood of type {self.likelihood_type.__name__}, got {type(likelihood).__name__} "
                             "(aggregate likelihoods: AggregateGPHead; MIL likelihoods: GPHead)")
+        if bag_rule == "orthant" and not isinstance(getattr(likelihood, "instance_link", None), ProbitLink):
+            raise ValueError(f"bag_rule 'orthant' is the MIL probit model's bag probability; the likelihood {type(likelihood).__name__} "
+                             "has another link: choose another bag rule or a MILProbitLikelihood")
         constant_mean = self.default_constant_mean if constant_mean is None else bool(constant_mean)
         gen = torch.Generator().manual_seed(seed)
         Z0 = torch.randn(num_inducing, feature_dim, generator=gen, dtype=torch.float64)

@@ -10,6 +10,7 @@ from the training features and what a checkpoint holds so that a resumed run con
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable
 
@@ -141,6 +142,12 @@ class GPMILModule(BagModuleBase):
             if not -dim <= int(population_column) < dim or dim < 2:
                 raise ValueError(f"population_column={population_column} is not a column of the {dim} input features")
             dim -= 1
+        for name, value in (("lr_gp", lr_gp), ("lr_extractor", lr_extractor)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        for name, value, least in (("num_inducing", num_inducing, 1), ("hyper_steps", hyper_steps, 0), ("warmup_epochs", warmup_epochs, 0)):
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
         if not 0.0 < rho0 <= 1.0 or not 0.0 < rho_max <= 1.0:
             raise ValueError(f"rho0 and rho_max must lie in (0, 1], got {rho0} and {rho_max}")
         self.population_column = None if population_column is None else int(population_column)
@@ -231,6 +238,28 @@ class GPMILModule(BagModuleBase):
         if not bool(self.gp.initialized):
             self._initialize(loader)
 
+    def _check_targets(self, source: str, bag_ids: list[str], targets: Tensor, weights: Tensor, bags: Bags) -> None:
+        """The head's check of bag targets and instance weights (aggregate heads: counts, populations)
+        as one line naming ``source`` and the bag by its id."""
+        try:
+            self.gp.check_data(targets, weights, bags)
+        except ValueError as err:
+            raise InputError(re.sub(r"^bag (\d+)", lambda m: f"{source}: bag {bag_ids[int(m.group(1))]!r}", str(err))) from err
+
+    def check_bag_data(self, source: str, bag_ids: list[str], bags: list[Any], labels: list[float]) -> None:
+        """Check bags a run will fit or score before any work (called by the in-memory data modules'
+        ``setup``): the bag targets and the populations of the population column as the head's
+        likelihood needs them, e.g. a validation bag's negative count or zero population, which
+        were found only after an epoch (as a NaN metric) or never. Binary labels are the data
+        module's own check."""
+        if not self.is_aggregate or not bags:
+            return
+        x = torch.cat([torch.as_tensor(b, dtype=torch.float64).reshape(len(b), -1) for b in bags])
+        bag_index = bag_index_from_sizes([len(b) for b in bags])
+        _, w = self.split_inputs(BagBatch(x, bag_index, torch.as_tensor(labels, dtype=torch.float64)))
+        weights = torch.ones(len(x), dtype=torch.float64) if w is None else w
+        self._check_targets(source, list(bag_ids), torch.as_tensor(labels, dtype=torch.float64), weights, Bags(bag_index, len(bags)))
+
     @torch.no_grad()
     def _initialize(self, loader: Any) -> None:
         """Standardisation, inducing points and lengthscale from the training bags' features.
@@ -263,11 +292,7 @@ class GPMILModule(BagModuleBase):
         targets = torch.tensor([y for _, y, _ in parts], dtype=torch.float64)
         weights = torch.cat([torch.ones(len(h), dtype=torch.float64) if w is None else w for h, _, w in parts])
         bag_index = bag_index_from_sizes([len(h) for h, _, _ in parts])
-        try:
-            self.gp.check_data(targets, weights, Bags(bag_index, len(keys)))
-        except ValueError as err:  # name the bag by its id, not by its position in the sorted list
-            msg = re.sub(r"^bag (\d+)", lambda m: f"training bag {keys[int(m.group(1))]!r}", str(err))
-            raise ValueError(msg) from err
+        self._check_targets("the training bags", keys, targets, weights, Bags(bag_index, len(keys)))
         self.gp.initialize(feats, targets[bag_index], bag_targets=targets, instance_weights=weights)
 
     # -- training --------------------------------------------------------------------------------

@@ -63,10 +63,10 @@ class MilgpCLI(LightningCLI):
             self.run_folder.check_evaluation(subcommand, cfg.ckpt_path)
         self._history = self.run_folder.check_fit(cfg.ckpt_path) if subcommand == "fit" else (None, None)
         trained, max_epochs = self._history[1], cfg.trainer.get("max_epochs")
-        if trained is not None and max_epochs not in (None, -1) and trained + 1 > max_epochs:
+        if trained is not None and max_epochs not in (None, -1) and trained + 1 >= max_epochs:
             raise InputError(
                 f"--trainer.max_epochs {max_epochs}: {cfg.ckpt_path} has trained {trained + 1} epochs already; "
-                "give more epochs to resume it"
+                "give more epochs to resume it (it would train none)"
             )
 
     def instantiate_classes(self) -> None:

@@ -5,7 +5,9 @@ from typing import Any, Sequence
 
 import torch
 
-from lightning_modules.data.checks import check_bag_ids, check_bag_labels, check_features, label_kind
+from lightning_modules.data.checks import (
+    check_bag_ids, check_bag_labels, check_features, check_instance_labels, check_split_names, label_kind,
+)
 from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, SplitDataModule, patient_split
@@ -58,6 +60,9 @@ class BagArrayDataModule(SplitDataModule):
         test_split: str = "test",
     ):
         super().__init__()
+        for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 (or None: all bags in one batch), got {value}")
         self.fractions, self.split_seed = tuple(fractions), split_seed
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.shuffle, self.predict_split, self.num_workers, self.seed = shuffle, predict_split, num_workers, seed
@@ -87,6 +92,7 @@ class BagArrayDataModule(SplitDataModule):
             self.split_names = [by_id[b] for b in self.bag_ids]
         else:
             self.split_names = [str(s) for s in (splits or [])]
+            check_split_names(self.source, self.bag_ids, self.split_names)
         self._split_by_id = dict(zip(self.bag_ids, self.split_names))
         self._patient_by_id = dict(zip(self.bag_ids, self.patient_ids))
 
@@ -100,10 +106,16 @@ class BagArrayDataModule(SplitDataModule):
             check_bag_ids(self.source, self.bag_ids)
             check_features(self.source, self.bag_ids, self.bags)
             check_bag_labels(self.source, self.bag_ids, self.labels, kind, required=False)
+            if kind == "binary" and self.instance_labels is not None:
+                check_instance_labels(self.source, self.bag_ids, self.instance_labels)
         if stage != "predict":
             names = ("train", "val") if stage == "fit" else ("val",) if stage == "validate" else (self.test_split,)
             keep = [i for i, s in enumerate(self.split_names) if s in names or "all" in names]
-            check_bag_labels(self.source, [self.bag_ids[i] for i in keep], [self.labels[i] for i in keep], kind)
+            ids, labels = [self.bag_ids[i] for i in keep], [self.labels[i] for i in keep]
+            check_bag_labels(self.source, ids, labels, kind)
+            model_check = getattr(getattr(self.trainer, "lightning_module", None), "check_bag_data", None)
+            if model_check is not None:  # what the model's likelihood needs (aggregate counts, populations)
+                model_check(self.source, ids, [self.bags[i] for i in keep], labels)
         self._checked_stages.add(stage)
 
     def describe(self, subcommand: str) -> dict[str, Any]:

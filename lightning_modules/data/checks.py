@@ -5,6 +5,7 @@ Every error is one line naming the file (or source), the bag and the field.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytorch_lightning as pl
 
 from lightning_modules.input_error import InputError
 
-__all__ = ["check_bag_ids", "check_bag_labels", "check_features", "label_kind"]
+__all__ = ["check_bag_ids", "check_bag_labels", "check_features", "check_instance_labels", "check_split_names", "label_kind"]
 
 
 def label_kind(trainer: pl.Trainer | None) -> str | None:
@@ -54,3 +55,34 @@ def check_features(source: str, bag_ids: Sequence[str], bags: Sequence[np.ndarra
             row, col = (int(bad[0][0]), int(bad[0][1])) if x.ndim == 2 else (int(bad[0][0]), None)
             field = f"f{col}" if col is not None else "pixels"
             raise InputError(f"{source}: bag {bag_id!r}, slice {row}, field {field} is {x[tuple(bad[0])]} (features must be finite)")
+
+
+def check_instance_labels(source: str, bag_ids: Sequence[str], instance_labels: Sequence[np.ndarray | None]) -> None:
+    """Every known instance label of a MIL classifier's bags 0 or 1 (NaN: unknown); a 2 used to
+    surface after a whole epoch, in the metrics, named by its position among all instances."""
+    for bag_id, y in zip(bag_ids, instance_labels):
+        if y is None:
+            continue
+        y = np.asarray(y, dtype=np.float64).reshape(-1)
+        bad = np.flatnonzero(~np.isnan(y) & (y != 0.0) & (y != 1.0))
+        if len(bad):
+            raise InputError(f"{source}: bag {bag_id!r}, slice {int(bad[0])} has instance label {y[bad[0]]:g}; instance labels must be 0, 1 or unknown (NaN)")
+
+
+_SPLIT_LOOKALIKES = {"training": "train", "validation": "val", "valid": "val", "testing": "test"}
+
+
+def check_split_names(source: str, bag_ids: Sequence[str], splits: Sequence[str]) -> None:
+    """No given split is a misspelt train/val/test (``Train``, ``validation``: refused), and bags
+    without a split beside bags with one are announced (a warning: e.g. features extracted from a
+    whole cache, whose bags outside its ``splits.json`` belong to no split): either way those bags
+    are used by no stage, which used to happen without a word. Other names (``external``) are
+    splits of their own, served by ``test_split``."""
+    blank = [b for b, s in zip(bag_ids, splits) if s == ""]
+    if blank:
+        warnings.warn(f"{source}: {len(blank)} bags have no split while the others do (e.g. bag {blank[0]!r}); "
+                      "they are used by no stage", UserWarning, stacklevel=2)
+    for bag_id, s in zip(bag_ids, splits):
+        meant = _SPLIT_LOOKALIKES.get(s.lower(), s.lower())
+        if meant in ("train", "val", "test") and s != meant:
+            raise InputError(f"{source}: bag {bag_id!r} has split {s!r}; the split names are train, val and test (did you mean {meant!r}?)")

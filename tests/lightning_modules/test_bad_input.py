@@ -94,3 +94,75 @@ def test_two_bags_with_one_id_are_refused_naming_the_id() -> None:
     dm = BagArrayDataModule(**data, bag_ids=[f"s{i}" for i in range(7)] + ["s3"], splits=["train"] * 6 + ["val"] * 2)
     with pytest.raises(InputError, match=r"in-memory bags: bag id 's3' is given to more than one bag"):
         dm.setup("fit")
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("population 0", "bag 'v1' has weight/population 0.0"),
+    ("population -3", "bag 'v1' has weight/population -3.0"),
+    ("count -2", "bag 'v1' has count -2.0"),
+])
+def test_aggregate_targets_and_populations_of_every_split_are_checked_before_training(tmp_path: Path, fault: str, message: str) -> None:
+    """Only the training bags' counts and populations were checked: a validation bag's population 0
+    or −3 was predicted as if fine, and its count −2 made val/bag_nll NaN after a whole epoch, then a
+    Lightning traceback and no checkpoint. Each must stop `fit` at setup in one line naming the bag."""
+    from lightning_modules.input_error import InputError
+    from milgp.likelihoods import PoissonAggregateLikelihood
+    import pytorch_lightning as pl
+
+    rng = np.random.default_rng(0)
+    bags = [np.column_stack([rng.normal(size=(4, 2)), np.ones(4)]) for _ in range(10)]
+    counts = [float(rng.poisson(4.0)) for _ in range(10)]
+    ids = [f"t{i}" for i in range(8)] + ["v0", "v1"]
+    if fault.startswith("population"):
+        bags[9][2, 2] = float(fault.split()[1])
+    else:
+        counts[9] = float(fault.split()[1])
+    dm = BagArrayDataModule(bags, counts, bag_ids=ids, splits=["train"] * 8 + ["val"] * 2)
+    model = GPMILModule(feature_dim=3, population_column=-1, likelihood=PoissonAggregateLikelihood("exp"), num_inducing=4)
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    with pytest.raises(InputError, match=f"in-memory bags: {message}"):
+        trainer.fit(model, dm)
+    assert trainer.global_step == 0
+
+
+def test_split_names_and_instance_labels_are_checked_at_setup(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A misspelt split (`Train`) left its bags out of training without a word, and an instance label
+    2 crashed after a whole epoch naming its position among all instances: each must be one line
+    naming the file and the bag at setup. Bags without a split beside bags with one are announced."""
+    bags = feature_bags(num_bags=12)
+    ids = [f"b{i:02d}" for i in range(12)]
+    splits = ["train"] * 8 + ["val"] * 4
+    save_features(tmp_path / "typo.npz", FeatureTable.from_bags(bags["bags"], ids, bags["bag_labels"], bags["instance_labels"],
+                                                                splits=["Train" if i == 3 else s for i, s in enumerate(splits)]))
+    status, err = _fit_status(tmp_path, "typo.npz", capsys, run="typo")
+    assert status == 2 and len(err.splitlines()) == 1 and "bag 'b03' has split 'Train'" in err and "did you mean 'train'" in err
+    labels = [y.copy() for y in bags["instance_labels"]]
+    labels[5][1] = 2.0
+    save_features(tmp_path / "inst.npz", FeatureTable.from_bags(bags["bags"], ids, bags["bag_labels"], labels, splits=splits))
+    status, err = _fit_status(tmp_path, "inst.npz", capsys, run="inst")
+    assert status == 2 and len(err.splitlines()) == 1 and "bag 'b05', slice 1 has instance label 2" in err
+    with pytest.warns(UserWarning, match="2 bags have no split while the others do"):
+        BagArrayDataModule(bags["bags"], bags["bag_labels"], splits=["train"] * 6 + ["val"] * 4 + ["", ""])
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"model": {"num_inducing": 0}}, "num_inducing must be at least 1, got 0"),
+    ({"model": {"hyper_steps": -2}}, "hyper_steps must be at least 0, got -2"),
+    ({"model": {"warmup_epochs": -1}}, "warmup_epochs must be at least 0, got -1"),
+    ({"model": {"lr_gp": float("nan")}}, "lr_gp must be a finite number > 0"),
+    ({"model": {"bag_rule": "orthant"}}, "bag_rule 'orthant' is the MIL probit model's"),
+    ({"data": {"batch_size": 0}}, "batch_size must be at least 1"),
+])
+def test_settings_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], setting: dict, message: str) -> None:
+    """Each of these was a traceback (a sampler's, k-means', a Cholesky failure an epoch later, the
+    orthant rule's at the first validation, with a bare version folder left) or was accepted and
+    silently never learned the kernel (negative hyper_steps)."""
+    _save(tmp_path, "f.npz", feature_bags(num_bags=12))
+    cfg = {"trainer": trainer_cfg(tmp_path, "run"),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, **setting.get("model", {})}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "f.npz"), **setting.get("data", {})}}}
+    assert main(["fit", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
