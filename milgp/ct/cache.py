@@ -22,7 +22,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from milgp.data.atomic import atomic_write_json, remove_stale_temporaries
-from milgp.ct.cache_bag import BagResult, bag_file_stem, open_array_file, process_bag_isolated
+from milgp.ct.cache_bag import (
+    MANIFEST_KEYS,
+    BagResult,
+    bag_file_stem,
+    cached_bag_problem,
+    open_array_file,
+    process_bag_isolated,
+)
 from milgp.ct.cache_lock import CacheLock
 from milgp.ct.cache_params import (
     CacheParams,
@@ -171,7 +178,8 @@ def build_cache(
 
     Returns:
         A :class:`CacheReport`; ``index.json``, ``manifest.json`` and ``skipped.json`` are
-        (re)written even when the run is interrupted.
+        (re)written even when the run is interrupted, the manifest then listing the bags of the
+        index this run did not get to whose cached copy still matches (checksum not read).
 
     Raises:
         CacheParamsMismatch: when ``cache_dir`` holds a cache made with other parameters.
@@ -227,6 +235,14 @@ def build_cache(
             )
         finally:
             bar.close()
+            # bags this run did not get to (interrupted) stay listed when their marker still matches their
+            # record, sources and params; the checksum is left to the next run, so that Ctrl-C stays quick
+            processed = set(report.done) | set(report.reused) | {e.bag_id for e in report.failed}
+            for bag in index.bags:
+                if bag.bag_id not in processed:
+                    marker = cached_bag_problem(root / "bags", bag, params, checksum=False).marker
+                    if marker is not None:
+                        entries[bag.bag_id] = {k: marker[k] for k in MANIFEST_KEYS}
             # the bags of this build's index, in index order: bags cached from other indexes keep their
             # files in bags/ but are not listed, so every reader of the manifest sees exactly this index
             bags = [entries[b] for b in index.bag_ids if b in entries]

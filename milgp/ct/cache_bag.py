@@ -219,9 +219,20 @@ def _index_fields(record: BagRecord) -> dict:
     }
 
 
-def cached_bag_problem(bags_dir: Path, record: BagRecord) -> CachedBagState:
-    """Whether the cached copy of ``record`` can be reused (the rule: ``docs/ct_data.md``, "The cache",
-    a cache that verifies itself); reads the whole array once to check its checksum."""
+def _params_change(recorded: dict, params: CacheParams) -> str:
+    """What differs between the parameters a marker records and ``params`` (``""`` when nothing does)."""
+    wanted = params.to_json_dict()
+    return ", ".join(f"{k} {recorded.get(k)} -> {wanted[k]}" for k in wanted if recorded.get(k) != wanted[k])
+
+
+def cached_bag_problem(bags_dir: Path, record: BagRecord, params: CacheParams, checksum: bool = True) -> CachedBagState:
+    """Whether the cached copy of ``record``, preprocessed with ``params``, can be reused (the rule:
+    ``docs/ct_data.md``, "The cache", a cache that verifies itself).
+
+    With ``checksum`` the whole array is read once to check its checksum; without it only the
+    marker, the source files' identity and the array's header and size are looked at (what a
+    build interrupted by Ctrl-C can afford for the bags it did not get to).
+    """
     stem = bag_file_stem(record.bag_id)
     marker_path, npy_path = bags_dir / f"{stem}.json", bags_dir / f"{stem}.npy"
     if not marker_path.exists() and not npy_path.exists():
@@ -235,15 +246,20 @@ def cached_bag_problem(bags_dir: Path, record: BagRecord) -> CachedBagState:
     try:
         if "sha256" not in meta:
             return CachedBagState(None, str(marker_path), "no checksum recorded (cached by an older milgp)")
+        if "params" not in meta:
+            return CachedBagState(None, str(marker_path), "no preprocessing parameters recorded (cached by an older milgp)")
         missing = [k for k in (*MANIFEST_KEYS, "sources", "skipped", "warnings") if k not in meta]
         if missing or meta["file"] != npy_path.name:
             return CachedBagState(None, str(marker_path), f"marker malformed (missing {missing} or names another file)")
+        changed_params = _params_change(meta["params"], params)
+        if changed_params:
+            return CachedBagState(None, str(marker_path), f"cached with other preprocessing parameters ({changed_params})")
         if any(meta.get(k) != v for k, v in _index_fields(record).items()):
             return CachedBagState(None, str(marker_path), "the bag's slices, labels or patient changed in the index")
         changed_path, changed, note = _changed_source(meta["sources"])
         if changed:
             return CachedBagState(None, changed_path, changed)
-        problem = array_file_problem(npy_path, tuple(meta["shape"]), meta["dtype"], meta["sha256"])
+        problem = array_file_problem(npy_path, tuple(meta["shape"]), meta["dtype"], meta["sha256"] if checksum else None)
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         return CachedBagState(None, str(marker_path), f"marker malformed ({type(err).__name__}: {err})")
     if problem:
@@ -263,7 +279,7 @@ def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: Ca
         A :class:`BagResult`.
     """
     bags_dir = Path(cache_dir) / "bags"
-    state = cached_bag_problem(bags_dir, record)
+    state = cached_bag_problem(bags_dir, record, params)
     meta = state.marker
     if meta is not None:
         notes = [ReportEntry(record.bag_id, state.path, state.note)] if state.note else []
@@ -305,6 +321,7 @@ def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: Ca
         "sources_sha256": hashlib.sha256(json.dumps(sources, sort_keys=True).encode("ascii")).hexdigest(),
         "skipped": [s.to_json_dict() for s in skipped],
         "warnings": [w.to_json_dict() for w in found],
+        "params": params.to_json_dict(),
     }
     atomic_write_json(marker_path, meta)
     status = "rebuilt" if state.reason else "done"

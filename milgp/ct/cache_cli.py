@@ -182,17 +182,57 @@ def _index(args: argparse.Namespace) -> BagIndex:
     return index_generic(args.root, args.labels, args.slice_labels, **common)
 
 
+def _extend_splits(previous: dict[str, list[str]], cached: BagIndex, fresh: dict[str, BagIndex]) -> dict[str, list[str]]:
+    """The splits of ``cached`` that keep every bag of ``previous`` (an earlier ``splits.json``) in
+    its split, so that a rerun never moves a bag between splits (a test bag trained on): a bag new
+    to the splits goes to its patient's split when the patient is already placed, else to the
+    split ``fresh`` (a fresh split of all of ``cached``) gives it. Bags no longer cached leave."""
+    by_id = {b.bag_id: b for b in cached.bags}
+    out = {name: [b for b in previous.get(name, []) if b in by_id] for name in [*fresh, *(n for n in previous if n not in fresh)]}
+    split_of_patient: dict[str, str] = {}
+    for name, ids in out.items():
+        for b in ids:
+            split_of_patient.setdefault(by_id[b].patient_id, name)
+    placed = {b for ids in out.values() for b in ids}
+    fresh_of = {b: name for name, s in fresh.items() for b in s.bag_ids}
+    for b in cached.bags:
+        if b.bag_id not in placed:
+            out[split_of_patient.setdefault(b.patient_id, fresh_of[b.bag_id])].append(b.bag_id)
+    return out
+
+
 def _write_splits(index: BagIndex, report: CacheReport, out: Path, fractions: tuple[float, float, float], seed: int) -> None:
     """Write ``out/splits.json`` over the bags this run cached (computed or reused) and say which
     bags of ``index`` it leaves out (failed ones; ``skipped.json`` has the reasons). Bags the
-    indexer refused never reach ``index``, so no bag is in the splits without being cached."""
-    from milgp.data.atomic import atomic_write_json
-    from milgp.ct.index import split_by_patient
+    indexer refused never reach ``index``, so no bag is in the splits without being cached. An
+    existing ``splits.json`` is extended, never reshuffled (:func:`_extend_splits`).
 
+    Raises:
+        ValueError: when the training split would be empty (nothing is written).
+    """
+    from milgp.data.atomic import atomic_write_json
+    from milgp.ct.index import read_splits, split_by_patient
+
+    path = out / "splits.json"
     cached = index.subset(report.done + report.reused)
-    splits = split_by_patient(cached, fractions, seed=seed)
-    atomic_write_json(out / "splits.json", {name: s.bag_ids for name, s in splits.items()})
-    sizes = ", ".join(f"{name} {len(s)}" for name, s in splits.items())
+    fresh = split_by_patient(cached, fractions, seed=seed)
+    splits = {name: s.bag_ids for name, s in fresh.items()}
+    if path.is_file():
+        try:
+            splits = _extend_splits(read_splits(path), cached, fresh)
+        except (OSError, ValueError) as err:
+            print(f"milgp-cache: warning: {printable(str(err))}; splitting the cached bags afresh", file=sys.stderr)
+    shares = ",".join(f"{f:g}" for f in fractions)
+    if not splits["train"]:
+        raise ValueError(f"--splits {shares} leaves the training split empty for the {len(cached)} cached bags "
+                         f"({len({b.patient_id for b in cached.bags})} patients); {printable(path)} not written "
+                         "(the cache is built: rerun with a larger training share)")
+    for name in ("val", "test"):
+        if not splits[name]:
+            print(f"milgp-cache: warning: --splits {shares} leaves the {name} split empty for the {len(cached)} cached bags",
+                  file=sys.stderr)
+    atomic_write_json(path, splits)
+    sizes = ", ".join(f"{name} {len(ids)}" for name, ids in splits.items())
     print(f"splits.json: {len(cached)} cached bags ({sizes})")
     kept = set(cached.bag_ids)
     dropped = [b for b in index.bag_ids if b not in kept]
@@ -256,6 +296,10 @@ def _build(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``milgp-cache``; returns the exit status (0 ok, 1 error, nothing cached or a cache with
     problems left, 130 interrupted)."""
+    for stream in (sys.stdout, sys.stderr):  # a file name the terminal's encoding lacks must not fail the run
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "synthetic":

@@ -7,6 +7,7 @@ unreadable), drops from ``splits.json`` the bags the manifest no longer lists, a
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from milgp.data.atomic import atomic_write_json
 from milgp.ct.cache import CacheCorruptError, CacheEntry, build_cache, read_manifest
 from milgp.ct.cache_bag import cached_bag_problem
 from milgp.ct.cache_lock import CacheLock
-from milgp.ct.cache_params import read_cache_params
+from milgp.ct.cache_params import CacheParams, read_cache_params
 from milgp.ct.index import BagIndex, BagRecord, read_splits
 from milgp.ct.report_entry import ReportEntry, printable
 
@@ -83,8 +84,8 @@ def _recorded_index(root: Path, entries: list[CacheEntry] | None) -> tuple[BagIn
     return BagIndex(records), problems
 
 
-def _check(root: Path) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIndex | None]:
-    """One pass: ``(bags checked, problems, notes, recorded index)``."""
+def _check(root: Path, params: CacheParams) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIndex | None]:
+    """One pass against the cache's ``params``: ``(bags checked, problems, notes, recorded index)``."""
     problems: list[ReportEntry] = []
     notes: list[ReportEntry] = []
     entries: list[CacheEntry] | None
@@ -102,7 +103,7 @@ def _check(root: Path) -> tuple[int, list[ReportEntry], list[ReportEntry], BagIn
         if record is None:
             problems.append(ReportEntry(e.bag_id, str(root / "manifest.json"), "listed in the manifest but not in the index it was built from"))
             continue
-        state = cached_bag_problem(root / "bags", record)
+        state = cached_bag_problem(root / "bags", record, params)
         if state.marker is None:
             problems.append(ReportEntry(e.bag_id, state.path or str(root / "bags" / e.file), state.reason or "listed in the manifest but not cached"))
             continue
@@ -151,17 +152,19 @@ def verify_cache(
 ) -> VerifyReport:
     """Check a cache (what ``docs/ct_data.md``, "The cache", lists); with ``repair``, rebuild what can be rebuilt and check again.
 
-    Holds the cache's writer lock throughout (``wait_s`` as in :class:`milgp.ct.cache_lock.CacheLock`).
+    Without ``repair`` nothing is written, not even the lock file, so a read-only cache can be
+    checked (a check racing with a writer may report the bag being written); with ``repair`` the
+    cache's writer lock is held throughout (``wait_s`` as in :class:`milgp.ct.cache_lock.CacheLock`).
 
     Raises:
         FileNotFoundError, ValueError: naming the folder or ``params.json`` when the folder is not a
             readable cache (nothing can be checked or rebuilt without its parameters).
-        CacheLockedError: when another process writes into the cache.
+        CacheLockedError: with ``repair``, when another process writes into the cache.
     """
     root = Path(cache_dir)
     params = read_cache_params(root)
-    with CacheLock(root, wait_s=wait_s):
-        checked, problems, notes, index = _check(root)
+    with CacheLock(root, wait_s=wait_s) if repair else contextlib.nullcontext():
+        checked, problems, notes, index = _check(root, params)
         report = VerifyReport(str(root), checked, problems, remaining=list(problems), notes=notes)
         if not repair or not problems:
             return report
@@ -170,5 +173,5 @@ def verify_cache(
             report.actions += [f"rebuilt {e}" for e in built.rebuilt]
             report.actions += [f"left out of the manifest (cannot be rebuilt): {e}" for e in built.failed]
         report.actions += _fix_splits(root)
-        _, report.remaining, report.notes, _ = _check(root)
+        _, report.remaining, report.notes, _ = _check(root, params)
     return report

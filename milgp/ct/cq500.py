@@ -196,7 +196,7 @@ def index_cq500(
     studies: dict[int, Path] = {}
     ambiguous: set[int] = set()
     refused: list[ReportEntry] = []
-    for d in sorted(Path(root).iterdir()):
+    for d in sorted(Path(os.path.abspath(root)).iterdir()):  # absolute: the cache is usable from any directory
         if d.is_dir() and _NAME_RE.search(d.name):
             number = cq500_number(d.name)
             if number in studies:

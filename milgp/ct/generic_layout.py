@@ -89,6 +89,11 @@ def read_slice_labels(slice_labels_csv: str | os.PathLike[str]) -> tuple[dict[st
     return out, invalid
 
 
+def _is_folder_name(bag_id: str) -> bool:
+    """Whether ``bag_id`` names a folder directly under the root: no path separator, not ``.`` or ``..``."""
+    return bag_id not in (".", "..") and not any(sep and sep in bag_id for sep in (os.sep, os.altsep))
+
+
 def index_generic(
     root: str | os.PathLike[str],
     labels_csv: str | os.PathLike[str],
@@ -118,7 +123,7 @@ def index_generic(
         ValueError: naming the file or folder when ``root`` is not a folder or a label file cannot
             be read at all.
     """
-    root_path = Path(root)
+    root_path = Path(os.path.abspath(root))  # absolute slice paths: the cache is usable from any directory
     if not root_path.is_dir():
         raise ValueError(f"{printable(root)}: not a folder")
     bag_labels, invalid, unattributed = read_bag_labels(labels_csv, rule)
@@ -136,10 +141,21 @@ def index_generic(
         folder = root_path / bag_id
         if bag_id in invalid_slices:
             refused.append(ReportEntry(bag_id, str(slice_labels_csv), f"bag left out: {invalid_slices[bag_id]}"))
-        elif not folder.is_dir():
-            refused.append(ReportEntry(bag_id, str(folder), f"bag left out: listed in {printable(labels_csv)} but not a folder"))
-        else:
+            continue
+        if not _is_folder_name(bag_id):  # 'scan_001/' or './scan_001' would reach scan_001's folder under another id
+            refused.append(ReportEntry(bag_id, str(labels_csv), f"bag left out: its id in {printable(labels_csv)} "
+                                                                 "is not a plain folder name (a path separator, '.' or '..')"))
+            continue
+        try:
+            is_folder = folder.is_dir()
+        except (OSError, ValueError) as err:  # a name too long for the file system, a NUL byte
+            refused.append(ReportEntry(bag_id, str(labels_csv), f"bag left out: its id in {printable(labels_csv)} "
+                                                                 f"cannot name a folder ({getattr(err, 'strerror', None) or err})"))
+            continue
+        if is_folder:
             folders[bag_id] = folder
+        else:
+            refused.append(ReportEntry(bag_id, str(folder), f"bag left out: listed in {printable(labels_csv)} but not a folder"))
     by_bag, unread = read_folder_headers(folders, workers, progress)
     skipped += unread
     index = BagIndex([], skipped, refused)

@@ -81,6 +81,10 @@ class BagRecord:
     def from_json_dict(cls, obj: dict) -> "BagRecord":
         """Inverse of :func:`dataclasses.asdict` (a bag of :meth:`BagIndex.to_json_dict`).
 
+        Relative slice paths (a hand-written index, or one saved by an older milgp) are made absolute
+        against the working directory, where they would be opened, so that the index written into
+        a cache names the same files from any directory.
+
         Raises:
             KeyError, TypeError, ValueError, AttributeError: for a malformed entry.
         """
@@ -89,7 +93,7 @@ class BagRecord:
             bag_id=str(obj["bag_id"]),
             patient_id=str(obj["patient_id"]),
             bag_label=float(obj["bag_label"]),
-            slice_paths=tuple(str(p) for p in obj["slice_paths"]),
+            slice_paths=tuple(os.path.abspath(str(p)) for p in obj["slice_paths"]),
             slice_labels=None if labels is None else tuple(int(v) for v in labels),
             series_uid=str(obj.get("series_uid", "")),
             ordering=str(obj.get("ordering", "geometry")),

@@ -113,7 +113,7 @@ def index_rsna(
     """
     if not Path(image_dir).is_dir():
         raise ValueError(f"{printable(image_dir)}: not a folder")
-    files = sorted(Path(image_dir).glob("ID_*.dcm"))
+    files = sorted(Path(os.path.abspath(image_dir)).glob("ID_*.dcm"))  # absolute: the cache is usable from any directory
     if not files:
         raise ValueError(f"{printable(image_dir)}: no ID_*.dcm files (expected the RSNA stage_2_train layout)")
     labels, invalid, unattributed = read_rsna_labels(labels_csv, rule)

@@ -7,6 +7,8 @@ byte-identical, a damaged bag is rebuilt equal to the original).
 """
 from __future__ import annotations
 
+import fcntl
+import io
 import json
 import os
 import re
@@ -1069,3 +1071,176 @@ def test_cache_without_checksums_is_rebuilt_once(built) -> None:
     rc, report = _cache(ds, out)
     assert [e["bag_id"] for e in report["rebuilt_bags"]] == [ds.scans[0].bag_id]
     assert np.array_equal(_arrays(out)[ds.scans[0].bag_id], clean[ds.scans[0].bag_id]) and verify_cache(out).ok
+
+
+# -- reruns, other directories, other terminals ----------------------------------------------------
+
+
+def test_rerun_with_other_params_after_params_json_is_lost_rebuilds_every_bag(built) -> None:
+    """With params.json lost, a rerun with other windows used to reuse every bag cached with the old ones
+    (served as the new windows). Each marker now records its parameters: the rerun rebuilds every bag naming the
+    change, and verify reports a bag whose marker records other parameters than params.json."""
+    ds, out, clean = built
+    (out / "params.json").unlink()
+    rc, report = _cache(ds, out, "--windows", "40,80", "80,200", "600,2800")
+    assert rc == 0 and sorted(e["bag_id"] for e in report["rebuilt_bags"]) == sorted(clean)
+    assert all("other preprocessing parameters" in e["reason"] and "600.0, 2800.0" in e["reason"] for e in report["rebuilt_bags"])
+    arrays = _arrays(out)
+    assert all(np.array_equal(arrays[b][:, :2], clean[b][:, :2]) and not np.array_equal(arrays[b], clean[b]) for b in clean)
+    victim = ds.scans[0].bag_id
+    marker = _npy(out, victim).with_suffix(".json")
+    meta = json.loads(marker.read_text())
+    meta["params"]["size"] = [16, 16]
+    marker.write_text(json.dumps(meta))
+    assert [(e.bag_id, "other preprocessing parameters (size [16, 16] -> [8, 8])" in e.reason) for e in verify_cache(out).problems] == [(victim, True)]
+
+
+def test_cache_of_an_older_milgp_with_relative_paths_is_rebuilt_once(built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Markers written before they recorded the parameters (and with slice paths relative to the build's working
+    directory) must not be trusted: verify reports them, the next run rebuilds each once (reported, equal to
+    before, now with absolute paths and parameters) and the run after that reuses them."""
+    ds, out, clean = built
+    monkeypatch.chdir(Path(ds.image_dir).parent)
+    for scan in ds.scans:
+        marker = _npy(out, scan.bag_id).with_suffix(".json")
+        meta = json.loads(marker.read_text())
+        del meta["params"]
+        meta["index_slice_paths"] = meta["slice_paths"] = [os.path.relpath(p) for p in meta["slice_paths"]]
+        meta["sources"] = [{**s, "path": os.path.relpath(s["path"])} for s in meta["sources"]]
+        marker.write_text(json.dumps(meta))
+    assert all("no preprocessing parameters recorded" in e.reason for e in verify_cache(out).problems)
+    rc, report = _cache(ds, out)
+    assert rc == 0 and sorted(e["bag_id"] for e in report["rebuilt_bags"]) == sorted(clean)
+    assert all(np.array_equal(_arrays(out)[b], clean[b]) for b in clean)
+    rc, report = _cache(ds, out)
+    assert rc == 0 and not report["rebuilt_bags"] and verify_cache(out).ok
+
+
+def test_interrupted_rerun_keeps_the_bags_it_did_not_get_to(built, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C in a rerun used to cut manifest.json down to the bags that run had reached (here none), taking
+    every other bag away from training. The bags not reached must stay listed when their marker, sources and
+    parameters still match -- decided without reading a checksum -- and a bag whose source changed must not."""
+    ds, out, clean = built
+    stale = ds.scans[2]
+    os.utime(stale.paths[0], ns=(1, 1))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def no_checksum(path):
+        raise AssertionError(f"the interrupted build read the checksum of {path}")
+
+    monkeypatch.setattr("milgp.ct.cache.process_bag_isolated", interrupted)
+    monkeypatch.setattr(cache_bag, "file_sha256", no_checksum)
+    with pytest.raises(KeyboardInterrupt):
+        build_cache(BagIndex.load(out / "index.json"), out, CacheParams(size=8), workers=0, progress=False)
+    assert CTCache(out).bag_ids == [s.bag_id for s in ds.scans if s is not stale]
+
+
+def test_cache_built_with_relative_paths_is_repaired_from_another_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache built with relative --root/--labels used to record source paths relative to that directory:
+    verify --repair run elsewhere saw every source as gone and dropped a repairable bag from the manifest and
+    splits. The index now records absolute paths: the bag is rebuilt and stays listed."""
+    ds = _generic(tmp_path / "gen", n_bags=4)
+    monkeypatch.chdir(tmp_path)
+    rel = dict(image_dir=os.path.relpath(ds.image_dir), labels_csv=os.path.relpath(ds.labels_csv),
+               slice_labels_csv=os.path.relpath(ds.slice_labels_csv))
+    assert _cache(SyntheticDataset(ds.layout, ds.root, scans=ds.scans, **rel), Path("cache"), "--splits", "0.5,0.25,0.25")[0] == 0
+    out = tmp_path / "cache"
+    clean = _arrays(out)
+    victim = ds.scans[0].bag_id
+    _npy(out, victim).write_bytes(_npy(out, victim).read_bytes()[:-10] + b"\x7f" * 10)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    repaired = verify_cache(out, repair=True)
+    assert repaired.ok and any(victim in a and a.startswith("rebuilt") for a in repaired.actions), repaired.summary()
+    assert victim in CTCache(out).bag_ids and victim in _splits(out) and np.array_equal(_arrays(out)[victim], clean[victim])
+
+
+def test_splits_that_leave_the_training_split_empty_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--splits 0.1,0.45,0.45 on 6 bags used to write a splits.json with an empty training split (exit 0). It must
+    be refused in one line with nothing of splits.json written; an empty test split is a one-line warning."""
+    ds = _generic(tmp_path / "gen", n_bags=6)
+    out = tmp_path / "cache"
+    rc, _ = _cache(ds, out, "--splits", "0.1,0.45,0.45")
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and not (out / "splits.json").exists()
+    assert len(err.splitlines()) == 1 and "leaves the training split empty" in err
+    rc, _ = _cache(ds, out, "--splits", "0.7,0.3,0")
+    err = capsys.readouterr().err
+    assert rc == 0 and "leaves the test split empty" in err
+    assert json.loads((out / "splits.json").read_text())["test"] == []
+
+
+def test_rerun_with_splits_never_moves_a_bag_between_splits(tmp_path: Path) -> None:
+    """A rerun with --splits used to reshuffle every bag when the set of cached bags changed (one folder briefly
+    unavailable), putting test bags into training. Bags already in splits.json must keep their split; a bag new to
+    the cache joins its patient's split when the patient is placed, and a returning bag gets its old split back."""
+    ds = _generic(tmp_path / "gen", n_bags=12)
+    labels = Path(ds.labels_csv)
+    rows = labels.read_text().splitlines()
+    newcomer = rows.pop()  # scan_011, later added as a second bag of scan_000's patient
+    labels.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "cache"
+    assert _cache(ds, out, "--splits", "0.5,0.25,0.25")[0] == 0
+    where = lambda: {b: k for k, ids in json.loads((out / "splits.json").read_text()).items() for b in ids}  # noqa: E731
+    first = where()
+    away = Path(ds.image_dir) / ds.scans[7].bag_id
+    away.rename(tmp_path / "away")
+    assert _cache(ds, out, "--splits", "0.5,0.25,0.25")[0] == 0
+    second = where()
+    assert ds.scans[7].bag_id not in second and all(first[b] == k for b, k in second.items())
+    (tmp_path / "away").rename(away)
+    assert _cache(ds, out, "--splits", "0.5,0.25,0.25")[0] == 0
+    assert where() == first
+    labels.write_text("\n".join(rows + [newcomer.rsplit(",", 1)[0] + ",patient_000"]) + "\n")
+    assert _cache(ds, out, "--splits", "0.5,0.25,0.25")[0] == 0
+    fourth = where()
+    assert all(fourth[b] == k for b, k in first.items()) and fourth[ds.scans[11].bag_id] == first[ds.scans[0].bag_id]
+
+
+def test_generic_bag_ids_that_cannot_be_plain_folder_names_refuse_only_that_bag(tmp_path: Path) -> None:
+    """A 300-character bag id used to abort the whole indexing with '[Errno 36] File name too long', and ids like
+    'scan_001/' or './scan_002' reached another row's folder and cached it under the alias's label. Each such row
+    must be refused with the reason, every other bag indexed."""
+    ds = _generic(tmp_path / "gen", n_bags=3)
+    long_id = "X" * 300
+    with open(ds.labels_csv, "a", encoding="utf-8") as fh:
+        fh.write(f"{long_id},1,px\nscan_001/,1,pp\n./scan_002,0,pq\n")
+    index = index_generic(ds.image_dir, ds.labels_csv)
+    assert index.bag_ids == [s.bag_id for s in ds.scans]
+    reasons = {e.bag_id: e.reason for e in index.refused}
+    assert "cannot name a folder (File name too long)" in reasons[long_id]
+    assert all("not a plain folder name" in reasons[b] for b in ("scan_001/", "./scan_002"))
+
+
+def test_verify_without_repair_writes_nothing_not_even_the_lock(built) -> None:
+    """verify without --repair used to take the writer lock, so a read-only cache (or one being written) could not
+    be checked (Permission denied on the lock file). It must check while another process holds the lock and
+    leave every file and the folder untouched."""
+    ds, out, clean = built
+    before = {p: p.stat().st_mtime_ns for p in [out, *out.rglob("*")]}
+    fd = os.open(out / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        before[out / LOCK_FILE_NAME] = (out / LOCK_FILE_NAME).stat().st_mtime_ns
+        before[out] = out.stat().st_mtime_ns
+        assert verify_cache(out).ok
+        assert {p: p.stat().st_mtime_ns for p in [out, *out.rglob("*")]} == before
+        with pytest.raises(CacheLockedError):
+            verify_cache(out, repair=True)
+    finally:
+        os.close(fd)
+
+
+def test_output_survives_a_terminal_that_cannot_encode_the_file_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PYTHONIOENCODING=ascii (or latin-1), build and verify used to exit 1 with a codec error after all the
+    work was done. Their output must be written with escapes instead, and both succeed."""
+    ds = _generic(tmp_path / "gen", n_bags=2)
+    out = tmp_path / "cache ü 😀"
+    streams = {name: io.TextIOWrapper(io.BytesIO(), encoding="ascii") for name in ("stdout", "stderr")}
+    for name, stream in streams.items():
+        monkeypatch.setattr(sys, name, stream)
+    assert _cache(ds, out)[0] == 0 and main(["verify", str(out)]) == 0
+    streams["stdout"].flush()
+    assert b"cache \\xfc \\U0001f600" in streams["stdout"].buffer.getvalue()
