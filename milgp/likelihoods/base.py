@@ -66,9 +66,12 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     **Bag-size cap.** With :attr:`bag_size_cap` ``= n̄`` set, the instance terms of a bag of
     ``n_b > n̄`` instances are tempered by ``w_b = n̄ / n_b`` (a power likelihood per bag) in the
     natural statistics and the ELBO, so no bag carries more evidence about ``f`` than ``n̄``
-    instances do (docs/core.md, "Real MIL data: what went wrong", 8). The local variables (``q(y)``,
-    ``q(m)``) are updated as without the cap. ``None`` (the default here; the estimators set the
-    median training bag size) is the model as published.
+    instances do (docs/core.md, "Real MIL data: what went wrong", 8). The local variables are
+    updated for that tempered objective, so the sweeps still ascend it (VGPMIL's ``q(y)`` sees the
+    tempered ``w_b μ_n``; the probit model's ``ν = μ`` is the optimum either way). With the cap the
+    objective is a power likelihood's, not a bound on ``log p(T)``: the ``q(y)`` entropy is not
+    tempered, and it can be positive. ``None`` (the default here; the estimators set the median
+    training bag size) is the model as published.
     """
 
     bag_size_cap: float | None = None
@@ -121,6 +124,16 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         locals fixed (Algorithm 1, step 8). Defaults to :meth:`elbo_terms`."""
         return self.elbo_terms(mean, var, bags, bag_labels, locals_)
 
+    def check_bag_labels(self, bag_labels: Tensor) -> None:
+        """Bag labels ``(B,)`` 0 or 1 (1 = positive): others entered the updates linearly and gave a
+        meaningless objective (−1/+1 labels: an "ELBO" of −13.9 where −78.9 was right). ``ValueError``
+        naming the first bad bag."""
+        bad = (bag_labels != 0) & (bag_labels != 1)
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"bag {b} has label {float(bag_labels[b]):g}; the MIL likelihoods take bag labels 0 or 1 "
+                             "(1 = positive; map -1/+1 labels first)")
+
     # -- GPyTorch ------------------------------------------------------------------------------
     def optimal_locals(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, sweeps: int = 5) -> Any:
         """Locals optimised for a fixed q(f) by ``sweeps`` coordinate-ascent passes."""
@@ -140,6 +153,7 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 given, no device synchronisation is needed to count the bags).
             locals: keyword, optional persistent locals (e.g. VGPMIL's ``π``); when omitted they are
                 optimised for the current q(f) (:meth:`optimal_locals`).
+            check: keyword, check the bag labels (:meth:`check_bag_labels`; default ``True``).
 
         The value equals the closed-form ELBO data term at the current locals; its gradient with
         respect to q(f) is that of the augmented (quadratic) bound, so one ``NGD(lr=1)`` step is the
@@ -149,6 +163,8 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         mean, var = function_dist.mean, function_dist.variance
         if bag_labels is None:
             bag_labels = segment_max(target.to(mean.dtype), bags.index, bags.num_bags)
+        if kwargs.get("check", True):
+            self.check_bag_labels(bag_labels)
         with torch.no_grad():
             m_d, v_d = mean.detach(), var.detach()
             locals_ = kwargs.get("locals")

@@ -150,6 +150,15 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
         learn_inducing_locations: bool = False,
         jitter_val: float | None = None,
     ):
+        # the closed-form step reads and writes a full q(v) of one GP: refused here, not as an
+        # AttributeError or a shape error deep in the first step
+        if type(variational_distribution) not in (gpytorch.variational.NaturalVariationalDistribution,
+                                                  gpytorch.variational.CholeskyVariationalDistribution):
+            raise TypeError(f"ClosedFormStrategy needs a NaturalVariationalDistribution or a CholeskyVariationalDistribution, "
+                            f"got {type(variational_distribution).__name__}")
+        if inducing_points.dim() != 2 or tuple(variational_distribution.batch_shape) != ():
+            raise TypeError(f"ClosedFormStrategy is for one GP: inducing points (M, D) and no batch shape, got inducing points "
+                            f"{tuple(inducing_points.shape)} and batch shape {tuple(variational_distribution.batch_shape)}")
         super().__init__(model, inducing_points, variational_distribution, learn_inducing_locations, jitter_val)
         self.variational_params_initialized.fill_(1)  # the distributions start at N(0, I): the whitened prior
         self.updated_strategy.fill_(True)

@@ -24,7 +24,11 @@ class BagLocals(nn.Module):
     whenever it is drawn (Hoffman, Blei, Wang & Paisley, *Stochastic variational inference*, JMLR
     2013, Algorithm 1); VGPMIL's ``q(y)`` update is a damped fixed-point step, so a bag drawn again —
     in a later minibatch or epoch, on another DDP rank — continues from its own locals instead of
-    being re-initialised. Held on CPU in float64.
+    being re-initialised. Held on CPU in float64 (a float32 fit casts them as it takes them).
+
+    The locals of a bag are kept by the position of each instance within the bag: a bag must come
+    back with its instances in the same order (a loader that shuffles instances within a bag hands
+    each instance another one's ``π``; shuffle the order of bags instead).
 
     Its ``state_dict`` holds three tensors whatever the number of bags — ``ids`` (the bag ids as
     NUL-separated UTF-8 bytes, sorted), ``sizes`` ``(B,)`` and ``values`` ``(Σ n_b,)`` in that

@@ -96,8 +96,8 @@ class ClosedFormSteps:
         self.mean, self.var = self.projector.moments(self.q)
         if initial_locals is None:
             self.locals = likelihood.init_locals(batch.bags, batch.bag_labels, self.mean)
-        else:
-            self.locals = initial_locals.clone() if isinstance(initial_locals, Tensor) else initial_locals
+        else:  # in the batch's dtype: BagLocals keeps float64, a float32 model computes in float32
+            self.locals = initial_locals.to(batch.x).clone() if isinstance(initial_locals, Tensor) else initial_locals
         self.moments_current = True
         self.elbo: float | None = None  # the ELBO of the current state, when a step computed it
         self.step_size, self.elbo_estimate = 0.0, None  # the closed-form step computes no ELBO estimate
@@ -275,6 +275,7 @@ def fit_closed_form(
         )
     strategy = ClosedFormStrategy.of(model)
     batch.check()
+    likelihood.check_bag_labels(batch.bag_labels)
     relax = AdaptiveOverrelaxation(max_overrelaxation) if max_overrelaxation != 1.0 else None
     optimizer = torch.optim.Adam(strategy.hyperparameters(), lr=lr) if learn_hyperparameters else None
     steps = ClosedFormSteps(

@@ -268,3 +268,24 @@ def test_the_strategys_natural_step_writes_the_step_it_returns(natural: bool) ->
     P = 0.6 * before.precision + 0.4 * (torch.eye(7, dtype=torch.float64) + 2.0 * stats.G)
     torch.testing.assert_close(stored.precision, P, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(stored.precision @ stored.m, 0.6 * before.precision @ before.m + 0.8 * stats.h, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("kind", ["mean_field", "tril_natural", "delta", "batch"])
+def test_variational_distributions_the_closed_form_step_cannot_use_are_refused_when_built(kind: str) -> None:
+    """A mean-field, TrilNatural or Delta q(v), or a batch of GPs, was accepted and then failed in
+    the first step with an AttributeError or a shape error; it must be a TypeError at construction."""
+    M = 5
+    Z = torch.randn(M, 2, dtype=torch.float64)
+    vd = {
+        "mean_field": lambda: gpytorch.variational.MeanFieldVariationalDistribution(M),
+        "tril_natural": lambda: gpytorch.variational.TrilNaturalVariationalDistribution(M),
+        "delta": lambda: gpytorch.variational.DeltaVariationalDistribution(M),
+        "batch": lambda: gpytorch.variational.NaturalVariationalDistribution(M, batch_shape=torch.Size([2])),
+    }[kind]()
+
+    class UserGP(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            super().__init__(ClosedFormStrategy(self, Z, vd))
+
+    with pytest.raises(TypeError, match="ClosedFormStrategy"):
+        UserGP()
