@@ -110,8 +110,9 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         return self.update_locals(mean, None, bags, bag_labels, pi0)
 
     def update_locals(self, mean: Tensor, var: Tensor | None, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
-        # the exact sweep runs on the bags' position-major layout, computed once per Bags
-        return update_instance_labels(mean, locals_, bags, bag_labels, self.log_h, self.max_rule, damping=self.damping)
+        # the exact sweep runs on the bags' position-major layout, computed once per Bags; with a
+        # bag-size cap π ascends the tempered objective, whose instance term is w_b (π − ½) μ
+        return update_instance_labels(self._tempered(mean, bags), locals_, bags, bag_labels, self.log_h, self.max_rule, damping=self.damping)
 
     def _quadratic_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> tuple[Tensor, Tensor]:
         c = torch.sqrt(mean * mean + var)
