@@ -124,7 +124,7 @@ class AggregateGPHead(GPHead):
         mean, var = self.moments(z)
         bag = predict_bag_moments(self.gp, lik, z, bags, w, self.chunk_instances, self.block_budget)
         fields = {"y_mean": bag["y_mean"], "y_var": bag["y_var"], "bag_rate_mean": bag["rate_mean"], "bag_rate_var": bag["rate_var"],
-                  "outside_training": self.outside_training(z, bags)}
+                  "outside_training": self.outside_training(z, var, bags)}
         if bag_targets is not None:
             fields["bag_nll"] = -bag_log_predictive(
                 self.gp, lik, z, bags, bag_targets.to(z), w, samples=self.nll_samples, generator=self.generator(z.device),

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_objects", "all_reduce_sum", "is_distributed", "world_size"]
+__all__ = ["all_gather_objects", "all_reduce_sum", "is_distributed", "rank", "world_size"]
 
 
 def is_distributed() -> bool:
@@ -15,6 +15,10 @@ def is_distributed() -> bool:
 
 def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -231,16 +231,14 @@ class GPHead(nn.Module):
         and the hyperparameters (q(v) fixed)."""
         return self.strategy.marginals(self.strategy.projection(z), self.posterior())
 
-    def outside_training(self, z: Tensor, bags: Bags) -> Tensor:
-        """``(B,)`` the share of each bag's instances (standardised features ``z`` ``(N, D)``) that
-        lie outside the training data: their predictive variance of f is at least
+    def outside_training(self, z: Tensor, var: Tensor, bags: Bags) -> Tensor:
+        """``(B,)`` the share of each bag's instances (standardised features ``z`` ``(N, D)`` with
+        predictive variances ``var`` ``(N,)`` of f) that lie outside the training data: ``var`` is at least
         :data:`OUTSIDE_TRAINING_VARIANCE` of their prior variance (far from every inducing point,
         or outside a linear kernel's span), so the training data say nothing about them and their
         prediction is the prior's. A bag made of such instances gets the calibrated reading of a
         prior guess, whatever its probability says."""
-        proj = self.strategy.projection(z)
-        var = self.strategy.marginals(proj, self.posterior())[1]
-        outside = (var >= OUTSIDE_TRAINING_VARIANCE * proj.prior_var).to(var)
+        outside = (var >= OUTSIDE_TRAINING_VARIANCE * self.strategy.prior_variance(z)).to(var)
         return segment_sum(outside, bags.index, bags.num_bags) / bags.sizes.to(var)
 
     # -- bag decisions ---------------------------------------------------------------------------
@@ -399,7 +397,7 @@ class GPHead(nn.Module):
         """
         z = z.to(torch.float64)
         posterior = self.bag_posterior(z, bags)
-        out: dict[str, Any] = {"mean": posterior.mean, "var": posterior.var, "bag_fields": {"outside_training": self.outside_training(z, bags)}}
+        out: dict[str, Any] = {"mean": posterior.mean, "var": posterior.var, "bag_fields": {"outside_training": self.outside_training(z, posterior.var, bags)}}
         out["instance"], out["instance_std"] = posterior.instance_moments(self.likelihood.instance_link)  # shared with a marginal bag rule
         out["bag"], out["bag_std"] = self.decide(posterior)
         return out

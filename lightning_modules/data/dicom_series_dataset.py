@@ -7,7 +7,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from lightning_modules.distributed import is_distributed
+from lightning_modules.distributed import rank, world_size
 from milgp.ct.cache_params import CacheParams
 from milgp.ct.dataset import uniform_subsample
 from milgp.ct.report_entry import printable
@@ -55,9 +55,8 @@ class DicomSeriesDataset(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = torch.utils.data.get_worker_info()
-        rank, ranks = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if is_distributed() else (0, 1)
         workers, worker_id = (1, 0) if worker is None else (worker.num_workers, worker.id)
-        for i in range(rank * workers + worker_id, len(self.series), ranks * workers):
+        for i in range(rank() * workers + worker_id, len(self.series), world_size() * workers):
             item = self.read(i)
             if item is not None:
                 yield item

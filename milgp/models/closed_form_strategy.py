@@ -278,6 +278,12 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
             quad[start : start + block] = torch.linalg.solve_triangular(L_P, A_block, upper=False).square_().sum(0)
         return proj.prior_mean + mean, (proj.with_residual().residual + quad).clamp_min(1e-10)
 
+    def prior_variance(self, x: Tensor) -> Tensor:
+        """``k(x_n, x_n) + jitter`` ``(N,)`` (the :attr:`Projection.prior_var` of ``x``) without the
+        projection onto the inducing points; no gradients."""
+        with torch.no_grad():
+            return self.model.forward(x).lazy_covariance_matrix.diagonal(dim1=-1, dim2=-2) + self.jitter
+
     def predict_marginals(self, x: Tensor, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
         """``q(f*)`` mean and variance ``(N,)`` for new inputs, in chunks, without gradients."""
         q = self.whitened_posterior()

@@ -289,3 +289,12 @@ def test_variational_distributions_the_closed_form_step_cannot_use_are_refused_w
 
     with pytest.raises(TypeError, match="ClosedFormStrategy"):
         UserGP()
+
+
+def test_prior_variance_equals_the_projections_without_projecting() -> None:
+    """prior_variance (what the GP head's outside-training share divides by) must be the projection's
+    k(x, x) + jitter; otherwise the share would compare the predictive variance with another prior."""
+    model, g = fitted_like_model(constant_mean=True)
+    x = torch.randn(11, 3, generator=g, dtype=torch.float64)
+    strategy = model.variational_strategy
+    torch.testing.assert_close(strategy.prior_variance(x), strategy.projection(x).prior_var, rtol=1e-12, atol=0)
