@@ -5,16 +5,14 @@ __all__ = ["RelativeChangeStop"]
 
 
 class RelativeChangeStop:
-    """Stop when the watched objective changes by at most ``tol · max(1, |previous|)`` for
-    ``patience`` iterations in a row, once at least ``min_iter`` iterations have run.
-
-    Twice in a row (the default) because a hyperparameter step or a damped local update can make one
-    sweep's change small while the fit is still moving. Call it once per iteration with the value
-    of that iteration; it returns whether to stop.
+    """Stop when the watched objective changes by at most ``tol · max(1, |previous|)`` twice in a
+    row (a hyperparameter step or a damped local update can make one sweep's change small while the
+    fit is still moving), once at least ``min_iter`` iterations have run. Call it once per iteration
+    with the value of that iteration; it returns whether to stop.
     """
 
-    def __init__(self, tol: float, min_iter: int = 1, patience: int = 2):
-        self.tol, self.min_iter, self.patience = float(tol), int(min_iter), int(patience)
+    def __init__(self, tol: float, min_iter: int = 1):
+        self.tol, self.min_iter = float(tol), int(min_iter)
         self.previous: float | None = None
         self.quiet = 0
 
@@ -22,6 +20,6 @@ class RelativeChangeStop:
         previous, self.previous = self.previous, value
         if previous is not None and abs(value - previous) <= self.tol * max(1.0, abs(previous)):
             self.quiet += 1
-            return self.quiet >= self.patience and iteration + 1 >= self.min_iter
+            return self.quiet >= 2 and iteration + 1 >= self.min_iter
         self.quiet = 0
         return False
