@@ -87,18 +87,6 @@ class BagLayout:
     counts: list[int]
 
 
-def bag_layout(bags: "Bags") -> BagLayout:
-    """The :class:`BagLayout` of ``bags``."""
-    pos = torch.empty_like(bags.index)
-    pos[bags.padding.order] = bags.padding.position
-    bag_order = torch.argsort(-bags.sizes, stable=True)
-    rank = torch.empty_like(bag_order)
-    rank[bag_order] = torch.arange(bags.num_bags, device=bags.index.device)
-    flat = torch.argsort(pos * max(1, bags.num_bags) + rank[bags.index])
-    counts = torch.bincount(pos).tolist() if len(pos) else []
-    return BagLayout(flat=flat, bag_order=bag_order, counts=counts)
-
-
 @dataclass(frozen=True)
 class Padding:
     """Where the instances of :class:`Bags` go in a dense ``(B, n_max)`` layout: ``order`` ``(N,)``
@@ -145,7 +133,14 @@ class Bags:
     @cached_property
     def layout(self) -> BagLayout:
         """The :class:`BagLayout` of the bags."""
-        return bag_layout(self)
+        pos = torch.empty_like(self.index)
+        pos[self.padding.order] = self.padding.position
+        bag_order = torch.argsort(-self.sizes, stable=True)
+        rank = torch.empty_like(bag_order)
+        rank[bag_order] = torch.arange(self.num_bags, device=self.index.device)
+        flat = torch.argsort(pos * max(1, self.num_bags) + rank[self.index])
+        counts = torch.bincount(pos).tolist() if len(pos) else []
+        return BagLayout(flat=flat, bag_order=bag_order, counts=counts)
 
     @cached_property
     def padding(self) -> Padding:

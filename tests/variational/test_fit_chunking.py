@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, bag_layout
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes
 from milgp.likelihoods.instance_link import LogisticLink
 from milgp.likelihoods.mil_bernoulli import MILBernoulliLikelihood
 from milgp.prediction import BagPosterior, JointNoisyOrRule
@@ -183,7 +183,7 @@ def test_the_layout_belongs_to_its_bags_not_to_the_likelihood():
     assert not torch.equal(out_a, out_b)
     layout = a.layout
     lik.update_locals(mean, None, a, labels, pi)
-    assert a.layout is layout and torch.equal(layout.flat, bag_layout(a).flat)
+    assert a.layout is layout and torch.equal(layout.flat, Bags(a.index, a.num_bags).layout.flat)
 
 
 def test_fused_marginal_variance_matches_formula_and_grad_path():
