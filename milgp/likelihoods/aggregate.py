@@ -50,9 +50,7 @@ __all__ = [
 ]
 
 
-# ---------------------------------------------------------------------------------------------
-# links Ψ and the distribution of Ψ(f) for Gaussian f
-# ---------------------------------------------------------------------------------------------
+# -- links Ψ and the distribution of Ψ(f) for Gaussian f -----------------------------------------
 class Link(ABC):
     """``η = Ψ(f)``; moments and quantiles of ``Ψ(f)`` for ``f ~ N(μ, σ²)``."""
 
@@ -168,9 +166,7 @@ def make_link(link: str | Link) -> Link:
     return links[link]()
 
 
-# ---------------------------------------------------------------------------------------------
-# per-bag joint q(f_b)
-# ---------------------------------------------------------------------------------------------
+# -- per-bag joint q(f_b) ------------------------------------------------------------------------
 @dataclass
 class PaddedBlocks:
     """Joint ``q(f_b)`` of a group of bags, padded to the largest bag.
@@ -262,9 +258,7 @@ def _is_train_mode_diagonal(function_dist: Any) -> bool:
     return any(type(op) is DiagLinearOperator for op in parts)
 
 
-# ---------------------------------------------------------------------------------------------
-# base class
-# ---------------------------------------------------------------------------------------------
+# -- base class ----------------------------------------------------------------------------------
 class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     """Base class of the aggregate-output bag likelihoods (see the module docstring).
 
@@ -285,9 +279,8 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         the targets ``y`` ``(B,)`` over the weights ``(N,)`` — where a constant mean starts.
 
         A positive link cannot start at a zero total (all counts 0): half a count stands in for it
-        (a continuity correction). Either way the start is relative to ``Σ_i w_i``, so scaling every
-        population by one factor shifts it by that factor's log and changes no prediction; a fixed
-        floor of the rate (1e-8, before) started populations of 1e9 and more far from their rate."""
+        (a continuity correction), still relative to ``Σ_i w_i``, so scaling every population by
+        one factor changes no prediction."""
         total = float(y.sum())
         if self.link.positive and total <= 0:
             total = 0.5
@@ -345,18 +338,17 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     def check_data(self, y: Any, weights: Any, bags: Bags) -> None:
         """Validate targets ``(B,)`` and weights ``(N,)`` of ``bags``: ``ValueError`` naming the bag."""
         num_bags = bags.num_bags
-        y_np = np.asarray(torch.as_tensor(y).detach().cpu().numpy() if isinstance(y, Tensor) else y, dtype=np.float64)
+        y_np = np.asarray(y.detach().cpu().numpy() if isinstance(y, Tensor) else y, dtype=np.float64)
         if y_np.shape != (num_bags,):
             raise ValueError(f"expected one {self.target_name} per bag ({num_bags}), got shape {y_np.shape}")
         self.refuse_bags(~np.isfinite(y_np), y_np, "targets must be finite (no NaN/inf)")
         self.check_targets(y_np)
         w = np.asarray(weights.detach().cpu().numpy() if isinstance(weights, Tensor) else weights, dtype=np.float64)
-        b_idx = bags.index.detach().cpu().numpy()
         bad = np.nonzero(~(np.isfinite(w) & (w > 0)))[0]
         if len(bad):
             i = int(bad[0])
             raise ValueError(
-                f"bag {int(b_idx[i])} has weight/population {float(w[i])} (instance {i}); "
+                f"bag {int(bags.index[i])} has weight/population {float(w[i])} (instance {i}); "
                 "populations must be finite and strictly positive"
             )
 
