@@ -65,13 +65,9 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
 
     **Bag-size cap.** With :attr:`bag_size_cap` ``= n̄`` set, the instance terms of a bag of
     ``n_b > n̄`` instances are tempered by ``w_b = n̄ / n_b`` (a power likelihood per bag) in the
-    natural statistics and the ELBO, so no bag carries more evidence about ``f`` than ``n̄``
-    instances do (docs/core.md, "Real MIL data: what went wrong", 8). The local variables are
-    updated for that tempered objective, so the sweeps still ascend it (VGPMIL's ``q(y)`` sees the
-    tempered ``w_b μ_n``; the probit model's ``ν = μ`` is the optimum either way). With the cap the
-    objective is a power likelihood's, not a bound on ``log p(T)``: the ``q(y)`` entropy is not
-    tempered, and it can be positive. ``None`` (the default here; the estimators set the median
-    training bag size) is the model as published.
+    natural statistics, the ELBO and the locals' updates, so no bag carries more evidence about ``f``
+    than ``n̄`` instances do; the objective is then no bound on ``log p(T)`` (docs/core.md, "Real MIL
+    data: what went wrong", 8). ``None`` (the default here) is the model as published.
     """
 
     bag_size_cap: float | None = None
@@ -125,9 +121,8 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         return self.elbo_terms(mean, var, bags, bag_labels, locals_)
 
     def check_bag_labels(self, bag_labels: Tensor) -> None:
-        """Bag labels ``(B,)`` 0 or 1 (1 = positive): others entered the updates linearly and gave a
-        meaningless objective (−1/+1 labels: an "ELBO" of −13.9 where −78.9 was right). ``ValueError``
-        naming the first bad bag."""
+        """Bag labels ``(B,)`` 0 or 1 (1 = positive; others would enter the updates linearly):
+        ``ValueError`` naming the first bad bag."""
         bad = (bag_labels != 0) & (bag_labels != 1)
         if bool(bad.any()):
             b = int(bad.nonzero()[0, 0])

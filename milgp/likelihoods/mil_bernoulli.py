@@ -129,15 +129,12 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
     def hyperparameter_terms(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, locals_: Tensor) -> Tensor:
         """The exact logistic (ψ = φ) expected log-likelihood at the current π, whatever ψ is.
 
-        ``(π_n − ½) μ_n + E_q[log φ(f_n)] + log π`` with the expectation by 20-node Gauss–Hermite
-        quadrature, plus the q(y) entropy and bag terms (constant in the kernel), so that summed and
-        minus the KL it is the ELBO of the un-augmented logistic MIL model at the current q(v), q(y):
-        a lower bound of ``log p(T)`` for every ψ, tighter than the closed-form bound, and the value
-        reported as ``FitResult.objective`` and the estimators' ``elbo_``. Not the closed-form PG
-        bound ``log φ(c)``: its slack ``E_q[log φ(f)] − log φ(c) ≥ 0`` grows with the predictive
-        variance and biases the kernel (docs/core.md, "Hyperparameter learning: what we found"). The
-        ψ ≠ φ surrogate is no objective for the kernel: without ``−log Z`` it is unbounded in the kernel
-        variance when ψ has heavier tails than φ (``ψ_G/φ`` grows like ``e^{|f|/2}``).
+        ``(π_n − ½) μ_n + E_q[log φ(f_n)] + log π`` (20-node Gauss–Hermite) plus the q(y) entropy and
+        bag terms: summed, minus the KL, the ELBO of the un-augmented logistic MIL model, a lower
+        bound of ``log p(T)`` for every ψ (``FitResult.objective``, the estimators' ``elbo_``). The
+        slack of the closed-form bound ``log φ(c)`` grows with the predictive variance and biases the
+        kernel (docs/core.md, "Hyperparameter learning: what we found"); the ψ ≠ φ surrogate, without
+        ``−log Z``, is unbounded in the kernel variance when ψ has heavier tails than φ.
         """
         expected_log_phi = gauss_hermite_expectation(_LOGISTIC_PSI.log_psi, mean, var, 20)
         return self._terms_given(expected_log_phi, mean, bags, bag_labels, locals_)

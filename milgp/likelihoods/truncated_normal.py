@@ -10,9 +10,8 @@ float64 (and degrades gracefully — finite, correct limits — beyond): the log
 (:func:`milgp.likelihoods.mil_probit.bag_log_normaliser`: finite even when every ``Φ(−μ_i)``
 rounds to 1), and exact samplers (:func:`sample_above`, :func:`sample_truncated`).
 
-In float32 the same forms stay finite over the same range (no constant such as ``1e-300`` that
-underflows in the input's dtype) and agree with float64 to float32 precision: relative error
-``≲ 2e-6`` for the means / log-pieces and ``≲ 2e-5`` for the variances on ``μ ∈ [−30, 30]`` (tested).
+In float32 the same forms stay finite over the same range and agree with float64 to float32
+precision (no constant such as ``1e-300`` that underflows in the input's dtype; tested).
 
 All functions are elementwise, keep the input's dtype and device, and are differentiable where
 that makes sense (``torch.where`` with safe branches: no NaN gradients from the unused branch).
@@ -131,10 +130,8 @@ def log_neg_log_ndtr(x: Tensor, log_cdf: Tensor | None = None) -> Tensor:
 
     For ``x ≥ 3`` uses ``−log Φ(x) = −log1p(−q)``, ``q = Φ(−x) = exp(log_ndtr(−x)) ≤ 1.35e-3``,
     written as ``log q + log1p(q/2 + q²/3 + q³/4 + q⁴/5 + q⁵/6)`` (the series of
-    ``log(−log1p(−q)/q)``; truncation error ``< q⁶/7 < 1e-17`` relative), on those entries alone.
-    There is no division, so it stays exact when ``q`` underflows the difference ``1 − Φ(x)``
-    (``x ≈ 8.3`` in float64, ``≈ 5.4`` in float32) and when ``q`` itself underflows to 0 (``x ≈ 38``
-    in float64, ``≈ 14`` in float32 — the result is then ``log q`` exactly), in every floating dtype.
+    ``log(−log1p(−q)/q)``; truncation error ``< q⁶/7 < 1e-17`` relative), on those entries alone:
+    no division, so it stays exact when ``q`` underflows ``1 − Φ(x)`` or 0, in every floating dtype.
     """
     big = x >= 3.0
     log_cdf = torch.special.log_ndtr(torch.where(big, torch.zeros_like(x), x)) if log_cdf is None else log_cdf

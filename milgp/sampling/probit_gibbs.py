@@ -14,18 +14,15 @@ is the ``K̃ = 0`` special case). Whitened (``v = L⁻¹u``, ``A = L⁻¹K_zx``,
 
 The ``m`` of a positive bag are updated one position at a time (all bags and all chains at once,
 each update seeing the bag-mates' latest values), so every state satisfies the constraint; the
-negative-bag ``m`` are conditionally independent and drawn in one go. Truncated normals are drawn
-exactly (:func:`milgp.likelihoods.truncated_normal.sample_truncated`). Chains are vectorised
-(``(C, M)`` and ``(C, N)`` tensors), start over-dispersed (:func:`sample_probit_posterior`) and
-report split-R̂ and ESS (:mod:`milgp.sampling.diagnostics`) of the latent means ``μ₀_n + A_nᵀ v``
-of up to ``diagnostic_instances`` training instances.
+negative-bag ``m`` are drawn in one go; every draw is exact
+(:func:`~milgp.likelihoods.truncated_normal.sample_truncated`). Chains are vectorised, start
+over-dispersed and report split-R̂ and ESS (:mod:`milgp.sampling.diagnostics`) of the latent means
+``μ₀_n + A_nᵀ v`` of up to ``diagnostic_instances`` training instances.
 
-Predictions average over the kept draws of ``v`` and are Rao–Blackwellised over ``f*`` and ``m*``:
-``P(h* = 1 | v) = Φ(μ*(v)/sqrt(1 + K̃**))`` and, FITC making the ``f*`` of a bag independent given
-``v``, ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` (no orthant integral needed): the FITC
-conditional, not the full within-bag covariance of VI's ``bag_rule="joint"`` (docs/probit.md, "FITC
-vs full covariance"). Predictions work in bounded blocks of ``max_elements`` (draw, instance)
-entries (see :class:`ProbitGibbsResult`).
+Predictions average over the kept draws of ``v``, Rao–Blackwellised over ``f*`` and ``m*``:
+``P(h* = 1 | v) = Φ(μ*(v)/sqrt(1 + K̃**))`` and, the FITC ``f*`` of a bag being independent given
+``v``, ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` (not the full within-bag covariance of
+VI's ``bag_rule="joint"``: docs/probit.md, "Gibbs sampler").
 """
 from __future__ import annotations
 
@@ -60,11 +57,9 @@ RHAT_LIMIT = 1.05
 """Largest split-R̂ of a monitored latent mean below which the chains count as mixed."""
 ESS_LIMIT = 100.0
 """Smallest effective sample size (all chains together) of a monitored latent mean that counts as
-enough. Vehtari, Gelman, Simpson, Carpenter & Bürkner (*Rank-normalization, folding, and
-localization: an improved R̂ for assessing convergence of MCMC*, Bayesian Analysis 2021) ask for
-R̂ < 1.01 and ESS > 400 per quantity of interest; applied to the largest R̂ and the smallest ESS
-of several hundred monitored latent means, these looser limits flag chains that are plainly not
-done."""
+enough. Looser than the R̂ < 1.01, ESS > 400 of Vehtari et al. (*Rank-normalization, folding, and
+localization: an improved R̂ for assessing convergence of MCMC*, Bayesian Analysis 2021), as they
+apply to the worst of several hundred latent means: only plainly unmixed chains are flagged."""
 
 
 @dataclass
@@ -326,12 +321,7 @@ def sample_probit_posterior(
         seconds=time.perf_counter() - start,
         v_start=v_start,
         settings=dict(
-            num_samples=num_samples,
-            burn_in=burn_in,
-            thin=thin,
-            num_chains=num_chains,
-            seed=seed,
-            init="prior" if init is None else "q(v)",
-            init_dispersion=init_dispersion,
+            num_samples=num_samples, burn_in=burn_in, thin=thin, num_chains=num_chains, seed=seed,
+            init="prior" if init is None else "q(v)", init_dispersion=init_dispersion,
         ),
     )

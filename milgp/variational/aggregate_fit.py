@@ -23,10 +23,7 @@ schedule (capped at ``rho_max``) and is halved until the precision is positive d
 
 **Hyperparameters** (kernel, constant mean, Normal noise τ, optionally Z): Adam on the ELBO with
 ``q(v)`` fixed, on random subsets of whole bags (at most ``hyper_max_instances`` instances),
-gradients accumulated chunk by chunk.
-
-**The loop** (full batch or minibatches, hyperparameter rounds, stopping) is
-:func:`~milgp.variational.fit_loop.fit_loop`, shared with the MIL likelihoods' closed-form fit;
+gradients accumulated chunk by chunk. The loop is :func:`~milgp.variational.fit_loop.fit_loop`;
 :class:`AggregateSteps` are this family's steps.
 
 **Chunks.** Bags are sorted by size and packed into groups of at most ``chunk_instances``

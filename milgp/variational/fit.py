@@ -10,10 +10,7 @@ One iteration (full batch):
 4. optionally, gradient steps (Adam) on the kernel hyperparameters (and inducing locations) on the
    closed-form ELBO with ``q(v)`` and the locals held fixed.
 
-The iterations, with minibatches of whole bags or on the full batch, are
-:func:`~milgp.variational.fit_loop.fit_loop`'s, shared with the aggregate-output fit; this module
-holds the steps of this family (:class:`ClosedFormSteps`); their projections are kept by
-:class:`~milgp.variational.projection_cache.ProjectionCache`.
+The loop is :func:`~milgp.variational.fit_loop.fit_loop`; :class:`ClosedFormSteps` are this family's steps.
 """
 from __future__ import annotations
 

@@ -8,11 +8,9 @@ an iteration is an epoch of minibatches of whole bags in random order: a stochas
 size ``schedule(t)`` with the statistics scaled by ``B / B_minibatch`` (Hoffman et al. 2013,
 "Stochastic variational inference"), then the hyperparameter steps on the same minibatch.
 
-What differs between likelihood families is the :class:`FitSteps` object the loop drives:
-:class:`milgp.variational.fit.ClosedFormSteps` (augmented MIL likelihoods: closed-form steps and
-local updates) and :class:`milgp.variational.aggregate_fit.AggregateSteps` (aggregate outputs:
-closed-form or autograd statistics, checked steps). The loop owns the order of the steps, the
-random bags, the ELBO trace and the stopping rule.
+Each likelihood family is one :class:`FitSteps`: :class:`milgp.variational.fit.ClosedFormSteps`
+(augmented MIL likelihoods) and :class:`milgp.variational.aggregate_fit.AggregateSteps` (aggregate
+outputs). The loop owns the order of the steps, the random bags, the ELBO trace and the stopping rule.
 """
 from __future__ import annotations
 

@@ -8,17 +8,11 @@ the optimal Gaussian ``q(v)`` has natural parameters
 
     η̂₁ = s · A (b − λ ⊙ mean(x)),      −2 η̂₂ = P̂ = I + s · A diag(λ) Aᵀ,
 
-with ``A = L⁻¹K_zx`` and ``s`` = total bags / bags in the batch. (For VGPMIL ``b = π − ½``,
-``λ = θ``: Castro-Macías et al. 2024, Eqs. 26–27, whitened.) Full batch with step ρ = 1 this *is* CAVI; with
-minibatches of whole bags the stochastic step ``η ← (1−ρ_t) η + ρ_t η̂`` with a Robbins–Monro
-schedule ``ρ_t = (t + τ)^(−κ)`` is stochastic variational inference. Both are natural-gradient
-steps of step size ρ, which is why one ``gpytorch.optim.NGD(lr=ρ)`` step on the augmented
-``VariationalELBO`` gives the same update (tested).
-
-This module forms the sufficient statistics ``h = A b``, ``G = A diag(λ) Aᵀ`` (:func:`natural_statistics`;
-sums over instances: :class:`NaturalStatistics`) and schedules minibatch steps (:class:`RobbinsMonro`); the
-step itself is :meth:`milgp.models.ClosedFormStrategy.natural_step` (on a model's ``q(v)``) or
-:meth:`milgp.models.WhitenedPosterior.natural_step` (on a ``q(v)`` held aside).
+with ``A = L⁻¹K_zx`` and ``s`` = total bags / bags in the batch (VGPMIL: ``b = π − ½``, ``λ = θ``;
+Castro-Macías et al. 2024, Eqs. 26–27, whitened). Full batch with step ρ = 1 this *is* CAVI; with
+minibatches of whole bags, ``η ← (1−ρ_t) η + ρ_t η̂`` with Robbins–Monro steps ρ_t is stochastic
+variational inference; one ``gpytorch.optim.NGD(lr=ρ)`` step on the augmented ``VariationalELBO``
+is the same update (tested). The step itself: :meth:`milgp.models.WhitenedPosterior.natural_step`.
 """
 from __future__ import annotations
 
@@ -67,11 +61,9 @@ def natural_statistics(A: Tensor, linear: Tensor, precision: Tensor, prior_mean:
 def weighted_gram(A: Tensor, w: Tensor) -> Tensor:
     """``(A diag(w)) (A diag(w))ᵀ`` ``(M, M)`` for ``A`` ``(M, N)``, ``w`` ``(N,)``, exactly symmetric.
 
-    On the CPU this is a BLAS ``syrk`` (a symmetric rank-N update: half the flops of the general
-    product), run by NumPy's ``Xᵀ X`` on two views of the scaled matrix. In float64, when that
-    matrix would exceed :data:`_GRAM_BLOCKED_BYTES`, the ``syrk`` is instead accumulated over blocks
-    of :data:`_GRAM_BLOCK` instances, each scaled into one buffer that stays in cache, so the large
-    temporary is never written (timings: docs/performance.md). Elsewhere, or with gradients, one matrix product.
+    On the CPU a BLAS ``syrk`` (half the flops of the general product), in float64 above
+    :data:`_GRAM_BLOCKED_BYTES` accumulated over cached blocks of :data:`_GRAM_BLOCK` instances
+    (docs/performance.md); elsewhere, or with gradients, one matrix product.
     """
     if A.device.type != "cpu" or A.dtype not in (torch.float64, torch.float32) or A.requires_grad or w.requires_grad:
         Yt = A.mT * w.unsqueeze(1)

@@ -1,21 +1,17 @@
 """Adaptive over-relaxed closed-form steps: faster full-batch CAVI with a monotone-ELBO safeguard.
 
-Plain CAVI jumps q(v) to the optimum ``η̂`` given the current local variables, then updates the
-locals. When q(v) and the locals are strongly coupled (which instance of a positive bag is the
-witness) the two blocks creep along a shared direction and CAVI converges linearly and slowly
-(docs/performance.md). An over-relaxed step goes past the optimum along that direction, in
-natural parameters,
+When q(v) and the locals are strongly coupled (which instance of a positive bag is the witness),
+plain CAVI creeps along a shared direction and converges linearly and slowly (docs/performance.md).
+An over-relaxed step goes past the optimum ``η̂`` along that direction, in natural parameters,
 
     η ← η + ω (η̂ − η),      P ← P + ω (P̂ − P),      ω ≥ 1
 
-(:meth:`~milgp.models.WhitenedPosterior.try_natural_step` with ``ρ = ω``; an indefinite
-precision falls back to the plain step and ``ω`` to 1), and is kept only if the ELBO after the local update has
-not decreased; otherwise the plain step (``ω = 1``) is taken. ``ω`` grows by :data:`GROWTH` after
-every kept step, up to a cap, and falls back to 1 after a rejected one: the adaptive over-relaxed
-bound optimisation of Salakhutdinov & Roweis, *Adaptive overrelaxed bound optimization methods*,
-ICML 2003 (§3), applied to the natural parameters of q(v). A rejected step costs one extra pass
-over the data for the moments; the ELBO never decreases where plain CAVI's does not, and the fixed
-points are those of CAVI. :func:`milgp.variational.fit.fit_closed_form` runs it
+(:meth:`~milgp.models.WhitenedPosterior.try_natural_step` with ``ρ = ω``), and is kept only if the
+ELBO after the local update has not decreased; otherwise (or when the precision is indefinite) the
+plain step is taken and ``ω`` falls back to 1. ``ω`` grows by :data:`GROWTH` after every kept step,
+up to a cap: the adaptive over-relaxed bound optimisation of Salakhutdinov & Roweis, *Adaptive
+overrelaxed bound optimization methods*, ICML 2003 (§3), on the natural parameters of q(v). The
+fixed points are those of CAVI; :func:`milgp.variational.fit.fit_closed_form` runs it
 (``max_overrelaxation``).
 """
 from __future__ import annotations
@@ -28,11 +24,8 @@ GROWTH = 1.25
 
 class AdaptiveOverrelaxation:
     """The step size ``ω`` of the over-relaxed natural step (module docstring): 1 at the start and
-    after a rejected step, × :data:`GROWTH` after a kept one, up to ``max_omega``.
-
-    Args:
-        max_omega: the cap (``≥ 1``; 1 is plain CAVI).
-    """
+    after a rejected step, × :data:`GROWTH` after a kept one, up to ``max_omega`` (``≥ 1``; 1: plain
+    CAVI)."""
 
     def __init__(self, max_omega: float):
         if not max_omega >= 1.0:
