@@ -34,10 +34,8 @@ PI_CLAMP = 1e-7
 
 MAX_RULE_DAMPING = 0.5
 """Default step ``δ`` of the ``"max"`` rule's parallel update, ``π ← (1 − δ)π + δ·π̂``. The undamped
-parallel update (``δ = 1``, the reference code's) falls into 2-cycles: two instances of a positive
-bag that each see the other as unlikely both jump to 1, then both drop back, forever (with
-``H = 10¹²`` the ELBO alternates between two values and the fit never converges). Damping keeps
-the same fixed points and converges."""
+update (``δ = 1``, the reference code's) falls into 2-cycles: two instances of a positive bag that
+each see the other as unlikely both jump to 1, then both drop back. Damping keeps the fixed points."""
 
 
 def positions_in_bag(bag_index: Tensor, num_bags: int) -> list[Tensor]:

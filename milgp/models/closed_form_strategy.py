@@ -3,17 +3,12 @@
 :class:`ClosedFormStrategy` is GPyTorch's whitened ``VariationalStrategy`` — ``q(v) = N(m, S)``
 over ``v = L⁻¹(u − mean(Z))`` with ``K_zz + jitter·I = L Lᵀ`` (Hensman, Matthews and Ghahramani,
 *Scalable Variational Gaussian Process Classification*, AISTATS 2015) — so a model built on it
-works with ``gpytorch.mlls.VariationalELBO``, Adam and ``gpytorch.optim.NGD`` as before. It adds
-what the augmentation-based closed-form updates of the bag likelihoods need, for *any*
-``ApproximateGP`` that uses it (the model's own ``forward``: its kernel and mean), computed
-without ``N×N`` matrices: the whitened :meth:`~ClosedFormStrategy.projection`, ``q(v)`` read and
-written (:meth:`~ClosedFormStrategy.whitened_posterior`, :meth:`~ClosedFormStrategy.set_whitened_posterior`),
-the :meth:`~ClosedFormStrategy.marginals` and per-bag blocks (:meth:`~ClosedFormStrategy.bag_covariances`)
-of ``q(f)``, and the closed-form :meth:`~ClosedFormStrategy.natural_step`.
-
-Put it where ``VariationalStrategy`` would go (an example: README, "Your own model, closed-form
-steps") and :func:`milgp.variational.fit_closed_form` trains it by closed-form natural steps. The
-jitter is GPyTorch's own (``jitter_val``), so the fast path and GPyTorch's predictions agree exactly.
+works with ``gpytorch.mlls.VariationalELBO``, Adam and ``gpytorch.optim.NGD`` as before. It adds,
+for *any* ``ApproximateGP`` that uses it and without ``N×N`` matrices, what the closed-form updates
+of the bag likelihoods need: projections, ``q(v)`` read and written, marginals and per-bag blocks
+of ``q(f)``, and the :meth:`~ClosedFormStrategy.natural_step` (:func:`milgp.variational.fit_closed_form`
+trains it; example: README, "Your own model, closed-form steps"). The jitter is GPyTorch's own
+(``jitter_val``), so the fast path and GPyTorch's predictions agree exactly.
 """
 from __future__ import annotations
 

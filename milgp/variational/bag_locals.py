@@ -22,21 +22,14 @@ class BagLocals(nn.Module):
 
     In stochastic variational inference the local parameters of a data point are re-optimised
     whenever it is drawn (Hoffman, Blei, Wang & Paisley, *Stochastic variational inference*, JMLR
-    2013, Algorithm 1); VGPMIL's ``q(y)`` update is a damped fixed-point step, so a bag drawn again —
-    in a later minibatch or epoch, on another DDP rank — continues from its own locals instead of
-    being re-initialised. Held on CPU in float64 (a float32 fit casts them as it takes them).
-
-    The locals of a bag are kept by the position of each instance within the bag: a bag must come
-    back with its instances in the same order (a loader that shuffles instances within a bag hands
-    each instance another one's ``π``; shuffle the order of bags instead).
+    2013, Algorithm 1); VGPMIL's ``q(y)`` update is a damped fixed-point step, so a bag drawn again
+    (later minibatch or epoch, another DDP rank) continues from its own locals. Held on CPU in
+    float64. A bag must come back with its instances in the same order (locals are kept by position).
 
     Its ``state_dict`` holds three tensors whatever the number of bags — ``ids`` (the bag ids as
-    NUL-separated UTF-8 bytes, sorted), ``sizes`` ``(B,)`` and ``values`` ``(Σ n_b,)`` in that
-    order — so the locals travel in a model's checkpoint and load with
-    ``torch.load(weights_only=True)``; their shapes are the stored bags', not fixed at construction
-    (:attr:`resizes_on_load`).
-
-    Integer bag ids (:data:`BagIds`) are kept under their decimal string: ``7`` and ``"7"`` name the same bag.
+    NUL-separated UTF-8 bytes, sorted), ``sizes`` ``(B,)`` and ``values`` ``(Σ n_b,)`` — loadable with
+    ``torch.load(weights_only=True)``; their shapes are the stored bags' (:attr:`resizes_on_load`).
+    Integer bag ids (:data:`BagIds`) are kept under their decimal string: ``7`` and ``"7"`` are one bag.
     """
 
     resizes_on_load = True

@@ -13,9 +13,7 @@ approximate leave-one-out cross-validation for GPs (Opper & Winther, *Gaussian p
 classification: mean-field algorithms*, Neural Computation 2000; Vehtari et al., *Bayesian
 leave-one-out cross-validation approximations for Gaussian latent variable models*, JMLR 2016).
 
-The estimators fit their bag calibration (:class:`milgp.prediction.calibration.BagCalibrator`)
-and select kernel hyperparameters on these out-of-bag predictions, at the cost of about one
-sweep, batched over groups of bags of similar size.
+The estimators calibrate bags and select kernels on these out-of-bag predictions (about one sweep).
 """
 from __future__ import annotations
 
