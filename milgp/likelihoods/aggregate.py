@@ -70,11 +70,12 @@ class Link(ABC):
         to start a constant mean at the pooled rate ``Σy / Σw``."""
 
     @abstractmethod
-    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
-        """``Cov(Ψ(f_i), Ψ(f_j))`` for jointly Gaussian ``f`` with covariance ``cov_ij``."""
+    def covariance(self, mu_i: Tensor, var_i: Tensor, mu_j: Tensor, var_j: Tensor, cov_ij: Tensor) -> Tensor:
+        """``Cov(Ψ(f_i), Ψ(f_j))`` for jointly Gaussian ``f`` with means ``mu``, variances ``var`` and
+        covariance ``cov_ij`` (broadcast)."""
 
     def variance(self, mu: Tensor, var: Tensor) -> Tensor:
-        return self.covariance(mu, mu, var)
+        return self.covariance(mu, var, mu, var, var)
 
     @abstractmethod
     def quantile(self, mu: np.ndarray, var: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -98,9 +99,9 @@ class ExpLink(Link):
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return torch.exp(mu + 0.5 * var)
 
-    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
-        """Here ``mu_i, mu_j`` are the log-normal means ``E[e^{f_i}]``: ``E_i E_j (e^{S_ij} − 1)``."""
-        return mu_i * mu_j * torch.expm1(cov_ij)
+    def covariance(self, mu_i: Tensor, var_i: Tensor, mu_j: Tensor, var_j: Tensor, cov_ij: Tensor) -> Tensor:
+        """``E_i E_j (e^{S_ij} − 1)`` with the log-normal means ``E_i = E[e^{f_i}]``."""
+        return self.mean(mu_i, var_i) * self.mean(mu_j, var_j) * torch.expm1(cov_ij)
 
     def variance(self, mu: Tensor, var: Tensor) -> Tensor:
         return torch.expm1(var) * torch.exp(2 * mu + var)
@@ -123,7 +124,7 @@ class SquareLink(Link):
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return mu * mu + var
 
-    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
+    def covariance(self, mu_i: Tensor, var_i: Tensor, mu_j: Tensor, var_j: Tensor, cov_ij: Tensor) -> Tensor:
         return 2 * cov_ij * cov_ij + 4 * mu_i * mu_j * cov_ij
 
     def quantile(self, mu: np.ndarray, var: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -149,7 +150,7 @@ class IdentityLink(Link):
     def mean(self, mu: Tensor, var: Tensor) -> Tensor:
         return mu
 
-    def covariance(self, mu_i: Tensor, mu_j: Tensor, cov_ij: Tensor) -> Tensor:
+    def covariance(self, mu_i: Tensor, var_i: Tensor, mu_j: Tensor, var_j: Tensor, cov_ij: Tensor) -> Tensor:
         return cov_ij
 
     def quantile(self, mu: np.ndarray, var: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -415,9 +416,8 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     def rate_covariance(self, mean_r: Tensor, var_r: Tensor, mean_c: Tensor, var_c: Tensor, cov_rc: Tensor) -> Tensor:
         """``Cov[Ψ(f_r), Ψ(f_c)]`` ``(..., n_r, n_c)`` for jointly Gaussian ``f`` with marginal means
         and variances ``(..., n_r)``, ``(..., n_c)`` and cross-covariance ``cov_rc``."""
-        if isinstance(self.link, ExpLink):  # its covariance takes the log-normal means
-            mean_r, mean_c = self.link.mean(mean_r, var_r), self.link.mean(mean_c, var_c)
-        return self.link.covariance(mean_r.unsqueeze(-1), mean_c.unsqueeze(-2), cov_rc)
+        rows, cols = (mean_r.unsqueeze(-1), var_r.unsqueeze(-1)), (mean_c.unsqueeze(-2), var_c.unsqueeze(-2))
+        return self.link.covariance(*rows, *cols, cov_rc)
 
     def bag_rate_moments(self, blocks: PaddedBlocks) -> tuple[Tensor, Tensor]:
         """Mean and variance ``(B,)`` of the bag aggregate ``η_a = Σ w_i Ψ(f_i)`` under the joint
