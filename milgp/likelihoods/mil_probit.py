@@ -20,14 +20,8 @@ the bag, no leave-one-out. With ``P_b = Π_{i∈b} Φ(−ν_i)`` the normaliser 
 The augmented expected log-likelihood is quadratic in ``f``: ``b_n = E[m_n]``, ``λ_n = 1``, so the
 natural step is ``η̂₁ = s·A E[m]``, ``η̂₂ = −½(I + s·AAᵀ)`` (Wang & Pinar 2021, Eqs. 17–18 whitened).
 
-**Exact ELBO** (derived here; the paper gives the updates, not the bound). With
-``μ_n, σ²_n`` the marginals of ``q(f_n)`` and ``q(M_b)`` as above,
-
-    E_q[log N(m_n; f_n, 1)] = −½ log 2π − ½ (E(m_n − ν_n)² + (ν_n − μ_n)² + 2(ν_n − μ_n)(E m_n − ν_n) + σ²_n)
-    −E_q[log q(M_b)]        = Σ_{n∈b} (½ log 2π + ½ E(m_n − ν_n)²) + log Z_b ,
-    E_q[log p(Y_b | M_b)]   = 0   (q(M_b) lives on the constraint set),
-
-so the data part of the ELBO is exactly
+**Exact ELBO** (the paper gives the updates, not the bound; derivation: docs/probit.md,
+"Equations used"). With ``μ_n, σ²_n`` the marginals of ``q(f_n)``, the data part of the ELBO is
 
     Σ_n [ (μ_n − ν_n) E_ν[m_n] + ½ (ν_n² − μ_n²) − ½ σ²_n ] + Σ_b log Z_b(ν)           (★)
 
@@ -49,9 +43,8 @@ Then ``Z_b = Π_n Φ(ν_n)`` and ``E[m_n] = ν_n + φ(ν_n)/Φ(ν_n)`` on positi
 everything else are unchanged. It is a candidate of :class:`milgp.estimators.ProbitMILClassifier`'s
 search beside the MIL model, as single-instance learning is of VGPMIL's.
 
-Predictions (Wang & Pinar 2021, §3.4): instance ``Φ(μ*/sqrt(1 + σ*²))``; bag ``1 − P(all m* < 0)`` with
-``m*_b ~ N(μ*_b, Σ*_b + I)`` — an orthant probability (:mod:`milgp.likelihoods.orthant`) — or, for
-comparison, the same with the within-bag correlation ignored.
+Predictions (Wang & Pinar 2021, §3.4): instance ``Φ(μ*/sqrt(1 + σ*²))``; bag ``1 − P(all m* < 0)``,
+an orthant probability (:mod:`milgp.likelihoods.orthant`).
 """
 from __future__ import annotations
 

@@ -1,30 +1,25 @@
-"""Training VBAgg models: natural-gradient steps on q(v) alternating with Adam on hyperparameters.
+"""Training VBAgg models: natural-gradient steps on q(v) alternating with Adam on hyperparameters
+(docs/aggregate.md, "Training").
 
 **Natural step.** For the whitened ``q(v) = N(m, S)`` with prior ``N(0, I)`` and data term
 ``E(m, S)`` (the sum of :meth:`AggregateLikelihood.bag_terms` over bags), the natural gradient of
-the ELBO ``E − KL`` with step ρ is (Hensman et al. 2013; Salimbeni et al. 2018)
-
-    η ← (1 − ρ) η + ρ (η_prior + ∇_μ E),
-
-where ``∇_μ E`` is the gradient with respect to the *expectation* parameters ``(m, S + mmᵀ)``:
-``∇_{μ₁}E = ∂E/∂m − 2 (∂E/∂S) m``, ``∇_{μ₂}E = ∂E/∂S``. In the additive form of
-:class:`~milgp.variational.natural_update.NaturalStatistics` this is
+the ELBO ``E − KL`` with step ρ is ``η ← (1 − ρ) η + ρ (η_prior + ∇_μ E)`` (Hensman et al. 2013;
+Salimbeni et al. 2018), ``∇_μ E`` the gradient with respect to the *expectation* parameters
+``(m, S + mmᵀ)``. In the additive form of :class:`~milgp.variational.natural_update.NaturalStatistics`
 
     h = ∂E/∂m − 2 (∂E/∂S) m,      G = −2 ∂E/∂S,        (η̂₁, P̂) = (s·h, I + s·G),
 
-i.e. exactly the target of :meth:`~milgp.models.WhitenedPosterior.natural_step`; for a quadratic
-(augmented) likelihood it coincides with the closed-form statistics (tested). ``∂E/∂m`` and
-``∂E/∂S`` come from autograd, accumulated over chunks of whole bags, so memory is bounded by the
-chunk. The Normal model has exact closed-form statistics (rank one per bag) and ρ = 1 is its
-optimum. Poisson/Exponential are non-conjugate: full batch, ρ is adapted by backtracking (the step
-is accepted when the ELBO does not decrease and the new precision is positive definite; ρ grows
-×1.5 after an accepted step, up to ``rho_max``); with minibatches of bags ρ follows a Robbins–Monro
-schedule (capped at ``rho_max``) and is halved until the precision is positive definite.
+the target of :meth:`~milgp.models.WhitenedPosterior.natural_step` (for a quadratic likelihood the
+closed-form statistics; tested), with ``∂E/∂m``, ``∂E/∂S`` from autograd over chunks of whole bags.
+The Normal model has exact closed-form statistics and ρ = 1 is its optimum. Poisson/Exponential:
+full batch, ρ adapts by backtracking (a step is accepted when the ELBO does not decrease and the
+precision is positive definite; ρ then grows ×1.5, up to ``rho_max``); with minibatches of bags ρ
+follows a Robbins–Monro schedule (capped at ``rho_max``), halved until the precision is positive
+definite.
 
 **Hyperparameters** (kernel, constant mean, Normal noise τ, optionally Z): Adam on the ELBO with
-``q(v)`` fixed, on random subsets of whole bags (at most ``hyper_max_instances`` instances),
-gradients accumulated chunk by chunk. The loop is :func:`~milgp.variational.fit_loop.fit_loop`;
-:class:`AggregateSteps` are this family's steps.
+``q(v)`` fixed, on random whole bags (at most ``hyper_max_instances`` instances). The loop is
+:func:`~milgp.variational.fit_loop.fit_loop`; :class:`AggregateSteps` are this family's steps.
 
 **Chunks.** Bags are sorted by size and packed into groups of at most ``chunk_instances``
 instances and, when the likelihood needs within-bag covariances, ``block_budget`` padded block
@@ -167,11 +162,8 @@ class AggregateSteps:
         self, groups: list[BagGroup], q: WhitenedPosterior, closed_form: bool = True, cached: list[_Cached] | None = None
     ) -> tuple[NaturalStatistics, float]:
         """Natural-gradient statistics ``(h, G)`` of the data term of ``groups`` at ``q`` and the data
-        term's value.
-
-        Closed form when the likelihood offers it (Normal) and ``closed_form``; otherwise the
-        autograd route of the module docstring.
-        """
+        term's value: closed form when the likelihood offers it (Normal) and ``closed_form``, else
+        by the autograd route of the module docstring."""
         items = cached if cached is not None else [None] * len(groups)
         with torch.no_grad():
             L = self.strategy.inducing_cholesky()

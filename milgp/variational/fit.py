@@ -48,14 +48,11 @@ def closed_form_elbo(
 
 
 class ClosedFormSteps:
-    """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an
-    :class:`AugmentedBagLikelihood` on ``batch``: closed-form natural steps of ``q(v)`` and the
-    locals (steps 1–3 of the module docstring) and Adam on
-    :meth:`AugmentedBagLikelihood.hyperparameter_terms` per instance.
-
-    The Lightning GP head takes its training step with these steps on its batch: :meth:`sweep` with
-    ``ρ`` and ``scale`` = training bags / bags in the (global) batch, the statistics summed over DDP
-    ranks by ``reduce``, and :meth:`hyper_objective` on its features.
+    """The steps of :func:`~milgp.variational.fit_loop.fit_loop` for an :class:`AugmentedBagLikelihood`
+    on ``batch``: closed-form natural steps of ``q(v)`` and the locals (steps 1–3 of the module
+    docstring) and Adam on :meth:`AugmentedBagLikelihood.hyperparameter_terms` per instance. The
+    Lightning GP head steps its batch with :meth:`sweep` (``scale`` = training bags / bags in the
+    global batch, ``reduce`` summing over DDP ranks) and :meth:`hyper_objective` on its features.
 
     Args:
         chunk_size, cache_bytes: :class:`ProjectionCache`'s chunks and memory budget;

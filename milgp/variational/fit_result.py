@@ -17,12 +17,10 @@ class FitResult:
     Attributes:
         elbo: the closed-form (augmented) ELBO after each iteration (full batch) or epoch
             (minibatch): the objective the natural steps and local updates ascend.
-        objective: the objective the hyperparameter steps ascend, ``Σ hyperparameter_terms − KL``,
-            after each iteration when hyperparameters are learned (it is then the convergence
-            criterion), else only its final value (one entry; it is not needed per sweep) (:meth:`AugmentedBagLikelihood.hyperparameter_terms`).
-            For VGPMIL it is the un-augmented ELBO with ``E_q[log φ(f)]`` by quadrature (Castro-Macías et al. 2024
-            Eq. 29 plus the q(y) terms), a tighter lower bound of ``log p(T)`` than ``elbo``; for
-            the probit model it equals ``elbo`` at the fixed point of the locals.
+        objective: the objective the hyperparameter steps ascend, ``Σ hyperparameter_terms − KL``
+            (:meth:`AugmentedBagLikelihood.hyperparameter_terms`), after each iteration when they are
+            learned (it is then the convergence criterion), else its final value only. VGPMIL: the
+            un-augmented ELBO (Castro-Macías et al. 2024, Eq. 29), a tighter bound than ``elbo``.
         converged: whether the relative change of ``objective`` (with hyperparameter learning) or
             of ``elbo`` (without) fell below ``tol``.
         iterations: iterations (full batch) or epochs run.

@@ -27,12 +27,10 @@ class ProjectionCache:
     then add up to ``N``: e.g. groups of whole bags laid out one after the other). With ``order``
     ``(N,)`` the inputs are taken in that order, ``x[order]``, chunk by chunk (no copy of ``x``).
 
-    ``A`` depends only on the inputs and the hyperparameters; it is computed once and reused by
-    every pass (statistics, moments, minibatches) until :meth:`invalidate` is called after a
-    hyperparameter step. It is kept (as ``Aᵀ`` ``(N, M)``, so that chunks of rows and minibatch
-    rows are contiguous) only when ``N·(M + 2)`` floats fit ``cache_bytes``; otherwise each pass
-    recomputes it chunk by chunk and no ``N×M`` matrix is held. ``L`` is factorised once per
-    hyperparameter setting either way. No gradients are recorded.
+    ``A`` is computed once and reused by every pass until :meth:`invalidate` (after a
+    hyperparameter step). It is kept (as ``Aᵀ`` ``(N, M)``: contiguous chunks and minibatch rows)
+    only when ``N·(M + 2)`` floats fit ``cache_bytes``; otherwise each pass recomputes it chunk by
+    chunk. ``L`` is factorised once per hyperparameter setting either way. No gradients are recorded.
     """
 
     def __init__(
