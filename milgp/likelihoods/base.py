@@ -6,12 +6,9 @@ probit model), is quadratic in ``f`` with coefficients available in closed form:
 
     E_q[log p(T | f, locals)] = Σ_n b_n f_n − ½ Σ_n λ_n f_n² + const(locals).
 
-Subclasses implement four small methods; this base class turns them into
-
-* :meth:`expected_log_prob` for plain GPyTorch (``VariationalELBO`` + Adam or ``NGD``): the
-  augmented, quadratic-in-f form with the locals computed in closed form and detached, plus the
-  detached constants that make its value equal to the closed-form ELBO at the current locals;
-* the closed-form natural update and Algorithm 1 in :func:`milgp.variational.fit.fit_closed_form`.
+Subclasses implement four small methods; this base class turns them into :meth:`expected_log_prob`
+for plain GPyTorch (``VariationalELBO`` + Adam or ``NGD``), and :func:`milgp.variational.fit_closed_form`
+into the closed-form natural update and Algorithm 1.
 
 Shapes: ``mean``, ``var`` are ``(N,)``; ``bag_labels`` is ``(B,)``; ``bags`` is the batch's
 :class:`~milgp.data.bags.Bags` (``bags.index`` ``(N,)``, ``bags.num_bags`` ``B``).
@@ -171,10 +168,8 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         return b * mean - 0.5 * lam * (mean * mean + var) + const
 
     def log_marginal(self, observations: Tensor, function_dist: Any, *args: Any, **kwargs: Any) -> Tensor:
-        """Refused: GPyTorch's ``log_marginal`` (what ``gpytorch.mlls.PredictiveLogLikelihood``
-        maximises) is a sum of per-instance terms ``log E_q[p(y_n | f_n)]``, but the observations
-        here are bag labels; it would silently fit an instance classifier to every instance's bag
-        label, which is not this model. Raises ``TypeError`` naming what to use instead."""
+        """Refused with a ``TypeError``: GPyTorch's ``log_marginal`` (``PredictiveLogLikelihood``) sums
+        per-instance terms ``log E_q[p(y_n | f_n)]`` and would fit an instance classifier to bag labels."""
         raise TypeError(
             f"{type(self).__name__} scores bags, not instances: PredictiveLogLikelihood would fit an instance "
             "classifier to bag labels. Train with gpytorch.mlls.VariationalELBO (mll(output, target, bag_index=...)) "

@@ -2,9 +2,8 @@
 
 A likelihood whose (augmented) expected log-likelihood is quadratic in ``f`` reports it through
 ``h = Σ_n A_n (b_n − λ_n mean_n)`` and ``G = Σ_n λ_n A_n A_nᵀ``; the variational layer
-(:mod:`milgp.variational.natural_update`) turns them into the optimal whitened ``q(v)``. They are
-sums over instances, so chunks and DDP ranks add them up before the step. This type lives beside
-the likelihoods, which produce it, so that no likelihood imports the variational layer.
+(:mod:`milgp.variational.natural_update`) turns them into the optimal whitened ``q(v)``; chunks and
+DDP ranks add them up. It lives beside the likelihoods so that none imports the variational layer.
 """
 from __future__ import annotations
 

@@ -127,10 +127,9 @@ class ProbitGibbsResult:
         """``E[Φ(f*)]`` and ``std[Φ(f*)]`` under the posterior, ``(N,)`` each.
 
         Per draw ``v``: ``Φ(μ*(v)/sqrt(1 + K̃))`` and its std over ``f* | v`` (Sheppard, ``num_points``
-        Gauss–Legendre nodes), then the law of total variance over the draws. Instances are taken in
-        chunks of ``n_c = max_elements // (C·S·num_points)`` (at least 1), and the draws too (chunks of
-        ``max_elements // num_points``) when ``C·S·num_points > max_elements``: peak memory
-        ``O(max_elements + M·n_c + C·S·M)`` (docs/probit.md, "Memory").
+        Gauss–Legendre nodes), then the law of total variance over the draws; instances (and, when
+        ``C·S·num_points > max_elements``, draws) in chunks of at most ``max_elements`` entries
+        (docs/probit.md, "Memory").
         """
         draws = self.draws
         S = draws.shape[0]
@@ -159,11 +158,9 @@ class ProbitGibbsResult:
     def bag_probability_draws(self, model: ApproximateGP, x: Tensor, bags: Bags, max_elements: int = DEFAULT_MAX_ELEMENTS) -> Tensor:
         """Per-draw ``P(Y* = 0 | v) = Π_n Φ(−μ*_n(v)/sqrt(1 + K̃*_nn))`` laid out ``(C, S, B)``.
 
-        Bags are processed in groups of whole bags (:meth:`milgp.data.bags.Bags.groups`,
-        at most ``max_elements // (C·S)`` instances per group unless one bag alone is larger) and
-        the ``(s, n)`` latent means of a group in draw chunks of ``max_elements // n``, so apart
-        from the ``(C, S, B)`` output the peak is ``O(max_elements + M·n_g)`` elements, ``n_g`` the
-        largest group (≤ ``max(max_elements // (C·S), largest bag)``).
+        Bags in groups of whole bags (:meth:`milgp.data.bags.Bags.groups`, at most
+        ``max_elements // (C·S)`` instances unless one bag alone is larger), the draws in chunks of
+        ``max_elements // n_g``: apart from the output, peak ``O(max_elements + M·n_g)`` elements.
         """
         draws = self.draws
         S = draws.shape[0]
