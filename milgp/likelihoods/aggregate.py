@@ -264,11 +264,15 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
     """Base class of the aggregate-output bag likelihoods (see the module docstring).
 
     Subclasses set :attr:`needs_covariance` and implement :meth:`bag_terms`; optionally
-    :meth:`check_targets`, :meth:`closed_form_statistics` (conjugate models) and
-    :meth:`observation_moments`.
+    :meth:`check_targets`, :meth:`observation_moments` and, with :attr:`conjugate`,
+    ``closed_form_statistics``.
     """
 
     needs_covariance: bool = False
+    conjugate: bool = False
+    """Whether ``closed_form_statistics(y, weights, A, prior_mean, bags)`` gives the exact natural
+    statistics (the expected log-likelihood is quadratic in ``v``: Normal), so that a natural step
+    with ρ = 1 on all bags is the optimum of q(v)."""
     target_name: str = "target"
 
     def __init__(self, link: str | Link):
@@ -318,11 +322,6 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         bad = np.nonzero(invalid)[0]
         if len(bad):
             raise ValueError(f"bag {int(bad[0])} has {self.target_name} {float(y[bad[0]])}; {rule}")
-
-    def closed_form_statistics(self, *args: Any, **kwargs: Any) -> Any:
-        """Exact natural-parameter statistics when the expected log-likelihood is quadratic in
-        ``v`` (Normal); ``None`` means use the generic natural gradient."""
-        return None
 
     def observation_moments(self, rate_mean: Tensor, rate_var: Tensor, weight_sq_sum: Tensor) -> tuple[Tensor, Tensor]:
         """Predictive mean and variance of the observed ``y_a`` given the mean and variance of

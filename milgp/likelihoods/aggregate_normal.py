@@ -44,6 +44,7 @@ class NormalAggregateLikelihood(AggregateLikelihood):
     """
 
     needs_covariance = True
+    conjugate = True
 
     def __init__(self, link: str | Link = "identity", noise: float = 1.0, noise_lower_bound: float = 1e-6):
         super().__init__(link)

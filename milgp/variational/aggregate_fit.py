@@ -44,7 +44,7 @@ from milgp.variational.fit_result import FitResult
 from milgp.variational.natural_update import NaturalStatistics
 from milgp.variational.projection_cache import ProjectionCache
 
-__all__ = ["AggregateSteps", "bag_log_predictive", "fit_aggregate", "is_conjugate", "predict_bag_moments"]
+__all__ = ["AggregateSteps", "bag_log_predictive", "fit_aggregate", "predict_bag_moments"]
 
 
 def _weights(batch: BagBatch) -> Tensor:
@@ -56,12 +56,6 @@ class _Cached(NamedTuple):
 
     proj: Projection
     block: BlockBase | None
-
-
-def is_conjugate(likelihood: AggregateLikelihood) -> bool:
-    """Whether ``likelihood`` has closed-form natural statistics (the Normal model): its natural
-    step with ρ = 1 on all bags is the exact optimum of q(v)."""
-    return type(likelihood).closed_form_statistics is not AggregateLikelihood.closed_form_statistics
 
 
 class AggregateSteps:
@@ -96,7 +90,7 @@ class AggregateSteps:
         self.rho_max, self.chunk_instances, self.reduce, self.reduce_value = rho_max, chunk_instances, reduce, reduce_value
         self.budget = block_budget if likelihood.needs_covariance else None
         self.groups = batch.bags.groups(chunk_instances, self.budget)
-        self.conjugate = is_conjugate(likelihood)
+        self.conjugate = likelihood.conjugate
         # the groups' projections (one after the other) and blocks, kept while the hyperparameters
         # are fixed when they fit in ``cache_entries`` floats
         M = strategy.num_inducing
@@ -441,7 +435,7 @@ def bag_log_predictive(
     """
     weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
     y = y.to(x)
-    if is_conjugate(likelihood):
+    if likelihood.conjugate:
         moments = moments or predict_bag_moments(model, likelihood, x, bags, weights, chunk_instances, block_budget)
         var_y = moments["y_var"].clamp_min(1e-300)
         return -0.5 * (math.log(2 * math.pi) + torch.log(var_y) + (y - moments["y_mean"]) ** 2 / var_y)
