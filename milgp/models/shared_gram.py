@@ -89,9 +89,8 @@ def predict_marginals(models: Sequence[ApproximateGP], x: Tensor, chunk_size: in
             Z = m.variational_strategy.inducing_points
             group = next((g for g in groups if torch.equal(models[g[0]].variational_strategy.inducing_points, Z)), None)
             if group is None:
-                groups.append([k])
-            else:
-                group.append(k)
+                groups.append(group := [])
+            group.append(k)
     for shared in (g for g in groups if len(g) > 1):
         Z = models[shared[0]].variational_strategy.inducing_points
         parts: list[list[tuple[Tensor, Tensor]]] = [[] for _ in shared]
