@@ -11,11 +11,9 @@ paper's ``μ^M``); its update (Eq. 19) sets ``ν_n = μ_n``, the mean of ``q(f_n
 the bag, no leave-one-out. With ``P_b = Π_{i∈b} Φ(−ν_i)`` the normaliser and the means are
 
 * negative bag: ``Z_b = P_b``, ``E[m_n] = ν_n − φ(ν_n)/Φ(−ν_n)`` (Eqs. 20–22);
-* positive bag: ``Z_b = 1 − P_b``, ``E[m_n] = (ν_n − E₋(ν_n) P_b)/(1 − P_b)`` (Eq. 24), which we
-  evaluate in the algebraically identical, cancellation-free form
-  ``E[m_n] = ν_n + h(ν_n) · P_b/(1 − P_b)``, ``h(x) = φ(x)/Φ(−x)``, with
-  ``log(P_b/(1 − P_b)) = log P_b − log Z_b`` (see :mod:`milgp.likelihoods.truncated_normal` for the
-  stable ``log(1 − P_b)``).
+* positive bag: ``Z_b = 1 − P_b``, ``E[m_n] = (ν_n − E₋(ν_n) P_b)/(1 − P_b)`` (Eq. 24), evaluated
+  in the identical, cancellation-free form ``E[m_n] = ν_n + h(ν_n) · P_b/(1 − P_b)``,
+  ``h(x) = φ(x)/Φ(−x)`` (:mod:`milgp.likelihoods.truncated_normal`: the stable ``log(1 − P_b)``).
 
 The augmented expected log-likelihood is quadratic in ``f``: ``b_n = E[m_n]``, ``λ_n = 1``, so the
 natural step is ``η̂₁ = s·A E[m]``, ``η̂₂ = −½(I + s·AAᵀ)`` (Wang & Pinar 2021, Eqs. 17–18 whitened).

@@ -72,10 +72,8 @@ class GammaPsi(GSMDensity):
     ``θ(c) = α / (β + c²/2)`` exactly (Castro-Macías et al. 2024, §5). The normaliser, needed only for the ELBO's
     value, is ``Z(α, β) = √(2π) β^(½−α) Γ(α−½) / Γ(α)`` for ``α > ½``.
 
-    Existence of a finite optimum: for a confidently labelled instance (``π → 1``) the stationary
-    point of ``(π − ½) f − ½ θ(f) f²`` solves ``f = (π − ½)(β + f²/2)/α``, which has a real root only
-    when ``β ≤ 2α²``; beyond that the quadratic penalty saturates (``θ(f) f² → 2α``) and ``|f|`` grows
-    without bound. A warning is issued for such (α, β).
+    A warning is issued for ``β > 2α²``: there the stationary point of ``(π − ½) f − ½ θ(f) f²``,
+    ``f = (π − ½)(β + f²/2)/α``, has no real root for a confidently labelled instance (``π → 1``).
 
     Defaults ``α = 1, β = 1``: inside the paper's grid (α ∈ {0.5, 1}, β ∈ {1, 2.5, 4}) and the only
     point of it that satisfies ``β ≤ 2α²``.
