@@ -55,12 +55,9 @@ class ClosedFormSteps:
     global batch, ``reduce`` summing over DDP ranks) and :meth:`hyper_objective` on its features.
 
     Args:
-        chunk_size, cache_bytes: :class:`ProjectionCache`'s chunks and memory budget;
-            ``cache_all=False`` keeps nothing of the whole batch (the minibatches' projections
-            are still cached within ``cache_bytes``).
-        projection: ``(L, Projection)`` of ``batch.x`` already computed.
-        initial_locals: the locals to start from (``None``: :meth:`AugmentedBagLikelihood.init_locals`
-            at the current ``q(f)``).
+        chunk_size, cache_bytes, projection, initial_locals: as :func:`fit_closed_form`.
+        cache_all: ``False`` keeps nothing of the whole batch (the minibatches' projections are
+            still cached within ``cache_bytes``).
         relax: the adaptive over-relaxation of full-batch sweeps (``None``: plain CAVI).
         reduce: maps this batch's natural statistics to the global ones (a DDP all-reduce).
         q: the current ``q(v)`` (``None``: read from the strategy).
