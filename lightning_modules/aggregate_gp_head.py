@@ -104,7 +104,7 @@ class AggregateGPHead(GPHead):
         batch = BagBatch(z, bags.index, bag_labels.to(z), instance_weights=None if weights is None else weights.to(z))
         return AggregateSteps(
             self.strategy, self.likelihood, batch, rho=rho, rho_max=rho_max, chunk_instances=self.chunk_instances,
-            block_budget=self.block_budget, cache_entries=self.cache_entries, reduce=reduce, reduce_value=reduce_value,
+            block_budget=self.block_budget, reduce=reduce, reduce_value=reduce_value,
         )
 
     @torch.no_grad()

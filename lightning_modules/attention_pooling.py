@@ -41,11 +41,9 @@ class AttentionPooling(nn.Module):
 
     def forward(self, h: Tensor, bags: Bags) -> tuple[Tensor, Tensor]:
         """``h (N, D)`` of ``bags`` → ``(bag embeddings (B, D), attention weights (N,))``."""
-        s = self.scores(h).float()
-        s_pad, mask = to_padded(s, bags, fill=float("-inf"))
-        idx_pad, _ = to_padded(torch.arange(len(s), device=s.device), bags, fill=-1)
-        w_pad = torch.softmax(s_pad, dim=1)  # every bag has >= 1 real entry, so no NaN
-        weights = torch.empty_like(s)
-        weights[idx_pad[mask]] = w_pad[mask]
+        s, pad = self.scores(h).float(), bags.padding
+        s_pad, _ = to_padded(s, bags, fill=float("-inf"))
+        weights = torch.empty_like(s)  # every bag has >= 1 real entry, so the softmax has no NaN
+        weights[pad.order] = torch.softmax(s_pad, dim=1)[pad.bag, pad.position]
         pooled = segment_sum(weights.to(h.dtype).unsqueeze(-1) * h, bags.index, bags.num_bags)
         return pooled, weights

@@ -36,18 +36,18 @@ examples:
 milgp-train SUBCOMMAND --help lists every option of the modules and the trainer."""
 
 
-def run_cli(args: Sequence[str] | dict[str, Any] | None = None, run: bool = True) -> Any:
-    """Build (and by default run) the CLI; ``args`` as on the command line (``None``: ``sys.argv``).
+def run_cli(args: Sequence[str] | None = None) -> Any:
+    """Build and run the CLI; ``args`` as on the command line (``None``: ``sys.argv``).
     Returns the :class:`~lightning_modules.milgp_cli.MilgpCLI` (trainer, model, data)."""
     from lightning_modules.milgp_cli import make_cli  # Lightning only from here on
 
     if args is not None:  # called from Python: the host program's own argv is not for us
         saved, sys.argv = sys.argv, sys.argv[:1]
         try:
-            return make_cli(list(args) if isinstance(args, (list, tuple)) else args, run)
+            return make_cli(list(args))
         finally:
             sys.argv = saved
-    return make_cli(None, run)
+    return make_cli(None)
 
 
 def main(args: Sequence[str] | None = None) -> int:

@@ -155,9 +155,8 @@ def rule_comparison(records: list[dict], link: Any, threshold: float = 0.5) -> d
 def run_demo(out: str | Path | None = None, seed: int = 0, quick: bool = False, progress: bool = False, threads: int = 1) -> dict[str, Any]:
     """Run every stage (README, "The demo") and return the ``metrics.json`` content.
 
-    ``threads``: torch's intra-op threads (default 1: the GP head's tensors are small, and on a
-    shared 2-core machine more threads only wait for each other; the results are reproducible for
-    a given seed and thread count)."""
+    ``threads``: torch's intra-op threads (default 1: the GP head's tensors are small); the results
+    are reproducible for a given seed and thread count."""
     from lightning_modules.callbacks import FeatureWriter
     from lightning_modules.cli import run_cli
     from lightning_modules.input_error import InputError

@@ -64,11 +64,10 @@ class FeatureTable:
     ) -> "FeatureTable":
         """Build a table from per-bag ``(n_b, D)`` feature arrays."""
         sizes = [len(b) for b in bags]
-        inst = []
-        for i, n in enumerate(sizes):
-            lab = None if instance_labels is None else instance_labels[i]
-            inst.append(np.full(n, np.nan, np.float32) if lab is None else np.asarray(lab, np.float32).reshape(-1))
         B = len(bags)
+        labels = instance_labels if instance_labels is not None else [None] * B
+        inst = [np.full(n, np.nan, np.float32) if lab is None else np.asarray(lab, np.float32).reshape(-1)
+                for n, lab in zip(sizes, labels, strict=True)]
         return cls(
             features=np.concatenate([np.asarray(b, np.float32) for b in bags]).reshape(sum(sizes), -1),
             bag_index=np.repeat(np.arange(B), sizes).astype(np.int64),

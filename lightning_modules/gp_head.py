@@ -49,9 +49,7 @@ RULE_NAMES: tuple[str, ...] = tuple(BAG_RULES)
 
 OUTSIDE_TRAINING_VARIANCE = 0.9
 """An instance lies outside the training data when its predictive variance of f is at least this
-share of its prior variance (:meth:`GPHead.outside_training`). In distribution the share is small:
-on the demo's CT slice features the median was 0.10, the 99th percentile 0.46 and the largest
-0.91 of 4,253 slices; a slice whose features were scaled ×50 had 1.00."""
+share of its prior variance (:meth:`GPHead.outside_training`; docs/lightning.md has its spread)."""
 
 
 class GPHead(nn.Module):
@@ -62,8 +60,7 @@ class GPHead(nn.Module):
         num_inducing: M.
         likelihood: any :class:`AugmentedBagLikelihood`; default VGPMIL
             (:class:`MILBernoulliLikelihood` with ``psi="pg"``, H = 100, ``max_rule="max"``: the
-            largest-other-π rule of every shipped config — the exact leave-one-out rule saturates
-            in bags of 30+ slices and runs one sequential pass per slice position).
+            largest-other-π rule of every shipped config).
         ard: one lengthscale per feature.
         learn_inducing_locations: make Z trainable.
         constant_mean: constant instead of zero GP mean (``None``: the head's
@@ -79,8 +76,8 @@ class GPHead(nn.Module):
             calibrated the same way. Until a decision is fitted the head predicts with the named rule
             (``"auto"``: :data:`milgp.prediction.DEFAULT_BAG_RULE`) uncalibrated.
         seed: k-means++ and sampling seed.
-        chunk_instances, block_budget, cache_entries: aggregate heads, memory bounds of one
-            chunk of bags (see :func:`milgp.variational.aggregate_fit.fit_aggregate`).
+        chunk_instances, block_budget: aggregate heads, memory bounds of one chunk of bags
+            (see :func:`milgp.variational.aggregate_fit.fit_aggregate`).
         nll_samples: aggregate heads without a closed-form predictive (Poisson, Exponential),
             Monte Carlo samples of the joint ``q(f_b)`` for the bag predictive NLL.
     """
@@ -110,7 +107,6 @@ class GPHead(nn.Module):
         seed: int = 0,
         chunk_instances: int = 32768,
         block_budget: int = 2_000_000,
-        cache_entries: int = 50_000_000,
         nll_samples: int = 256,
     ):
         super().__init__()
@@ -151,7 +147,6 @@ class GPHead(nn.Module):
         self.seed = seed
         self.chunk_instances = int(chunk_instances)
         self.block_budget = int(block_budget)
-        self.cache_entries = int(cache_entries)
         self.nll_samples = int(nll_samples)
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -235,9 +230,8 @@ class GPHead(nn.Module):
         """``(B,)`` the share of each bag's instances (standardised features ``z`` ``(N, D)`` with
         predictive variances ``var`` ``(N,)`` of f) that lie outside the training data: ``var`` is at least
         :data:`OUTSIDE_TRAINING_VARIANCE` of their prior variance (far from every inducing point,
-        or outside a linear kernel's span), so the training data say nothing about them and their
-        prediction is the prior's. A bag made of such instances gets the calibrated reading of a
-        prior guess, whatever its probability says."""
+        or outside a linear kernel's span): the training data say nothing about them and their
+        prediction is the prior's."""
         outside = (var >= OUTSIDE_TRAINING_VARIANCE * self.strategy.prior_variance(z)).to(var)
         return segment_sum(outside, bags.index, bags.num_bags) / bags.sizes.to(var)
 
@@ -373,8 +367,7 @@ class GPHead(nn.Module):
         :class:`~milgp.variational.fit.ClosedFormSteps` (``locals_``: the batch's current locals,
         ``None`` to initialise them; ``reduce`` sums the statistics over DDP ranks). ``weights``,
         ``rho``, ``rho_max`` and ``reduce_value`` serve aggregate heads (populations, the adaptive
-        full-batch step size, the data term's DDP sum). The batch's projection is computed once
-        and serves every pass."""
+        full-batch step size, the data term's DDP sum)."""
         z = z.detach().to(torch.float64)
         return ClosedFormSteps(
             self.strategy, self.likelihood, BagBatch(z, bags.index, bag_labels.to(z)), chunk_size=max(1, len(z)),

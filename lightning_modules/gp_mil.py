@@ -203,11 +203,6 @@ class GPMILModule(BagModuleBase):
             raise InputError(f"{source + ': ' if source else ''}the inputs have {h.shape[-1]} features per instance, the GP head expects {self.gp.feature_dim}")
         return h
 
-    @property
-    def bag_label_kind(self) -> str:
-        """``"binary"`` (MIL: bag labels 0/1) or ``"aggregate"`` (real-valued bag targets)."""
-        return self.gp.bag_label_kind
-
     def describe(self) -> dict[str, Any]:
         out = {**super().describe(), "mode": self.mode, "likelihood": module_config(self.gp.likelihood),
                "num_inducing": self.gp.num_inducing}
@@ -248,10 +243,8 @@ class GPMILModule(BagModuleBase):
 
     def check_bag_data(self, source: str, bag_ids: list[str], bags: list[Any], labels: list[float]) -> None:
         """Check bags a run will fit or score before any work (called by the in-memory data modules'
-        ``setup``): the bag targets and the populations of the population column as the head's
-        likelihood needs them, e.g. a validation bag's negative count or zero population, which
-        were found only after an epoch (as a NaN metric) or never. Binary labels are the data
-        module's own check."""
+        ``setup``): the bag targets and the population column's populations as the head's
+        likelihood needs them. Binary labels are the data module's own check."""
         if not self.is_aggregate or not bags:
             return
         x = torch.cat([torch.as_tensor(b, dtype=torch.float64).reshape(len(b), -1) for b in bags])
@@ -487,4 +480,3 @@ class GPMILModule(BagModuleBase):
         if "gp_locals" in checkpoint:  # written before the locals were a module: move them into its state
             checkpoint["state_dict"].update(BagLocals(checkpoint.pop("gp_locals")).state_dict(prefix="bag_locals."))
         self.num_train_bags = checkpoint.get("gp_num_train_bags")
-

@@ -85,15 +85,7 @@ class MilgpCLI(LightningCLI):
         return super().instantiate_trainer(logger=[self.run_folder.logger(self.subcommand, *self._history), *extra], **kwargs)
 
 
-def make_cli(args: Any, run: bool) -> MilgpCLI:
-    """The CLI over milgp's modules (``args`` as on the command line)."""
-    return MilgpCLI(
-        BagModuleBase,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        args=args,
-        run=run,
-    )
-
+def make_cli(args: list[str] | None) -> MilgpCLI:
+    """Build and run the CLI over milgp's modules (``args`` as on the command line)."""
+    return MilgpCLI(BagModuleBase, pl.LightningDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                    auto_configure_optimizers=False, args=args)

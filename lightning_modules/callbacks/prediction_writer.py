@@ -93,4 +93,3 @@ class PredictionWriter(BasePredictionWriter):
                       f"nothing about them, its posterior there is the prior): its {value} is not evidence", file=sys.stderr)
         called = sum(s.get("decision", 0) for s in scans)
         print(f"wrote predictions of {len(scans)} scans to {out}" + ("" if aggregate else f" ({called} above the threshold {self.threshold:g})"))
-

@@ -18,9 +18,9 @@ __all__ = ["check_bag_ids", "check_bag_labels", "check_features", "check_instanc
 
 def label_kind(trainer: pl.Trainer | None) -> str | None:
     """What the attached model needs of bag labels: ``"binary"`` (0/1, MIL classifiers),
-    ``"aggregate"`` (real-valued targets) or ``None`` (no model attached: not checked)."""
+    ``"aggregate"`` (real-valued targets: its ``is_aggregate``) or ``None`` (no model attached: not checked)."""
     module = getattr(trainer, "lightning_module", None) if trainer is not None else None
-    return None if module is None else getattr(module, "bag_label_kind", "binary")
+    return None if module is None else "aggregate" if getattr(module, "is_aggregate", False) else "binary"
 
 
 def check_bag_labels(source: str, bag_ids: Sequence[str], labels: Sequence[float], kind: str | None, required: bool = True) -> None:
@@ -58,8 +58,7 @@ def check_features(source: str, bag_ids: Sequence[str], bags: Sequence[np.ndarra
 
 
 def check_instance_labels(source: str, bag_ids: Sequence[str], instance_labels: Sequence[np.ndarray | None]) -> None:
-    """Every known instance label of a MIL classifier's bags 0 or 1 (NaN: unknown); a 2 used to
-    surface after a whole epoch, in the metrics, named by its position among all instances."""
+    """Every known instance label of a MIL classifier's bags 0 or 1 (NaN: unknown)."""
     for bag_id, y in zip(bag_ids, instance_labels):
         if y is None:
             continue
@@ -74,10 +73,9 @@ _SPLIT_LOOKALIKES = {"training": "train", "validation": "val", "valid": "val", "
 
 def check_split_names(source: str, bag_ids: Sequence[str], splits: Sequence[str]) -> None:
     """No given split is a misspelt train/val/test (``Train``, ``validation``: refused), and bags
-    without a split beside bags with one are announced (a warning: e.g. features extracted from a
-    whole cache, whose bags outside its ``splits.json`` belong to no split): either way those bags
-    are used by no stage, which used to happen without a word. Other names (``external``) are
-    splits of their own, served by ``test_split``."""
+    without a split beside bags with one, which no stage uses, are announced (a warning: e.g. the
+    bags outside a cache's ``splits.json``). Other names (``external``) are splits of their own,
+    served by ``test_split``."""
     blank = [b for b, s in zip(bag_ids, splits) if s == ""]
     if blank:
         warnings.warn(f"{source}: {len(blank)} bags have no split while the others do (e.g. bag {blank[0]!r}); "
