@@ -46,8 +46,7 @@ class AttentionMILModule(BagModuleBase):
         attention_dim: hidden size of the attention network.
         gated: gated attention (default) or plain attention.
         dropout: dropout on the bag embedding.
-        lr, weight_decay: AdamW (attention MIL collapses to a constant output with lr ≳ 2e-3 on
-            the synthetic CT; 3e-4 learns).
+        lr, weight_decay: AdamW (docs/lightning.md says why lr is 3e-4).
         pos_weight: weight of positive bags in the loss (``None``: 1).
         instance_score: ``"attention"`` or ``"classifier"``: which per-slice score feeds the
             instance AUROC.

@@ -51,12 +51,11 @@ class GPMILModule(BagModuleBase):
             checkpoint's CT preprocessing becomes this model's.
         likelihood: any :class:`AugmentedBagLikelihood` or aggregate likelihood
             (:class:`milgp.likelihoods.aggregate.AggregateLikelihood`; ``class_path``/``init_args``
-            in YAML); default VGPMIL (:class:`milgp.likelihoods.MILBernoulliLikelihood`, ψ = PG, H = 100,
-            ``max_rule="max"``).
+            in YAML); default :class:`GPHead`'s, VGPMIL.
         num_inducing, ard, learn_inducing_locations, constant_mean, standardize, lengthscale,
-            outputscale, bag_rule: the GP head (:class:`lightning_modules.gp_head.GPHead`;
-            ``constant_mean=None``: constant for aggregate likelihoods, zero otherwise;
-            ``bag_rule="auto"``: the calibrated length-invariant rule with the best held-out NLL).
+            outputscale, bag_rule, chunk_instances, block_budget, nll_samples: the GP head
+            (:class:`lightning_modules.gp_head.GPHead`; ``constant_mean=None``: constant for aggregate
+            likelihoods, zero otherwise; the last three serve aggregate likelihoods only).
         decision_bags: held-out bags the bag decision is fitted on, ``"train"`` (leave-one-bag-out
             cavities of the training bags), ``"val"`` (validation bags, ``val/bag_nll`` then
             cross-fitted) or ``"auto"`` (``"train"`` two-stage, ``"val"`` end to end; docs/lightning.md).
@@ -75,8 +74,6 @@ class GPMILModule(BagModuleBase):
             ``instance_weights``); it is removed from the GP's features, so ``feature_dim`` is the
             input width and the GP sees ``feature_dim − 1`` features.
         rho0, rho_max: aggregate likelihoods, first and largest natural step size (non-conjugate).
-        chunk_instances, block_budget: aggregate likelihoods, memory bounds of a chunk of bags.
-        nll_samples: aggregate likelihoods, Monte Carlo samples of the bag predictive NLL.
     """
 
     def __init__(
@@ -189,10 +186,8 @@ class GPMILModule(BagModuleBase):
         x, w = batch.x, batch.instance_weights
         if self.population_column is not None:
             col = self.population_column % x.shape[1]
-            keep = [j for j in range(x.shape[1]) if j != col]
-            if w is None:
-                w = x[:, col]
-            x = x[:, keep]
+            w = x[:, col] if w is None else w
+            x = torch.cat([x[:, :col], x[:, col + 1 :]], dim=1)
         return x, w
 
     def features(self, x: Tensor, grad: bool | None = None) -> Tensor:
@@ -227,9 +222,9 @@ class GPMILModule(BagModuleBase):
         dm = getattr(self.trainer, "datamodule", None)
         loader = dm.train_dataloader() if dm is not None else self.trainer.train_dataloader
         dataset = getattr(loader, "dataset", None)
-        self.num_train_bags = len(dataset) if hasattr(dataset, "__len__") else None
-        if self.num_train_bags is None:
+        if not hasattr(dataset, "__len__"):
             raise ValueError("GPMILModule needs a training dataset with a length (the number of training bags)")
+        self.num_train_bags = len(dataset)
         if not bool(self.gp.initialized):
             self._initialize(loader)
 

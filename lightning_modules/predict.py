@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["build_parser", "data_module_for", "main", "predict", "run_folder_of"]
+__all__ = ["build_parser", "data_module_for", "main", "predict"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,12 +29,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-plots", action="store_true", help="no per-scan PNG")
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu or auto (default auto)")
     return parser
-
-
-def run_folder_of(checkpoint: str | Path) -> Path:
-    """The run folder a checkpoint belongs to (``<run>/checkpoints/x.ckpt`` → ``<run>``), else its folder."""
-    parent = Path(checkpoint).resolve().parent
-    return parent.parent if parent.name == "checkpoints" else parent
 
 
 def data_module_for(inputs: Sequence[str], max_slices: int | None = None, batch_size: int = 1) -> Any:
@@ -86,7 +80,8 @@ def predict(
 
     model = load_module(checkpoint)
     data = data_module_for(inputs, max_slices, batch_size)
-    folder = RunFolder(out if out is not None else run_folder_of(checkpoint))
+    parent = Path(checkpoint).resolve().parent  # <run>/checkpoints/x.ckpt belongs to <run>
+    folder = RunFolder(out if out is not None else parent.parent if parent.name == "checkpoints" else parent)
     trainer = pl.Trainer(
         accelerator=accelerator, devices=1, default_root_dir=str(folder.root), logger=folder.logger("predict"),
         callbacks=[PredictionWriter(threshold=threshold, plots=plots)], enable_checkpointing=False, enable_model_summary=False,

@@ -31,9 +31,8 @@ _WARNINGS = (
 _LOG_LINES = re.compile(r"💡 Tip|^(TPU|HPU) available")
 
 
-class _DropKnownLines(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not _LOG_LINES.search(record.getMessage())
+def _drop_known_lines(record: logging.LogRecord) -> bool:
+    return not _LOG_LINES.search(record.getMessage())
 
 
 def quiet_entry_point() -> None:
@@ -45,5 +44,5 @@ def quiet_entry_point() -> None:
 
     for name in ("pytorch_lightning", "lightning_fabric", ""):
         for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _DropKnownLines) for f in handler.filters):
-                handler.addFilter(_DropKnownLines())
+            if _drop_known_lines not in handler.filters:
+                handler.addFilter(_drop_known_lines)

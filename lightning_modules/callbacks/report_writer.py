@@ -70,12 +70,6 @@ class ReportWriter(Callback):
         self.n_bins = n_bins
         self.threshold = threshold
 
-    @staticmethod
-    def _dir(trainer: pl.Trainer) -> Path:
-        d = output_folder(trainer)
-        d.mkdir(parents=True, exist_ok=True)
-        return d
-
     def _name(self, pl_module: pl.LightningModule) -> str:
         return self.name or type(pl_module).__name__
 
@@ -86,7 +80,7 @@ class ReportWriter(Callback):
         if csv_path is not None and csv_path.is_file():
             curves = read_csv_log(csv_path)
             if curves:
-                plot_training_curves(self._dir(trainer) / "training_curves.png", curves, title=f"{self._name(pl_module)}: training curves")
+                plot_training_curves(output_folder(trainer) / "training_curves.png", curves, title=f"{self._name(pl_module)}: training curves")
 
     @rank_zero_only
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -100,7 +94,7 @@ class ReportWriter(Callback):
     def write(self, trainer: pl.Trainer, pl_module: pl.LightningModule, subcommand: str, records: list[dict[str, Any]],
               metrics: dict[str, float]) -> None:
         """Write the report of ``records`` and ``metrics`` (class docstring)."""
-        out = self._dir(trainer)
+        out = output_folder(trainer)
         aggregate = bool(getattr(pl_module, "is_aggregate", False))
         counts = {k: sum(outcome(r, self.threshold) == k for r in records) for k in OUTCOMES} if not aggregate else {}
         summary = {"model_name": self._name(pl_module), **run_metadata(trainer, pl_module, subcommand), "metrics": metrics,
