@@ -114,8 +114,7 @@ class AttentionMILModule(BagModuleBase):
         on the validation bags (their records' bag probabilities rewritten with it) and ``bag_nll``
         is the cross-fitted one. A validation set of one class keeps the previous calibration (a
         warning says so); the sanity check, ``validate`` and ``test`` never refit it."""
-        trainer = self.trainer
-        if stage != "val" or trainer.state.fn != "fit" or trainer.sanity_checking:
+        if stage != "val" or self.trainer.state.fn != "fit" or self.trainer.sanity_checking:
             return records_metrics(records)
         labelled = [r for r in records if math.isfinite(float(r["bag_label"]))]
         scores = torch.tensor([r["bag_score"] for r in labelled], dtype=torch.float64)

@@ -426,9 +426,8 @@ class GPMILModule(BagModuleBase):
         return records, h
 
     def _fits_decision_on_validation(self) -> bool:
-        trainer = self.trainer
-        return (self.decision_bags == "val" and self.gp.makes_decision and trainer.state.fn == "fit"
-                and not trainer.sanity_checking)
+        return (self.decision_bags == "val" and self.gp.makes_decision and self.trainer.state.fn == "fit"
+                and not self.trainer.sanity_checking)
 
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
         if not self._fits_decision_on_validation():

@@ -11,9 +11,8 @@ class BestAndLastCheckpoint(ModelCheckpoint):
     """:class:`~pytorch_lightning.callbacks.ModelCheckpoint` that also writes ``last.ckpt`` at every
     checkpointing point where the best model did not improve.
 
-    Lightning 2.6 rewrites ``last.ckpt`` only in a step that saved a top-k checkpoint, so with
-    ``save_top_k=1`` (``milgp-train``'s ``best.ckpt``) ``last.ckpt`` held the best epoch, and
-    ``--ckpt_path last`` resumed from there and trained the later epochs again.
+    Lightning 2.6 rewrites ``last.ckpt`` only in a step that saved a top-k checkpoint: with
+    ``save_top_k=1`` (``best.ckpt``) ``--ckpt_path last`` would resume from the best epoch.
     """
 
     @property
