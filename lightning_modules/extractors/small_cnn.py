@@ -70,10 +70,6 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         f = self.features(x)
-        if self.pool_mode == "avg":
-            g = f.mean((-2, -1))
-        elif self.pool_mode == "max":
-            g = f.amax((-2, -1))
-        else:
-            g = torch.cat([f.mean((-2, -1)), f.amax((-2, -1))], dim=1)
-        return self.head(g)
+        pooled = [f.mean((-2, -1))] if self.pool_mode != "max" else []  # "avgmax": both, concatenated
+        pooled += [f.amax((-2, -1))] if self.pool_mode != "avg" else []
+        return self.head(torch.cat(pooled, dim=1))
