@@ -18,7 +18,8 @@ __all__ = ["check_bag_ids", "check_bag_labels", "check_features", "check_instanc
 
 def label_kind(trainer: pl.Trainer | None) -> str | None:
     """What the attached model needs of bag labels: ``"binary"`` (0/1, MIL classifiers),
-    ``"aggregate"`` (real-valued targets: its ``is_aggregate``) or ``None`` (no model attached: not checked)."""
+    ``"aggregate"`` (real-valued targets: the model's ``is_aggregate``) or ``None`` (no model
+    attached: not checked)."""
     module = getattr(trainer, "lightning_module", None) if trainer is not None else None
     return None if module is None else "aggregate" if getattr(module, "is_aggregate", False) else "binary"
 

@@ -22,7 +22,8 @@ def make_norm_layer(norm: str, groups: int = 8) -> Callable[[int], nn.Module]:
     """A factory ``channels -> nn.Module`` for ``norm`` in :data:`NORMS`."""
 
     def group(channels: int) -> nn.Module:  # the most groups up to ``groups`` that divide ``channels``
-        return nn.GroupNorm(max(g for g in range(1, min(groups, channels) + 1) if channels % g == 0), channels)
+        g = max(g for g in range(1, min(groups, channels) + 1) if channels % g == 0)
+        return nn.GroupNorm(g, channels)
 
     factories = {"group": group, "frozen_batch": FrozenBatchNorm2d, "batch": nn.BatchNorm2d,
                  "none": lambda channels: nn.Identity()}
