@@ -195,8 +195,7 @@ class GPHead(nn.Module):
             return
         h = h.detach().to(torch.float64)
         packed = reduce(torch.cat([h.new_tensor([h.shape[0]]), h.sum(0), (h * h).sum(0)]))
-        D = h.shape[1]
-        n, s1, s2 = packed[0], packed[1 : 1 + D], packed[1 + D :]
+        n, (s1, s2) = packed[0], packed[1:].chunk(2)
         mean = s1 / n
         var = (s2 / n - mean * mean).clamp_min(0)
         self.feature_mean.mul_(1 - momentum).add_(momentum * mean)
