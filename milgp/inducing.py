@@ -72,20 +72,18 @@ def bag_mean_inducing(
     """``(k, D)`` inducing points at the bags' mean instances, ``k ≤ count``: every distinct bag
     mean when there are at most ``count``, else ``count`` of them by k-means++ seeding. Means equal
     to a row of ``exclude`` ``(K, D)`` (the other inducing points: a bag of one instance is its own
-    mean) are dropped, so no two inducing points coincide.
+    mean) are dropped, so no two inducing points coincide. ``x`` ``(N, D)``, ``bag_index`` ``(N,)``
+    with values ``0..B−1``.
 
-    Why bag means: a sparse GP with a linear kernel is a linear model whose weights lie in the span
-    of its inducing points, and on wide features (thousands of columns, a few dozen bags) the span
-    of ``M`` instances misses the directions that separate the bags; logistic regression on the
-    bags' mean instances has its weights in the span of those means (the representer theorem), and
-    so has the first gradient step of single-instance learning, ``Σ_b (y_b − p) n_b x̄_b`` at a
-    constant start. ``x`` ``(N, D)``, ``bag_index`` ``(N,)`` with values ``0..B−1``.
+    Why: a linear-kernel sparse GP has its weights in the span of its inducing points, and on wide
+    features the span of ``M`` instances misses the directions that separate the bags, which the
+    bags' means span (docs/core.md, cause 10).
     """
     x = np.asarray(x, dtype=np.float64)
     bag_index = np.asarray(bag_index)
     sizes = np.bincount(bag_index)
     membership = csr_matrix((np.ones(len(bag_index)), (bag_index, np.arange(len(bag_index)))), shape=(len(sizes), len(x)))
-    means = (membership @ x)[sizes > 0] / sizes[sizes > 0, None]  # a sparse product: 6× np.add.at's speed
+    means = (membership @ x)[sizes > 0] / sizes[sizes > 0, None]  # a sparse product, faster than np.add.at
     count = min(count, distinct_rows(means))
     if count < 1:
         return means[:0]
@@ -124,11 +122,9 @@ def mil_inducing(
 
 def distinct_rows(x: np.ndarray) -> int:
     """The number of distinct rows of ``x`` ``(N, D)`` in ``O(N·D)`` (``np.unique(x, axis=0)`` sorts
-    whole rows: 3–6 s for 20,000 rows of 2,048 features). Each row's float64 bit patterns are hashed
-    by exact wrap-around integer arithmetic, ``Σ_j bits_j · c_j mod 2⁶⁴`` with fixed random odd
-    ``c``, so equal rows have equal hashes whatever the summation order; rows are ordered by hash
-    and neighbours with equal hashes compared exactly, equal ones counted once (a collision of two
-    different rows' hashes, chance about ``N²/2⁶⁵``, could only count one row too many)."""
+    whole rows). Each row's float64 bit patterns are hashed as ``Σ_j bits_j · c_j mod 2⁶⁴`` (fixed
+    random odd ``c``); rows with equal hashes are compared exactly (a collision of two different
+    rows' hashes, chance about ``N²/2⁶⁵``, could only count one row too many)."""
     if len(x) < 2:
         return len(x)
     values = np.asarray(x, dtype=np.float64)

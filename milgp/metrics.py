@@ -1,20 +1,9 @@
 """Bag- and instance-level classification metrics (library side: no Lightning).
 
-Everything takes probabilities (or scores) and binary labels as NumPy arrays or tensors:
-
-* :func:`auroc`, :func:`accuracy`, :func:`f1_score` — via ``torchmetrics.functional``;
-  ``auroc`` is ``nan`` when only one class is present (it is undefined there);
-* :func:`expected_calibration_error` — over the equal-width bins ``[0, 1/K], (1/K, 2/K], …`` of the
-  predicted positive probability (a probability of exactly 0 falls in the first bin);
-* :func:`calibrated_ece` — the floor against which a measured ECE on a small test set should be read;
-* :func:`log_loss` — mean binary cross-entropy;
-* :func:`calibration_curve` — the per-bin points of that reliability diagram;
-* :func:`classification_metrics` — all of them as a dict with a common prefix, the format of the
-  ``metrics.json`` files the training system writes (``nan`` is written as JSON ``null``).
-
-Every function refuses a non-finite score or probability (``nan``, ``±inf``) and a label other than
-0/1 with a ``ValueError`` naming the index of the first bad entry: a NaN prediction means something
-upstream broke, and a metric computed around it (or with it silently turned into 0) would hide that.
+Every function takes probabilities (or scores) and binary labels as NumPy arrays or tensors, and
+refuses a non-finite score or probability (``nan``, ``±inf``) and a label other than 0/1 with a
+``ValueError`` naming the index of the first bad entry: a NaN prediction means something upstream
+broke, and a metric computed around it (or with it silently turned into 0) would hide that.
 """
 from __future__ import annotations
 
@@ -136,14 +125,13 @@ def calibration_curve(probs: Any, labels: Any, n_bins: int = 10) -> dict[str, np
 
 
 def expected_calibration_error(probs: Any, labels: Any, n_bins: int = 10) -> float:
-    """``Σ_k (n_k / n) |mean(y)_k − mean(p)_k|`` over ``n_bins`` equal-width bins of the predicted
-    positive probability (``nan`` when empty)."""
-    p, _ = _as_arrays(probs, labels)
-    if p.size == 0:
-        return float("nan")
+    """``Σ_k (n_k / n) |mean(y)_k − mean(p)_k|`` over the ``n_bins`` equal-width bins ``[0, 1/K],
+    (1/K, 2/K], …`` of the predicted positive probability (``nan`` when empty)."""
     curve = calibration_curve(probs, labels, n_bins)
-    weights = curve["count"] / p.size
-    return float(np.sum(weights * np.abs(curve["fraction_positive"] - curve["mean_predicted"])))
+    n = curve["count"].sum()
+    if n == 0:
+        return float("nan")
+    return float(np.sum(curve["count"] / n * np.abs(curve["fraction_positive"] - curve["mean_predicted"])))
 
 
 def calibrated_ece(probs: Any, n_bins: int = 10, draws: int = 1000, seed: int = 0) -> float:
@@ -175,7 +163,8 @@ def calibrated_ece(probs: Any, n_bins: int = 10, draws: int = 1000, seed: int = 
 def classification_metrics(
     probs: Any, labels: Any, prefix: str = "", threshold: float = 0.5, n_bins: int = 10
 ) -> dict[str, float]:
-    """``{prefix}auc``, ``{prefix}accuracy``, ``{prefix}f1``, ``{prefix}ece``, ``{prefix}nll`` and ``{prefix}count``.
+    """``{prefix}auc``, ``{prefix}accuracy``, ``{prefix}f1``, ``{prefix}ece``, ``{prefix}nll`` and ``{prefix}count``:
+    the format of the ``metrics.json`` files the training system writes (:func:`json_safe`).
 
     ``probs`` should be probabilities for accuracy/F1/ECE to mean anything; AUROC only needs scores.
     """

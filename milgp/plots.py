@@ -1,12 +1,5 @@
 """PNG plots of predictions (library side; matplotlib's Agg canvas, no global backend change).
 
-* :func:`plot_scan_predictions` — one scan's per-slice probabilities (as Fig. 10 of Castro-Macías
-  et al., *Hyperbolic secant representation of the logistic function: application to probabilistic
-  multiple instance learning for CT intracranial hemorrhage detection*, Artificial Intelligence 2024);
-* :func:`plot_calibration` — reliability diagram;
-* :func:`plot_rule_comparison` — bag probabilities of several bag rules side by side;
-* :func:`plot_training_curves` — metrics logged during training (e.g. Lightning's CSV log).
-
 Every function writes ``path`` (parent folders created) and returns it.
 """
 from __future__ import annotations
@@ -53,10 +46,13 @@ def plot_scan_predictions(
     threshold: float | None = 0.5,
     heading: str = "",
 ) -> str:
-    """Per-slice predictions of one scan: bars with ±1 std error bars at the slice positions (scan
-    order), lesion slices marked along the top when labels are known, the decision threshold as a
-    dashed line, a legend, and in the title ``heading`` (e.g. "false positive"), the full scan id
-    ``title`` and the scan's label and predicted probability ± std."""
+    """Per-slice predictions of one scan (as Fig. 10 of Castro-Macías et al., *Hyperbolic secant
+    representation of the logistic function: application to probabilistic multiple instance
+    learning for CT intracranial hemorrhage detection*, Artificial Intelligence 2024): bars with ±1
+    std error bars at the slice positions (scan order), lesion slices marked along the top when
+    labels are known, the decision threshold as a dashed line, a legend, and in the title
+    ``heading`` (e.g. "false positive"), the full scan id ``title`` and the scan's label and
+    predicted probability ± std."""
     p = np.asarray(slice_probs, dtype=float)
     s = None if slice_stds is None else np.asarray(slice_stds, dtype=float)
     x = np.arange(len(p), dtype=float) if positions is None else np.asarray(positions, dtype=float)
