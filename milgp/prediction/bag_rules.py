@@ -4,33 +4,11 @@ The instance posterior ``q(f*)`` is what a MIL GP learns; how it becomes a bag d
 separate, swappable choice. Every rule is called as ``rule(posterior, link, generator)`` with a
 :class:`~milgp.prediction.bag_posterior.BagPosterior` and the likelihood's
 :class:`~milgp.likelihoods.instance_link.InstanceLink`, and returns ``(p, std)``, each ``(B,)``.
-
-Marginal rules (instances treated through their marginals ``q(f*_n)``):
-
-* :class:`NoisyOrRule` — ``E[1 − Π_n (1 − p_n)]`` with independent instances, the model's own bag
-  predictive (Castro-Macías et al., *Hyperbolic secant representation of the logistic function:
-  application to probabilistic multiple instance learning for CT intracranial hemorrhage
-  detection*, Artificial Intelligence 2024, Eqs. 34–36). Exact under independence, but every
-  instance is an independent chance of a positive: a bag's probability grows with its length
-  (near-duplicate CT slices compound a small per-slice false-positive rate);
-* :class:`MaxRule` — the probability of the bag's most probable instance (the rule of the VGPMIL
-  reference code, Haußmann et al., *Variational Bayesian Multiple Instance Learning with Gaussian
-  Processes*, CVPR 2017). Unchanged by duplicating instances;
-* :class:`TopKMeanRule` — the mean probability of the ``k`` most probable instances, or of the
-  most probable fraction of the bag (unchanged by re-slicing a scan more finely).
-
-Joint rules (the within-bag covariance of ``q(f*_b)``, bags up to
-:data:`~milgp.prediction.bag_posterior.MAX_JOINT_INSTANCES` instances):
-
-* :class:`JointNoisyOrRule` — noisy-OR averaged over joint samples of ``q(f*_b)``;
-* :class:`JointMaxRule` — ``E[p(max_n f*_n)]`` over joint samples: the probability that the bag's
-  most positive instance is positive. Exactly unchanged by duplicating instances (copies share one
-  latent value) and it keeps the uncertainty of which instance is the maximum;
-* :class:`OrthantRule` — probit model: ``1 − P(all m*_n < 0)``, ``m*_b ~ N(μ*_b, Σ*_b + I)`` (Wang &
-  Pinar, *The Multiple Instance Learning Gaussian Process Probit Model*, AISTATS 2021, §3.4).
-
-:func:`make_bag_rule` builds a rule from its name; :data:`DEFAULT_BAG_RULE` is the rule of a GP
-head before its bag decision is fitted.
+Marginal rules (:class:`NoisyOrRule`, :class:`MaxRule`, :class:`TopKMeanRule`) read each instance
+through its marginal ``q(f*_n)``; joint rules (:class:`JointNoisyOrRule`, :class:`JointMaxRule`,
+:class:`OrthantRule`) read the within-bag covariance of ``q(f*_b)``, for bags of up to
+:data:`~milgp.prediction.bag_posterior.MAX_JOINT_INSTANCES` instances. :func:`make_bag_rule`
+builds a rule from its name.
 """
 from __future__ import annotations
 
@@ -96,7 +74,11 @@ class MarginalBagRule(BagRule):
 
 
 class NoisyOrRule(MarginalBagRule):
-    """``E[1 − Π_n (1 − p(f*_n))]`` with independent ``q(f*_n)``, and its std (both exact).
+    """``E[1 − Π_n (1 − p(f*_n))]`` with independent ``q(f*_n)``, and its std (both exact): the
+    model's own bag predictive (Castro-Macías et al., *Hyperbolic secant representation of the
+    logistic function: application to probabilistic multiple instance learning for CT intracranial
+    hemorrhage detection*, Artificial Intelligence 2024, Eqs. 34–36). Every instance is an
+    independent chance of a positive, so a bag's probability grows with its length.
 
     With ``g_n = E[1 − p_n]``: ``E[Π(1−p)] = Π g_n`` and ``Var[Π(1−p)] = Π g_n² · (Π(1 + v_n/g_n²) − 1)``
     with ``v_n = Var[p_n]``, evaluated as ``exp(2Σ log g) · expm1(Σ log1p(v/g²))`` so that long bags
@@ -115,8 +97,10 @@ class NoisyOrRule(MarginalBagRule):
 
 
 class MaxRule(MarginalBagRule):
-    """``max_n E[p(f*_n)]``, with the std of that instance's probability; with ``reference_length``
-    ``n₀``, the max at the resolution of bags of ``n₀`` instances.
+    """``max_n E[p(f*_n)]``, with the std of that instance's probability (the rule of the VGPMIL
+    reference code, Haußmann et al., *Variational Bayesian Multiple Instance Learning with Gaussian
+    Processes*, CVPR 2017); with ``reference_length`` ``n₀``, the max at the resolution of bags of
+    ``n₀`` instances.
 
     The max is unchanged by duplicating instances, but not by re-slicing a scan into new, similar
     instances: the largest of more draws is larger, so a negative bag's max grows with its length
@@ -256,7 +240,9 @@ class JointNoisyOrRule(_SamplingRule):
 
 
 class JointMaxRule(_SamplingRule):
-    """``p(max_n f*_n)`` averaged over joint samples of ``q(f*_b)``."""
+    """``p(max_n f*_n)`` averaged over joint samples of ``q(f*_b)``: the probability that the bag's
+    most positive instance is positive, exactly unchanged by duplicating instances (copies share
+    one latent value)."""
 
     name = "joint_max"
 
@@ -265,8 +251,10 @@ class JointMaxRule(_SamplingRule):
 
 
 class OrthantRule(BagRule):
-    """Probit model: ``1 − P(all m*_n < 0)``, ``m*_b ~ N(μ*_b, Σ*_b + I)``, by Genz's separation of
-    variables with randomised quasi-Monte Carlo; the std is the estimator's standard error."""
+    """Probit model: ``1 − P(all m*_n < 0)``, ``m*_b ~ N(μ*_b, Σ*_b + I)`` (Wang & Pinar, *The
+    Multiple Instance Learning Gaussian Process Probit Model*, AISTATS 2021, §3.4), by Genz's
+    separation of variables with randomised quasi-Monte Carlo; the std is the estimator's standard
+    error."""
 
     name = "orthant"
 
