@@ -42,8 +42,7 @@ def check_bags(bags: Iterable[Any], name: str = "bags", n_features: int | None =
     bags = bags if isinstance(bags, (Sequence, np.ndarray, torch.Tensor)) else list(bags)
     if len(bags) == 0:
         raise ValueError(f"{name} is empty: need at least one bag")
-    out = []
-    width = None
+    out: list[np.ndarray] = []
     for b, bag in enumerate(bags):
         arr = as_float_array(bag, f"{name}[{b}]")
         if arr.ndim == 1:
@@ -57,13 +56,11 @@ def check_bags(bags: Iterable[Any], name: str = "bags", n_features: int | None =
         if not np.isfinite(arr).all():
             row = int(np.nonzero(~np.isfinite(arr).all(1))[0][0])
             raise ValueError(f"{name}[{b}] has NaN or inf features (first in instance {row})")
-        if width is None:
-            width = arr.shape[1]
-        elif arr.shape[1] != width:
-            raise ValueError(f"{name}[{b}] has {arr.shape[1]} features, but {name}[0] has {width}")
+        if out and arr.shape[1] != out[0].shape[1]:
+            raise ValueError(f"{name}[{b}] has {arr.shape[1]} features, but {name}[0] has {out[0].shape[1]}")
         out.append(arr)
-    if n_features is not None and width != n_features:
-        raise ValueError(f"{name} have {width} features, the model was fitted on {n_features}")
+    if n_features is not None and out[0].shape[1] != n_features:
+        raise ValueError(f"{name} have {out[0].shape[1]} features, the model was fitted on {n_features}")
     return out
 
 
@@ -180,12 +177,10 @@ class FeatureScaler:
 
     def transform(self, x: torch.Tensor, bag_index: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Standardised ``x`` ``(N, D)`` on its device, computed in ``x``'s dtype and returned in
-        ``dtype`` (default: the same): from float64 instances a float32 model gets features whose common
-        offset cancelled before the rounding (an offset of 1e6 on features of spread 1 had moved its
-        probabilities by 0.04). An instance whose standardised squared norm overflows ``dtype`` —
-        what every kernel of the model computes from it (e.g. a value of 1e155 where training saw
-        values near 1: a NaN prediction otherwise) — is refused with a ``ValueError`` naming it and,
-        given ``bag_index`` ``(N,)``, its bag."""
+        ``dtype`` (default: the same), so that from float64 instances a float32 model gets features
+        whose common offset cancelled before the rounding. An instance whose standardised squared
+        norm (what every kernel computes from it) overflows ``dtype`` is refused with a
+        ``ValueError`` naming it and, given ``bag_index`` ``(N,)``, its bag."""
         z = ((x - torch.as_tensor(self.mean_).to(x)) / torch.as_tensor(self.scale_).to(x)).to(dtype or x.dtype)
         overflow = ~torch.isfinite(z.square().sum(1))
         if overflow.any():

@@ -33,9 +33,8 @@ class ProbitMILClassifier(MILClassifierBase):
     :class:`~milgp.likelihoods.MILProbitLikelihood`: the probit locals are exact (truncated-normal
     expectations), so there is no ``H`` or max rule.
     Bag rules: ``"auto"`` (length-invariant, calibrated; the default), any
-    :mod:`milgp.prediction.bag_rules` name, or ``"orthant"`` — the model's own ``1 − P(all m* < 0)``
-    with the full within-bag covariance (Genz separation of variables with randomised QMC; bags up
-    to 4096 instances, and like every noisy-OR-type rule it rises with the bag's length).
+    :mod:`milgp.prediction.bag_rules` name, or ``"orthant"`` — the model's own bag predictive
+    (:class:`~milgp.prediction.OrthantRule`; like every noisy-OR-type rule it rises with the bag's length).
 
     With ``inference="vi"`` the (model, kernel, bag rule) candidates are averaged by their out-of-bag
     likelihood (``average``, as :class:`VGPMILClassifier`), the MIL probit model at every candidate

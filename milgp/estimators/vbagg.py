@@ -1,10 +1,9 @@
 """VBAgg: individual-level GP regression from bag-level aggregate outputs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
-
-import math
 
 import numpy as np
 import torch
@@ -44,9 +43,9 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     constant mean, M inducing points by k-means++), fitted by natural-gradient steps on ``q(u)``
     (:func:`milgp.variational.aggregate_fit.fit_aggregate`) at a fixed kernel: lengthscale the median
     pairwise distance, kernel variance chosen among ``SEARCH_OUTPUTSCALES`` by 3-fold
-    cross-validation over bags on the held-out bag-level predictive NLL. The ELBO cannot make that
-    choice: its variance penalty (Lemma 1 of the paper for the exp link) falls monotonically with the
-    kernel variance, so learning the kernel on it collapses the GP to a constant (docs/aggregate.md).
+    cross-validation over bags on the held-out bag-level predictive NLL: the ELBO's variance
+    penalty (Lemma 1 of the paper for the exp link) falls monotonically with the kernel variance,
+    so learning the kernel on it collapses the GP to a constant (docs/aggregate.md).
     After ``warmup_iter`` natural steps, Adam steps on the constant mean and the Normal noise τ
     alternate with them (the kernel stays fixed; ``learn_hyperparameters=True`` learns it too).
 
@@ -239,8 +238,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         ``rate_mean``/``rate_var`` of ``η_a = Σ w_i Ψ(f_i)`` and ``y_mean``/``y_var`` of ``y_a``.
 
         ``weights``: the bags' populations, required when the fit had them (without them every
-        instance would count as a population of 1, and a fit on populations of 50–200 predicted
-        counts of 0.03–0.07 where they were 2–14)."""
+        instance would count as a population of 1)."""
         check_is_fitted(self, "model_")
         if weights is None and self.fitted_with_weights_:
             raise ValueError("the model was fitted with populations (weights): give each bag's populations to predict_bags / score too")

@@ -18,9 +18,8 @@ class VGPMILClassifier(MILClassifierBase):
     to probabilistic multiple instance learning for CT intracranial hemorrhage detection*,
     Artificial Intelligence 2024, Eq. 37).
 
-    Fitting, kernel search and the calibrated bag decision: :mod:`milgp.estimators._mil_base`.
-    The defaults (below) were chosen on real MIL data (docs/core.md, "Real MIL data: what went
-    wrong and the defaults now"; ``benchmarks/real_mil.py``).
+    Fitting, kernel search and the calibrated bag decision: :mod:`milgp.estimators._mil_base`; why
+    the defaults are what they are: docs/core.md, "Real MIL data: what went wrong and the defaults now".
 
     Args:
         psi: ``"pg"``, ``"gamma"`` or a :class:`milgp.likelihoods.psi.GSMDensity`.

@@ -1,12 +1,9 @@
 """Instance probabilities calibrated to the MIL fits' posterior instance labels.
 
-Single-instance learning labels every instance of a positive bag positive, so its instance
-probability estimates the label of the instance's *bag*: it ranks instances well but calls the
-negative instances of positive bags positive. The MIL fits (the largest-other-π rule, the MIL
-probit model) hold a posterior over each training instance's own label given its bag's label,
-``q(y_n = 1)`` (``π`` for VGPMIL; 0 in every negative bag), but their own ``E_q[p(y = 1 | f)]``
-ignores the bag labels and, for G-VGPMIL and the probit model, is not even on a calibrated scale
-(docs/core.md, "Instance probabilities").
+Single-instance learning's instance probability estimates the label of the instance's *bag*. The
+MIL fits (the largest-other-π rule, the MIL probit model) hold a posterior ``q(y_n = 1)`` over each
+training instance's own label given its bag's label (``π`` for VGPMIL; 0 in every negative bag),
+but their own ``E_q[p(y = 1 | f)]`` ignores the bag labels (docs/core.md, "Instance probabilities").
 
 :class:`InstanceCalibrator` keeps the averaged score ``s(x)`` for the ranking and maps it to the
 average posterior label of the training instances with that score, by isotonic regression over
