@@ -83,14 +83,9 @@ class BagPixelRegressor(RegressorMixin, BaseEstimator):
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "BagPixelRegressor":
         xbar, pops = self.pseudo_individuals(bags, weights)
         self.model_ = VBAggRegressor(
-            likelihood=self.likelihood,
-            link=self.link,
-            num_inducing=min(self.num_inducing, len(xbar)),
-            max_iter=self.max_iter,
-            outputscale=1.0,
-            learn_hyperparameters=True,
-            hyper_max_instances=len(xbar),
-            random_state=self.random_state,
+            likelihood=self.likelihood, link=self.link, num_inducing=min(self.num_inducing, len(xbar)),
+            max_iter=self.max_iter, outputscale=1.0, learn_hyperparameters=True,
+            hyper_max_instances=len(xbar), random_state=self.random_state,
         ).fit([x[None, :] for x in xbar], y, [np.array([p]) for p in pops])
         self.n_features_in_ = xbar.shape[1]
         return self

@@ -1,32 +1,29 @@
 """What the MIL classifiers share: validation, standardisation, inducing points, the kernel search,
 the calibrated and averaged bag decision, and the prediction API.
 
-**Fit.** Features are z-scored; ``M`` inducing points are placed by k-means++, half on instances of
-positive bags and half on negative (as the VGPMIL reference code does), except that on features
-wider than ``M`` a quarter of them (``bag_mean_inducing``) sit at training bags' mean instances
-(:func:`~milgp.inducing.mil_inducing`). Every likelihood variant (VGPMIL: the reference code's
-largest-other-π rule and single-instance learning) is fitted at every candidate kernel (``kernel``,
-``lengthscale``, ``outputscale``; by default :data:`KERNEL_GRID`) by closed-form coordinate ascent
-(Algorithm 1 of Castro-Macías et al. 2024 without hyperparameter steps): the first from scratch for
-``max_iter`` sweeps, the others warm-started from its local variables for ``search_iter`` sweeps.
-The inner products ``Z xᵀ`` are computed once for all candidates
-(:class:`~milgp.models.shared_gram.SharedGram`). On features narrower than ``M`` (``D + 1 < M``) the
-linear and affine kernels sit on the ``D`` (``D + 1``) points that span their whole function space
-instead (:meth:`MILClassifierBase._inducing_for`): the same exact linear model, for a fraction of
-the work.
+**Fit.** Features are z-scored and the inducing points placed by
+:func:`~milgp.inducing.mil_inducing` (k-means++, half on instances of positive bags and half on
+negative, as the VGPMIL reference code; on features wider than ``M`` a share ``bag_mean_inducing``
+at the bags' mean instances). The ``(kernel, likelihood variant)`` pairs of
+:meth:`MILClassifierBase._plan` (by default over :data:`KERNEL_GRID`) are fitted by closed-form
+coordinate ascent (Algorithm 1 of Castro-Macías et al. 2024 without hyperparameter steps): the
+first from scratch for ``max_iter`` sweeps, the others warm-started from its local variables for
+``search_iter`` sweeps, all sharing the inner products ``Z xᵀ``
+(:class:`~milgp.models.shared_gram.SharedGram`); linear kernels on features narrower than ``M``
+sit on the points of :meth:`MILClassifierBase._inducing_for`. No hyperparameter is learned by
+gradient steps by default: on a few dozen bags that collapses the kernel (docs/core.md, cause 1).
 
 **Out-of-bag scores, calibration and averaging.** For each fit the leave-one-bag-out cavity
 predictive of every training bag (:func:`~milgp.variational.leave_bag_out.leave_bag_out_posterior`,
 about one sweep) is scored by every candidate bag rule, with a Platt calibration fitted to each
 (:func:`~milgp.prediction.bag_decision.score_bag_rules`). The (fit, rule) candidates are then
 averaged with pseudo-BMA+ weights from their out-of-bag likelihoods
-(:class:`~milgp.prediction.model_average.ModelAverage`); ``average=False`` keeps the single
-candidate with the smallest out-of-bag negative log-likelihood. No hyperparameter is learned by
-gradient steps by default: on a few dozen bags that collapses the kernel (docs/core.md, cause 1).
+(:class:`~milgp.prediction.model_average.ModelAverage`); ``average=False`` keeps the one with the
+smallest out-of-bag negative log-likelihood.
 
 **Instance probabilities.** The averaged instance score is mapped to the MIL fits' posterior
 instance labels ``q(y_n = 1)`` (weighted as the bag decision's candidates are) by
-:class:`~milgp.prediction.InstanceCalibrator` (why: :mod:`milgp.prediction.instance_calibration`).
+:class:`~milgp.prediction.InstanceCalibrator`.
 """
 from __future__ import annotations
 
@@ -73,8 +70,7 @@ KERNEL_GRID: tuple[tuple[str, float, float], ...] = (
 )
 """The candidate kernels ``(kernel, lengthscale in units of √D, variance)``. ``√D`` is the scale of
 distances between z-scored ``D``-dimensional instances (the reference code's fixed lengthscale);
-variances 1 and 10 span σ(±1) to σ(±3) at one prior standard deviation. The first is fitted from
-scratch, the others warm-started from it (docs/core.md, cause 1)."""
+variances 1 and 10 span σ(±1) to σ(±3) at one prior standard deviation (docs/core.md, cause 1)."""
 SHARED_GRAM_MAX_ENTRIES = 50_000_000
 """The kernel search shares ``Z xᵀ`` (``M·N`` floats) across candidates up to this size."""
 
@@ -337,7 +333,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     def _inducing_for(self, kind: str, Z: torch.Tensor) -> torch.Tensor:
         """``Z``, or for a linear or affine kernel on fewer features (plus one for the intercept)
-        than ``M`` the points of :func:`~milgp.inducing.linear_span_inducing` (module docstring)."""
+        than ``M`` the points of :func:`~milgp.inducing.linear_span_inducing`: the same exact linear
+        model, for a fraction of the work."""
         dim, affine = Z.shape[1], kind == "affine"
         if kind not in ("linear", "affine") or self.learn_inducing_locations or dim + affine >= Z.shape[0]:
             return Z
