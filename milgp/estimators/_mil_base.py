@@ -144,13 +144,10 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         outputscale = check_positive("outputscale", self.outputscale, none="searched")
         out: list[tuple[str, float, float]] = []
         for kind, factor, scale in self.kernel_grid:
-            if self.kernel not in ("auto", kind):
-                continue
-            ls = 1.0 if kind != "rbf" else lengthscale if lengthscale is not None else factor * math.sqrt(dim)
-            candidate = (kind, ls, outputscale if outputscale is not None else scale)
-            if candidate not in out:
-                out.append(candidate)
-        return out
+            if self.kernel in ("auto", kind):
+                ls = 1.0 if kind != "rbf" else lengthscale if lengthscale is not None else factor * math.sqrt(dim)
+                out.append((kind, ls, outputscale if outputscale is not None else scale))
+        return list(dict.fromkeys(out))  # in grid order, each candidate once
 
     def _likelihood_variants(self) -> tuple[Any, ...]:
         """Variants of the likelihood to choose among at the first kernel (``(None,)``: one)."""
@@ -168,17 +165,13 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         (docs/core.md, cause 7)."""
         largest_variance = max(c[2] for c in candidates)
         shortest = min((c[1] for c in candidates if c[0] == "rbf"), default=math.inf)
-
-        def flexible(candidate: tuple[str, float, float]) -> bool:
-            kind, lengthscale, variance = candidate
-            return variance == largest_variance and (kind != "rbf" or lengthscale == shortest)
-
+        flexible = [c for c in candidates if c[2] == largest_variance and (c[0] != "rbf" or c[1] == shortest)]
         plan = []
         for v in self._likelihood_variants():
             if v != "single":
                 plan += [(c, v) for c in candidates]
             else:
-                plan += [(("affine", *c[1:]) if c[0] == "linear" else c, v) for c in candidates if flexible(c)]
+                plan += [(("affine", *c[1:]) if c[0] == "linear" else c, v) for c in flexible]
         return plan
 
     def _resolve_bag_size_cap(self, sizes: np.ndarray) -> float | None:

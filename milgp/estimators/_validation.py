@@ -169,8 +169,7 @@ class FeatureScaler:
             warnings.warn(
                 f"{len(constant)} of {D} features are constant in the training bags (first: feature {int(constant[0])}); "
                 "they carry no information and are ignored" + (" — every feature is constant, so only the base rate can be learned" if len(constant) == D else ""),
-                UserWarning,
-                stacklevel=3,
+                UserWarning, stacklevel=3,
             )
         self.mean_, self.scale_ = mean, scale
         return self

@@ -31,30 +31,30 @@ class ProbitMILClassifier(MILClassifierBase):
     Fitting, kernel search (on the probit scale: :data:`PROBIT_KERNEL_GRID`) and the calibrated bag
     decision as :class:`VGPMILClassifier` (:mod:`milgp.estimators._mil_base`) with
     :class:`~milgp.likelihoods.MILProbitLikelihood`: the probit locals are exact (truncated-normal
-    expectations), so there is no ``H`` or max rule.
-    Bag rules: ``"auto"`` (length-invariant, calibrated; the default), any
-    :mod:`milgp.prediction.bag_rules` name, or ``"orthant"`` — the model's own bag predictive
-    (:class:`~milgp.prediction.OrthantRule`; like every noisy-OR-type rule it rises with the bag's length).
+    expectations), so there is no ``H`` or max rule. Bag rules: ``"auto"`` (length-invariant,
+    calibrated; the default), any :mod:`milgp.prediction.bag_rules` name, or ``"orthant"`` — the
+    model's own bag predictive (:class:`~milgp.prediction.OrthantRule`; like every noisy-OR-type
+    rule it rises with the bag's length).
 
-    With ``inference="vi"`` the (model, kernel, bag rule) candidates are averaged by their out-of-bag
-    likelihood (``average``, as :class:`VGPMILClassifier`), the MIL probit model at every candidate
-    kernel beside single-instance learning with the probit link at the most flexible ones (as
-    :class:`VGPMILClassifier`'s ``max_rule="auto"``; docs/probit.md, "Single-instance candidates");
-    ``inference="gibbs"`` keeps the best one and then runs the collapsed Gibbs sampler (§3.5 of the
-    paper) at the chosen kernel, started from over-dispersed draws around the VI posterior;
-    instance probabilities come from its draws, bag probabilities from the chosen rule applied to
-    them (``"orthant"``/``"joint"``: the exact per-draw product under the FITC conditional, with
-    its Monte-Carlo standard error), calibrated by the calibration fitted on the VI out-of-bag
-    predictions. :attr:`gibbs_` holds the draws, :attr:`gibbs_summary_` split-R̂ and ESS; chains
-    short of :data:`~milgp.sampling.probit_gibbs.RHAT_LIMIT` or
-    :data:`~milgp.sampling.probit_gibbs.ESS_LIMIT` raise a ``ConvergenceWarning`` naming both.
+    With ``inference="vi"`` the (model, kernel, bag rule) candidates are averaged (``average``) as
+    :class:`VGPMILClassifier`'s, single-instance learning at the most flexible kernels only
+    (docs/probit.md, "Single-instance candidates"); ``inference="gibbs"`` keeps the best one and
+    then runs the collapsed Gibbs sampler (§3.5 of the paper) at the chosen kernel, started from
+    over-dispersed draws around the VI posterior; instance probabilities come from its draws, bag
+    probabilities from the chosen rule applied to them (``"orthant"``/``"joint"``: the exact
+    per-draw product under the FITC conditional, with its Monte-Carlo standard error), calibrated
+    by the calibration fitted on the VI out-of-bag predictions. :attr:`gibbs_` holds the draws,
+    :attr:`gibbs_summary_` split-R̂ and ESS; chains short of
+    :data:`~milgp.sampling.probit_gibbs.RHAT_LIMIT` or :data:`~milgp.sampling.probit_gibbs.ESS_LIMIT`
+    raise a ``ConvergenceWarning`` naming both.
 
     Args:
         inference: ``"vi"`` or ``"gibbs"``.
         single_instance: ``"auto"`` (default: the MIL probit model and, with ``inference="vi"``,
-            single-instance learning, as above), ``False`` (the MIL probit model alone, Wang &
-            Pinar's) or ``True`` (single-instance learning alone: every instance of a positive bag
-            is a positive instance; VI only, the Gibbs sampler samples the MIL model).
+            single-instance learning with the probit link, as above), ``False`` (the MIL probit
+            model alone, Wang & Pinar's) or ``True`` (single-instance learning alone: every
+            instance of a positive bag is a positive instance; VI only, the Gibbs sampler samples
+            the MIL model).
         num_qmc_points, qmc_replicates: orthant integration (standard error from the replicates).
         num_samples, burn_in, thin, num_chains, init_dispersion: Gibbs settings (kept draws per
             chain; chains start from ``N(m, init_dispersion·S)`` so that split-R̂ can flag chains

@@ -24,10 +24,9 @@ class VGPMILClassifier(MILClassifierBase):
     Args:
         psi: ``"pg"``, ``"gamma"`` or a :class:`milgp.likelihoods.psi.GSMDensity`.
         num_inducing: M.
-        bag_mean_inducing: where the features outnumber the ``M`` inducing points, the share of
-            them placed at the training bags' mean instances (at most one per bag), the rest at
-            instances by k-means++ (:func:`~milgp.inducing.mil_inducing`); ``0``: instances only,
-            as the reference code.
+        bag_mean_inducing: where the features outnumber the ``M`` inducing points, the share of them
+            at the training bags' mean instances (:func:`~milgp.inducing.mil_inducing`); ``0``:
+            instances only, as the reference code.
         H: bag-label noise (Eq. 4 of Castro-Macías et al.; ``H = 10¹²`` as the reference code).
         max_rule: how ``E[max y_{b∖n}]`` enters the π update: ``"auto"`` (default: ``"max"`` at
             every candidate kernel and ``"single"`` at the most flexible ones, averaged, or the
