@@ -69,10 +69,8 @@ def plot_scan_predictions(
                    label=f"lesion slice (ground truth, {len(pos)})")
     if threshold is not None:
         ax.axhline(threshold, ls="--", lw=0.8, color="0.4", label=f"decision threshold {threshold:g}")
-    ax.set_ylim(0, 1.08)
-    ax.set_xlim(float(x.min()) - 0.7 * step, float(x.max()) + 0.7 * step)
-    ax.set_xlabel(position_label)
-    ax.set_ylabel(score_name)
+    ax.set(ylim=(0, 1.08), xlim=(float(x.min()) - 0.7 * step, float(x.max()) + 0.7 * step))
+    ax.set(xlabel=position_label, ylabel=score_name)
     head = []
     if bag_label is not None and np.isfinite(bag_label):
         head.append(f"scan label {int(bag_label)}")
@@ -107,9 +105,7 @@ def plot_calibration(
         counts_ax.bar(c["bin_lower"] + (k + 0.5) * width, c["count"], width=0.9 * width, color=line[0].get_color())
         for lower, n in zip(c["bin_lower"], c["count"]):
             counts_ax.text(lower + (k + 0.5) * width, n, str(int(n)), ha="center", va="bottom", fontsize=6)
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("fraction positive")
+    ax.set(xlim=(0, 1), ylim=(0, 1), ylabel="fraction positive")
     ax.set_title(title or "calibration", fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     ax.tick_params(labelbottom=False)
@@ -138,8 +134,7 @@ def plot_rule_comparison(
                 ha="center", va="bottom", fontsize=7)
     ax.axhline(threshold, ls="--", lw=0.8, color="0.4", label=f"decision threshold {threshold:g}")
     ax.set_xticks(range(len(rules)), list(rules), fontsize=7)
-    ax.set_ylim(-0.02, 1.12)
-    ax.set_ylabel("P(scan positive)")
+    ax.set(ylim=(-0.02, 1.12), ylabel="P(scan positive)")
     ax.set_title(title or "bag rules", fontsize=9)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return _save(fig, path)
