@@ -63,8 +63,7 @@ def plot_scan_predictions(
     ax.bar(x, p, width=0.8 * step, color="tab:blue", alpha=0.8, yerr=s, capsize=2 if len(p) <= 60 else 0,
            error_kw={"elinewidth": 0.8, "ecolor": "0.25"}, label=f"{score_name}" + (" ± 1 std" if s is not None else ""))
     if slice_labels is not None:
-        lab = np.asarray(slice_labels, dtype=float)
-        pos = x[lab > 0.5]
+        pos = x[np.asarray(slice_labels, dtype=float) > 0.5]
         ax.scatter(pos, np.full(len(pos), 1.04), marker="v", color="tab:red", s=18, clip_on=False,
                    label=f"lesion slice (ground truth, {len(pos)})")
     if threshold is not None:

@@ -29,9 +29,8 @@ SEARCH_OUTPUTSCALES = (0.3, 1.0, 3.0, 10.0)
 """Kernel variances ``outputscale=None`` chooses among."""
 CV_FOLDS = 3
 """Folds (over bags) of the cross-validation that chooses the kernel variance."""
-
-
 _VBAGG_DEFAULT_LINK = {"poisson": "exp", "normal": "identity", "exponential": "exp"}
+"""The link of each likelihood when ``link=None``."""
 
 
 @dataclass(eq=False, repr=False)  # only for its __init__, which stores the parameters as given (scikit-learn); repr stays BaseEstimator's

@@ -3,9 +3,8 @@
 The held-out posterior is that of leave-one-bag-out cavities of the training bags
 (:func:`milgp.variational.leave_bag_out.leave_bag_out_posterior`) or a validation set's predictive.
 The default candidates (:func:`auto_bag_rules`) are rules whose score does not grow with the number
-of instances, so the choice made on training bags carries over to test bags 5–10× longer; the
-noisy-OR compounds with bag length and is therefore not a default candidate (it can be passed
-explicitly; docs/core.md, cause 5).
+of instances, so the choice made on training bags carries over to longer test bags; the noisy-OR,
+which compounds with bag length, can be passed explicitly (docs/core.md, cause 5).
 """
 from __future__ import annotations
 

@@ -159,8 +159,7 @@ class TopKMeanRule(MarginalBagRule):
     finely (a lesion covers the same fraction of slices); it runs from the max rule
     (``fraction → 0``) to the mean of the bag (``fraction = 1``). The fractional last instance
     keeps the fraction the same at every length (rounding up to ``⌈fraction · n_b⌉`` would not;
-    docs/core.md, cause 5). The std is ``sqrt(Σ w_n² v_n) / c`` over the weights ``w_n`` of those
-    instances, treating them as independent.
+    docs/core.md, cause 5). The std: :func:`_top_weighted_mean`.
     """
 
     name = "top_k_mean"
