@@ -99,8 +99,7 @@ class ProbitMILClassifier(MILClassifierBase):
         return make_bag_rule(self.bag_rule)
 
     def _after_fit(self, batch: BagBatch) -> None:
-        self.gibbs_ = None
-        self.gibbs_summary_ = None
+        self.gibbs_ = self.gibbs_summary_ = None
         if self.inference == "gibbs":
             self.gibbs_ = sample_probit_posterior(
                 self.model_, batch, num_samples=self.num_samples, burn_in=self.burn_in, thin=self.thin,
@@ -120,9 +119,8 @@ class ProbitMILClassifier(MILClassifierBase):
         if self.gibbs_ is None:
             return super()._bag_probability(x, bags)
         rule = self.decision_.rule
-        if isinstance(rule, MarginalBagRule):
-            p_inst, s_inst = self.gibbs_.instance_probability(self.model_, x)
-            p, s = rule.combine(p_inst, s_inst, bags)
+        if isinstance(rule, MarginalBagRule):  # the Gibbs draws' instance probabilities (_instance_moments)
+            p, s = rule.combine(*self._instance_moments(x), bags)
         else:  # joint rules: the exact per-draw product over the Gibbs draws
             p, s = self.gibbs_.bag_probability(self.model_, x, bags)
         return self.decision_.calibrator(p, s)
