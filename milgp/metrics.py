@@ -34,12 +34,8 @@ def _vector(values: Any) -> np.ndarray:
 
 
 def _as_arrays(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``(N,)`` float64 scores and labels, checked: same length, finite scores, labels 0/1.
-
-    Raises:
-        ValueError: naming the index (in flattened order) of the first non-finite score or of the
-            first label that is not 0 or 1.
-    """
+    """``(N,)`` float64 scores and labels, checked: same length, finite scores, labels 0/1 (a
+    ``ValueError`` names the first bad entry's index, in flattened order)."""
     p, y = _vector(probs), _vector(labels)
     if p.shape != y.shape:
         raise ValueError(f"{p.shape[0]} predictions for {y.shape[0]} labels")

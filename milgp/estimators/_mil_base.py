@@ -78,8 +78,7 @@ SHARED_GRAM_MAX_ENTRIES = 50_000_000
 class CandidateFit(NamedTuple):
     """One fitted candidate of the search: a model and likelihood at one kernel and π rule, the
     fit's result, one bag rule's decision scored on out-of-bag predictions, and whether the
-    likelihood is single-instance learning (its instance probability is that of the instance's
-    *bag* label, not of its own)."""
+    likelihood is single-instance learning (whose instance probability is that of the bag's label)."""
 
     model: SparseGP
     likelihood: AugmentedBagLikelihood
@@ -156,13 +155,11 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def _plan(self, candidates: list[tuple[str, float, float]]) -> list[tuple[tuple[str, float, float], Any]]:
         """The ``(kernel, likelihood variant)`` pairs the search fits, in order (the first is fitted
         from scratch and warm-starts the others): every variant at every candidate kernel, except
-        that single-instance learning (the variant ``"single"`` of both classifiers: every instance
-        of a positive bag labelled positive) is fitted only at the most flexible kernels, the largest
-        prior variance and, for RBF, the shortest lengthscale among the candidates (the others
-        carried almost no weight; docs/core.md, cause 9). Its linear kernel has an intercept
-        (``"affine"``, ``s² (xᵀx'/D + 1)``): a zero-mean linear latent on z-scored features cannot
-        represent the instance base rate of instances labelled with their bag's label
-        (docs/core.md, cause 7)."""
+        that single-instance learning (the variant ``"single"`` of both classifiers) is fitted only
+        at the most flexible kernels, the largest prior variance and, for RBF, the shortest
+        lengthscale among the candidates (docs/core.md, cause 9), with an intercept in its linear
+        kernel (``"affine"``, ``s² (xᵀx'/D + 1)``): a zero-mean linear latent on z-scored features
+        cannot represent the base rate of instances labelled with their bag's label (cause 7)."""
         largest_variance = max(c[2] for c in candidates)
         shortest = min((c[1] for c in candidates if c[0] == "rbf"), default=math.inf)
         flexible = [c for c in candidates if c[2] == largest_variance and (c[0] != "rbf" or c[1] == shortest)]

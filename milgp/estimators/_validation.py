@@ -135,11 +135,10 @@ class FeatureScaler:
     """z-scoring with training statistics, refusing what would make it meaningless.
 
     Constant features (zero spread in training) are reported in one warning and ignored: they
-    standardise to 0 in training and in prediction
-    (:func:`milgp.data.standardize.standardization_scale`); when every feature is constant the
-    model can only predict the base rate. Features whose spread overflows (e.g. values of 1e154:
-    their variance is inf) are refused with an error naming the first one: they do vary, and
-    scaling them by an infinite standard deviation would silently turn them into zeros or NaN.
+    standardise to 0 in training and in prediction (:func:`~milgp.data.standardize.standardization_scale`);
+    when every feature is constant the model can only predict the base rate. Features whose spread
+    overflows (e.g. values of 1e154: their variance is inf) are refused with an error naming the
+    first one: scaling them by an infinite standard deviation would turn them into zeros or NaN.
     """
 
     def __init__(self, standardize: bool = True):

@@ -1,8 +1,7 @@
 """Averaging candidate fits: pseudo-BMA+ weights from held-out bag likelihoods, and the mixture.
 
-A kernel (or π rule) chosen by its out-of-bag likelihood on a few dozen bags is a noisy choice.
-Averaging the candidates' calibrated bag probabilities with weights that follow their held-out
-likelihood keeps the good candidates and hedges between near-ties (docs/core.md, cause 9).
+A kernel (or π rule) chosen by its out-of-bag likelihood on a few dozen bags is a noisy choice;
+averaging the candidates hedges between near-ties (docs/core.md, cause 9).
 
 The weights are the pseudo-BMA+ weights of Yao, Vehtari, Simpson & Gelman, *Using stacking to
 average Bayesian predictive distributions*, Bayesian Analysis 2018: with ``ℓ_ik`` the held-out log
