@@ -23,7 +23,7 @@ smallest out-of-bag negative log-likelihood.
 
 **Instance probabilities.** The averaged instance score is mapped to the MIL fits' posterior
 instance labels ``q(y_n = 1)`` (weighted as the bag decision's candidates are) by
-:class:`~milgp.prediction.InstanceCalibrator`.
+:class:`~milgp.prediction.InstanceCalibrator` (why: :mod:`milgp.prediction.instance_calibration`).
 """
 from __future__ import annotations
 
