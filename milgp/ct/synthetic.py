@@ -36,7 +36,6 @@ __all__ = [
     "sample_phantom",
     "write_cq500_dataset",
     "write_ct_series",
-    "write_ct_slice",
     "write_generic_dataset",
     "write_rsna_dataset",
 ]
@@ -132,75 +131,6 @@ def render_phantom(spec: PhantomSpec, z_slices: np.ndarray, size: int, rng: np.r
     return hu, labels
 
 
-def write_ct_slice(
-    path: str | os.PathLike[str],
-    hu: np.ndarray,
-    *,
-    patient_id: str,
-    study_uid: str,
-    series_uid: str,
-    sop_uid: str,
-    instance_number: int | None,
-    position: Sequence[float] | None,
-    orientation: Sequence[float] | None = _AXIAL,
-    pixel_spacing_mm: float = 1.0,
-    slice_thickness_mm: float = 5.0,
-    description: str = "",
-    kernel: str = "STANDARD",
-    contrast_agent: str | None = None,
-) -> None:
-    """Write one slice of ``hu`` ``(H, W)`` (HU) as a CT Image Storage DICOM file.
-
-    Stored as int16 (``BitsStored = 16``, ``PixelRepresentation = 1``) with ``RescaleSlope = 1``
-    and ``RescaleIntercept = -1024`` so that HU = stored - 1024. ``position`` (ImagePositionPatient,
-    mm) and ``orientation`` (ImageOrientationPatient) may be ``None`` to write a slice without
-    geometry; ``instance_number`` ``None`` leaves InstanceNumber out.
-    """
-    raw = np.clip(np.rint(np.asarray(hu, dtype=np.float64) - _RESCALE_INTERCEPT), -32768, 32767).astype("<i2")
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = CTImageStorage
-    meta.MediaStorageSOPInstanceUID = sop_uid
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    meta.ImplementationClassUID = PYDICOM_IMPLEMENTATION_UID
-    ds = Dataset()
-    ds.file_meta = meta
-    ds.SOPClassUID = CTImageStorage
-    ds.SOPInstanceUID = sop_uid
-    ds.Modality = "CT"
-    ds.PatientID = patient_id
-    ds.PatientName = patient_id
-    ds.StudyInstanceUID = study_uid
-    ds.SeriesInstanceUID = series_uid
-    ds.FrameOfReferenceUID = generate_uid(entropy_srcs=[study_uid, "frame-of-reference"])
-    ds.SeriesDescription = description
-    ds.ConvolutionKernel = kernel
-    if contrast_agent is not None:
-        ds.ContrastBolusAgent = contrast_agent
-    if instance_number is not None:
-        ds.InstanceNumber = int(instance_number)
-    if position is not None:
-        ds.ImagePositionPatient = [f"{float(v):.4f}" for v in position]
-        ds.SliceLocation = f"{float(position[2]):.4f}"
-    if orientation is not None:
-        ds.ImageOrientationPatient = [f"{float(v):.6f}" for v in orientation]
-    ds.PixelSpacing = [f"{pixel_spacing_mm:.6f}", f"{pixel_spacing_mm:.6f}"]
-    ds.SliceThickness = f"{slice_thickness_mm:.4f}"
-    ds.SamplesPerPixel = 1
-    ds.PhotometricInterpretation = "MONOCHROME2"
-    ds.Rows, ds.Columns = int(raw.shape[0]), int(raw.shape[1])
-    ds.BitsAllocated = 16
-    ds.BitsStored = 16
-    ds.HighBit = 15
-    ds.PixelRepresentation = 1
-    ds.RescaleIntercept = f"{_RESCALE_INTERCEPT:g}"
-    ds.RescaleSlope = "1"
-    ds.RescaleType = "HU"
-    ds.WindowCenter = "40"  # the brain window
-    ds.WindowWidth = "80"
-    ds.PixelData = raw.tobytes()
-    ds.save_as(path, enforce_file_format=True)
-
-
 def _uid(seed: int, *parts: object) -> str:
     return generate_uid(entropy_srcs=["milgp-synthetic", str(seed), *map(str, parts)])
 
@@ -221,11 +151,14 @@ def write_ct_series(
     contrast_agent: str | None = None,
     geometry: bool = True,
 ) -> list[str]:
-    """Write a volume ``hu`` ``(S, H, W)`` (HU, slice 0 lowest along z) as one DICOM series.
+    """Write a volume ``hu`` ``(S, H, W)`` (HU, slice 0 lowest along z) as one DICOM series of CT
+    Image Storage files.
 
     Files are written in a random order (``rng``); slice ``k`` sits at
     ``z = z_start_mm + k * slice_thickness_mm`` and gets InstanceNumber ``S - k`` (top of the head
-    first). ``geometry=False`` leaves out ImagePositionPatient/ImageOrientationPatient.
+    first). Pixels are stored as int16 (``BitsStored = 16``, ``PixelRepresentation = 1``) with
+    ``RescaleSlope = 1`` and ``RescaleIntercept = -1024`` so that HU = stored - 1024.
+    ``geometry=False`` leaves out ImagePositionPatient/ImageOrientationPatient.
 
     Returns:
         The ``S`` paths in anatomical (ascending z) order.
@@ -236,25 +169,50 @@ def write_ct_series(
     directory.mkdir(parents=True, exist_ok=True)
     num_slices, size = hu.shape[0], hu.shape[2]
     spacing = _FOV_MM / size
+    raw = np.clip(np.rint(np.asarray(hu, dtype=np.float64) - _RESCALE_INTERCEPT), -32768, 32767).astype("<i2")
     paths = [str(directory / name) for name in file_names]
     for k in rng.permutation(num_slices):
-        position = (-_FOV_MM / 2, -_FOV_MM / 2, z_start_mm + k * slice_thickness_mm)
-        write_ct_slice(
-            paths[k],
-            hu[k],
-            patient_id=patient_id,
-            study_uid=study_uid,
-            series_uid=series_uid,
-            sop_uid=generate_uid(entropy_srcs=[series_uid, "instance", str(k)]),
-            instance_number=num_slices - int(k),
-            position=position if geometry else None,
-            orientation=_AXIAL if geometry else None,
-            pixel_spacing_mm=spacing,
-            slice_thickness_mm=slice_thickness_mm,
-            description=description,
-            kernel=kernel,
-            contrast_agent=contrast_agent,
-        )
+        sop_uid = generate_uid(entropy_srcs=[series_uid, "instance", str(k)])
+        ds = Dataset()
+        ds.file_meta = FileMetaDataset()
+        ds.file_meta.MediaStorageSOPClassUID = CTImageStorage
+        ds.file_meta.MediaStorageSOPInstanceUID = sop_uid
+        ds.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+        ds.file_meta.ImplementationClassUID = PYDICOM_IMPLEMENTATION_UID
+        ds.SOPClassUID = CTImageStorage
+        ds.SOPInstanceUID = sop_uid
+        ds.Modality = "CT"
+        ds.PatientID = patient_id
+        ds.PatientName = patient_id
+        ds.StudyInstanceUID = study_uid
+        ds.SeriesInstanceUID = series_uid
+        ds.FrameOfReferenceUID = generate_uid(entropy_srcs=[study_uid, "frame-of-reference"])
+        ds.SeriesDescription = description
+        ds.ConvolutionKernel = kernel
+        if contrast_agent is not None:
+            ds.ContrastBolusAgent = contrast_agent
+        ds.InstanceNumber = num_slices - int(k)
+        if geometry:
+            position = (-_FOV_MM / 2, -_FOV_MM / 2, z_start_mm + k * slice_thickness_mm)
+            ds.ImagePositionPatient = [f"{float(v):.4f}" for v in position]
+            ds.SliceLocation = f"{float(position[2]):.4f}"
+            ds.ImageOrientationPatient = [f"{float(v):.6f}" for v in _AXIAL]
+        ds.PixelSpacing = [f"{spacing:.6f}", f"{spacing:.6f}"]
+        ds.SliceThickness = f"{slice_thickness_mm:.4f}"
+        ds.SamplesPerPixel = 1
+        ds.PhotometricInterpretation = "MONOCHROME2"
+        ds.Rows, ds.Columns = int(raw.shape[1]), int(raw.shape[2])
+        ds.BitsAllocated = 16
+        ds.BitsStored = 16
+        ds.HighBit = 15
+        ds.PixelRepresentation = 1
+        ds.RescaleIntercept = f"{_RESCALE_INTERCEPT:g}"
+        ds.RescaleSlope = "1"
+        ds.RescaleType = "HU"
+        ds.WindowCenter = "40"  # the brain window
+        ds.WindowWidth = "80"
+        ds.PixelData = raw[k].tobytes()
+        ds.save_as(paths[k], enforce_file_format=True)
     return paths
 
 
