@@ -1,7 +1,7 @@
 """Process pools for the CT data path (``docs/ct_data.md``, "The cache": parallel, fault isolation).
 
 A ``ProcessPoolExecutor`` worker outlives a parent killed with ``SIGKILL`` (the pool's shutdown code
-never runs): :func:`process_pool` makes workers that die with their parent (:func:`die_with_parent`).
+never runs): :func:`process_pool` makes workers that die with their parent.
 A worker that dies breaks the whole pool (``BrokenProcessPool`` for every unfinished task):
 :func:`run_isolated` retries those items one per fresh process, so only an item that kills its
 worker again is lost, and reported.
@@ -22,7 +22,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-__all__ = ["die_with_parent", "process_pool", "run_isolated"]
+__all__ = ["process_pool", "run_isolated"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -37,12 +37,13 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """Make this (child) process exit as soon as ``parent_pid`` is no longer its parent.
-
-    On Linux the kernel delivers ``SIGKILL`` when the parent dies; elsewhere a daemon thread polls
-    ``os.getppid()`` every half second. A parent that died before this call is noticed at once.
-    """
+def _init_worker(parent_pid: int) -> None:
+    """One intra-op torch thread per worker (the pool supplies the parallelism, and a forked child
+    must not enter the parent's OpenMP thread pool), and exit as soon as ``parent_pid`` is no longer
+    the parent: on Linux the kernel delivers ``SIGKILL`` when the parent dies; elsewhere a daemon
+    thread polls ``os.getppid()`` every half second. A parent that died before this call is noticed
+    at once."""
+    torch.set_num_threads(1)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
@@ -51,13 +52,6 @@ def die_with_parent(parent_pid: int) -> None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="milgp-parent-watch").start()
     if os.getppid() != parent_pid:
         os._exit(1)
-
-
-def _init_worker(parent_pid: int) -> None:
-    """One intra-op torch thread per worker (the pool supplies the parallelism, and a forked child
-    must not enter the parent's OpenMP thread pool), and death with the parent."""
-    torch.set_num_threads(1)
-    die_with_parent(parent_pid)
 
 
 def process_pool(workers: int) -> ProcessPoolExecutor:
