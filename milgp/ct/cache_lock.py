@@ -67,9 +67,8 @@ class CacheLock:
         self.wait_s = float(wait_s)
         self.took_over: str = ""
         self._fd: int | None = None
-        self._depth = 0
         self._owner_pid = 0
-        self._outer: CacheLock | None = None
+        self._nested = False  # entered while this process already held the lock: the outer one releases it
 
     def _try_lock(self) -> bool:
         """One attempt: lock the file now in the folder; ``True`` when this process holds it."""
@@ -95,8 +94,7 @@ class CacheLock:
         key = str(self.root.resolve())
         held = CacheLock._held.get(key)
         if held is not None and held._owner_pid == os.getpid():
-            held._depth += 1
-            self._outer = held
+            self._nested = True
             return held
         self.root.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + self.wait_s
@@ -123,17 +121,12 @@ class CacheLock:
         os.pwrite(self._fd, (json.dumps(record) + "\n").encode("utf-8"), 0)
         os.fchmod(self._fd, 0o666 & ~current_umask())
         self._owner_pid = os.getpid()
-        self._depth = 1
         CacheLock._held[key] = self
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self._outer is not None:
-            self._outer._depth -= 1
-            self._outer = None
-            return
-        self._depth -= 1
-        if self._depth > 0:
+        if self._nested:
+            self._nested = False
             return
         CacheLock._held.pop(str(self.root.resolve()), None)
         with contextlib.suppress(FileNotFoundError):
