@@ -8,7 +8,6 @@ always atomically, and split by patient with :func:`split_by_patient`.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import os
@@ -230,15 +229,13 @@ class BagIndex:
         if suffix == ".json":
             atomic_write_json(path, self.to_json_dict())
         elif suffix == ".csv":
-            buf = io.StringIO()
-            writer = csv.writer(buf, lineterminator="\n")
-            writer.writerow(_CSV_COLUMNS)
-            for b in self.bags:
-                for i, p in enumerate(b.slice_paths):
-                    label = "" if b.slice_labels is None else b.slice_labels[i]
-                    writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering, b.modality])
             with atomic_open(path, "w", errors="surrogateescape") as fh:  # undecodable file names round-trip
-                fh.write(buf.getvalue())
+                writer = csv.writer(fh, lineterminator="\n")
+                writer.writerow(_CSV_COLUMNS)
+                for b in self.bags:
+                    for i, p in enumerate(b.slice_paths):
+                        label = "" if b.slice_labels is None else b.slice_labels[i]
+                        writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering, b.modality])
         else:
             raise ValueError(f"{path}: bag index files must end in .json or .csv")
 
