@@ -47,23 +47,17 @@ def needs_rsna_12bit_repair(bits_stored: int, pixel_representation: int, interce
 def repair_rsna_12bit_fault(raw: np.ndarray) -> tuple[np.ndarray, float, int]:
     """Repair the known 12-bit fault of the RSNA ICH archive; returns ``(raw', intercept', clamped)``.
 
-    Some RSNA Intracranial Hemorrhage Detection slices say ``BitsStored = 12``,
-    ``PixelRepresentation = 0`` (unsigned) and a rescale intercept near 0 (``> -100``), while the
-    stored values are really a 12-bit wrapped signal: read with the stated tags, air and parts of
-    the soft tissue land at the top of the 12-bit range and the windowed image is garbage. The
-    repair used by the RSNA ICH Kaggle solutions (J. Howard, "Cleaning the data for rapid
-    prototyping (fastai)", Kaggle kernel, 2019; reused e.g. in R. Epp, "See like a radiologist
-    with systematic windowing") shifts by 1000, wraps modulo 4096 and sets the intercept to
-    -1000::
+    Slices with ``BitsStored = 12``, ``PixelRepresentation = 0`` and an intercept ``> -100`` hold a
+    wrapped 12-bit signal (the fault and its air band: ``docs/ct_data.md``, "From DICOM to three
+    channels"). The repair of the RSNA ICH Kaggle solutions (J. Howard, "Cleaning the data for rapid
+    prototyping (fastai)", Kaggle kernel, 2019; reused e.g. in R. Epp, "See like a radiologist with
+    systematic windowing")::
 
         x = x + 1000; px_mode = 4096; x[x >= px_mode] -= px_mode; intercept = -1000
 
-    so that ``HU = slope * x' - 1000``: exact for true values in [-1000, 3095] HU. Air is noisy,
-    and air noise below -1000 HU wraps to the *top* of that range (+3000...+3095 HU: white in every
-    window). Values in the top :data:`RSNA_12BIT_AIR_BAND` of the range are therefore set to the
-    minimum representable value (-1000 HU) and counted; a true value of 3000 HU or more (dense
-    metal only) reads as air in such slices. Apply it only when :func:`needs_rsna_12bit_repair`
-    holds; the rescale slope is kept.
+    is exact for true values in [-1000, 3095] HU; values in the top :data:`RSNA_12BIT_AIR_BAND` of
+    the range are wrapped air noise and set to -1000 HU (counted). Apply it only when
+    :func:`needs_rsna_12bit_repair` holds; the rescale slope is kept.
 
     Args:
         raw: ``(H, W)`` stored pixel values (unitless integers ``0..4095``).
