@@ -133,10 +133,6 @@ class CacheReport:
             "warnings": [e.to_json_dict() for e in self.warnings],
         }
 
-    def write(self) -> None:
-        """Write ``skipped.json`` atomically."""
-        atomic_write_json(self.report_path, self.to_json_dict())
-
 
 _WORKER_DIED = ("the worker process died while caching this bag (killed by a signal: a crash in a decoder, or out "
                 "of memory); the other bags were cached")
@@ -248,7 +244,7 @@ def build_cache(
             bags = [entries[b] for b in index.bag_ids if b in entries]
             atomic_write_json(root / "manifest.json", {"format": "milgp-ct-cache-manifest", "bags": bags})
             report.seconds = time.perf_counter() - start
-            report.write()
+            atomic_write_json(report.report_path, report.to_json_dict())
     return report
 
 
