@@ -25,9 +25,9 @@ from milgp.data.atomic import atomic_write_json, remove_stale_temporaries
 from milgp.ct.cache_bag import (
     MANIFEST_KEYS,
     BagResult,
+    array_file_problem,
     bag_file_stem,
     cached_bag_problem,
-    open_array_file,
     process_bag_isolated,
 )
 from milgp.ct.cache_lock import CacheLock
@@ -359,7 +359,10 @@ class CTCache:
                 or holds another shape or dtype than the manifest says.
         """
         path = self.path(bag_id)
-        try:
-            return open_array_file(path, self.entry(bag_id).shape, self.params.dtype, mmap)
-        except ValueError as err:
-            raise CacheCorruptError(f"cached bag {bag_id!r}: {printable(path)}: {err}; {repair_hint(self.root)}") from None
+        problem = array_file_problem(path, self.entry(bag_id).shape, self.params.dtype)
+        if not problem:
+            try:
+                return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+            except (OSError, ValueError, EOFError) as err:
+                problem = f"cannot be loaded ({type(err).__name__}: {err})"
+        raise CacheCorruptError(f"cached bag {bag_id!r}: {printable(path)}: {problem}; {repair_hint(self.root)}")
