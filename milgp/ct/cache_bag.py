@@ -192,12 +192,6 @@ def _index_fields(record: BagRecord) -> dict:
     }
 
 
-def _params_change(recorded: dict, params: CacheParams) -> str:
-    """What differs between the parameters a marker records and ``params`` (``""`` when nothing does)."""
-    wanted = params.to_json_dict()
-    return ", ".join(f"{k} {recorded.get(k)} -> {wanted[k]}" for k in wanted if recorded.get(k) != wanted[k])
-
-
 def cached_bag_problem(bags_dir: Path, record: BagRecord, params: CacheParams, checksum: bool = True) -> CachedBagState:
     """Whether the cached copy of ``record``, preprocessed with ``params``, can be reused (the rule:
     ``docs/ct_data.md``, "The cache", a cache that verifies itself).
@@ -224,7 +218,10 @@ def cached_bag_problem(bags_dir: Path, record: BagRecord, params: CacheParams, c
         missing = [k for k in (*MANIFEST_KEYS, "sources", "skipped", "warnings") if k not in meta]
         if missing or meta["file"] != npy_path.name:
             return CachedBagState(None, str(marker_path), f"marker malformed (missing {missing} or names another file)")
-        changed_params = _params_change(meta["params"], params)
+        recorded, wanted = meta["params"], params.to_json_dict()
+        changed_params = ", ".join(
+            f"{k} {recorded.get(k)} -> {wanted[k]}" for k in wanted if recorded.get(k) != wanted[k]
+        )
         if changed_params:
             return CachedBagState(None, str(marker_path), f"cached with other preprocessing parameters ({changed_params})")
         if any(meta.get(k) != v for k, v in _index_fields(record).items()):

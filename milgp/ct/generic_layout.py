@@ -89,11 +89,6 @@ def read_slice_labels(slice_labels_csv: str | os.PathLike[str]) -> tuple[dict[st
     return out, invalid
 
 
-def _is_folder_name(bag_id: str) -> bool:
-    """Whether ``bag_id`` names a folder directly under the root: no path separator, not ``.`` or ``..``."""
-    return bag_id not in (".", "..") and not any(sep and sep in bag_id for sep in (os.sep, os.altsep))
-
-
 def index_generic(
     root: str | os.PathLike[str],
     labels_csv: str | os.PathLike[str],
@@ -142,7 +137,8 @@ def index_generic(
         if bag_id in invalid_slices:
             refused.append(ReportEntry(bag_id, str(slice_labels_csv), f"bag left out: {invalid_slices[bag_id]}"))
             continue
-        if not _is_folder_name(bag_id):  # 'scan_001/' or './scan_001' would reach scan_001's folder under another id
+        # not a plain folder name: 'scan_001/' or './scan_001' would reach scan_001's folder under another id
+        if bag_id in (".", "..") or any(sep and sep in bag_id for sep in (os.sep, os.altsep)):
             refused.append(ReportEntry(bag_id, str(labels_csv), f"bag left out: its id in {printable(labels_csv)} "
                                                                  "is not a plain folder name (a path separator, '.' or '..')"))
             continue

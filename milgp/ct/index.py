@@ -339,15 +339,6 @@ def bag_from_headers(
     return record, checked.skipped, checked.warnings
 
 
-def _allocate(n: int, fractions: np.ndarray) -> np.ndarray:
-    """Split ``n`` items into ``len(fractions)`` integer counts by largest remainder."""
-    raw = fractions * n
-    counts = np.floor(raw).astype(int)
-    for k in np.argsort(-(raw - counts), kind="stable")[: n - int(counts.sum())]:
-        counts[k] += 1
-    return counts
-
-
 def split_by_patient(
     index: BagIndex,
     fractions: Sequence[float] = (0.8, 0.1, 0.1),
@@ -385,7 +376,10 @@ def split_by_patient(
     for stratum in (False, True):
         patients = sorted(p for p, pos in positive.items() if pos == stratum)
         patients = [patients[i] for i in rng.permutation(len(patients))]
-        counts = _allocate(len(patients), frac)
+        raw = frac * len(patients)
+        counts = np.floor(raw).astype(int)
+        for k in np.argsort(-(raw - counts), kind="stable")[: len(patients) - int(counts.sum())]:
+            counts[k] += 1
         split_ids = np.repeat(np.arange(len(frac)), counts)
         split_of.update(zip(patients, (int(s) for s in split_ids)))
     return {

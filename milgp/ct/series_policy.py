@@ -25,11 +25,6 @@ CT_IMAGE_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
 _GRAYSCALE = ("MONOCHROME1", "MONOCHROME2")
 
 
-def _sop_name(uid: str) -> str:
-    name = UID(uid).name
-    return f"{name} ({uid})" if name != uid else uid
-
-
 @dataclass(frozen=True)
 class SeriesPolicy:
     """What a series may contain, and when it is refused or warned about.
@@ -67,7 +62,9 @@ class SeriesPolicy:
             what = f"Modality {h.modality!r}" if h.modality else "no Modality tag"
             return f"{what}, not CT: pixel values are not Hounsfield units (accept with --allow-non-ct)"
         if h.sop_class_uid and h.sop_class_uid != CT_IMAGE_STORAGE:
-            return f"SOP class {_sop_name(h.sop_class_uid)} is not CT Image Storage (accept with --allow-non-ct)"
+            name = UID(h.sop_class_uid).name
+            sop = f"{name} ({h.sop_class_uid})" if name != h.sop_class_uid else h.sop_class_uid
+            return f"SOP class {sop} is not CT Image Storage (accept with --allow-non-ct)"
         return ""
 
     def slice_problem(self, h: "SliceHeader") -> str:
