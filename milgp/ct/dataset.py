@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from milgp.ct.augment import BagAugment
-from milgp.ct.cache import CacheCorruptError, CacheParams, CTCache, repair_hint
+from milgp.ct.cache import CacheCorruptError, CTCache, repair_hint
 from milgp.ct.index import read_splits
 from milgp.ct.report_entry import printable
 
@@ -49,7 +49,6 @@ class CTBagDataset(torch.utils.data.Dataset):
         max_slices: keep at most this many evenly spaced slices per bag (order kept).
         augment: a :class:`BagAugment` for training; ``None`` (default) serves the cache as is.
         seed: augmentation seed; a bag's transform depends on ``(seed, epoch, bag position)``.
-        expected_params: refuse a cache built with other preprocessing parameters.
     """
 
     def __init__(
@@ -59,9 +58,8 @@ class CTBagDataset(torch.utils.data.Dataset):
         max_slices: int | None = None,
         augment: BagAugment | None = None,
         seed: int = 0,
-        expected_params: CacheParams | None = None,
     ):
-        self.cache = CTCache(cache_dir, expected_params=expected_params)
+        self.cache = CTCache(cache_dir)
         self.bag_ids: list[str] = list(self.cache.bag_ids if bag_ids is None else bag_ids)
         for b in self.bag_ids:
             self.cache.entry(b)  # KeyError naming the bag and the cache
