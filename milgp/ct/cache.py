@@ -1,9 +1,8 @@
 """Preprocessed per-bag cache of windowed, resized CT slices: building it (:func:`build_cache`) and reading it.
 
 Reading and windowing DICOM files costs far more than a training step, so a :class:`BagIndex` is
-preprocessed once. The cache folder (``params.json``, ``index.json``, ``manifest.json``,
-``skipped.json``, ``milgp-cache.lock``, and per bag ``bags/<stem>.npy`` plus its ``.json`` marker),
-the uint8 storage and the robustness measures are described in ``docs/ct_data.md``, "The cache".
+preprocessed once. The cache folder's files, the uint8 storage and the robustness measures are
+described in ``docs/ct_data.md``, "The cache".
 Bags are uncompressed ``.npy`` so that the dataset can memory-map them and read only the slices it
 subsamples. The pieces: :mod:`milgp.ct.cache_params`, :mod:`milgp.ct.cache_lock`,
 :mod:`milgp.ct.cache_bag`, :mod:`milgp.ct.worker_pool`, :mod:`milgp.ct.cache_verify`.

@@ -1,10 +1,6 @@
 """Label files: reading the CSVs (:func:`read_csv_rows`) and validating their labels (:class:`LabelRule`).
 
-Label files come from spreadsheets and scripts: a UTF-8 byte-order mark (Excel), spaces around
-column names, short rows, blank lines, another text encoding. :func:`read_csv_rows` accepts the
-harmless ones and turns the others into a ``ValueError`` naming the file. A label is 0/1 for MIL
-unless a mapping says what other text means, a finite non-negative number for aggregate targets;
-a refused row leaves its bag out of the index, reported with the file and the line
+A refused label leaves its bag out of the index, reported with the file and the line
 (``docs/ct_data.md``, "Layouts").
 """
 from __future__ import annotations
