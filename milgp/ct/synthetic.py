@@ -1,10 +1,8 @@
 """Synthetic head-CT datasets written as real DICOM files (for demos and tests).
 
-The phantom heads (positive scans carry one hyperdense blob; its slices are the positive
-instances), the tags written and the deliberately scrambled order (random file names, files written
-in random order, InstanceNumber counting from the top of the head down as in pydicom's CT5N series,
-so only the geometry gives ascending scan-axis order) are described in ``docs/ct_data.md``,
-"Synthetic data". Writers for the three layouts the indexers read: :func:`write_rsna_dataset`,
+Positive phantom heads carry one hyperdense blob (its slices are the positive instances); files are
+written in a scrambled order that only the geometry undoes (``docs/ct_data.md``, "Synthetic data").
+Writers for the three layouts the indexers read: :func:`write_rsna_dataset`,
 :func:`write_cq500_dataset`, :func:`write_generic_dataset`; each returns the ground truth
 (:class:`SyntheticDataset`). Everything is deterministic given ``seed``.
 """
