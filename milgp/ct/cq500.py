@@ -174,8 +174,7 @@ def index_cq500(
         root: folder holding the study folders (``CQ500CT<n> CQ500CT<n>/...``, searched
             recursively for DICOM files).
         reads_csv: the ``reads.csv`` file (:func:`read_cq500_labels`).
-        workers: processes for header reading.
-        progress: show a progress bar while reading headers.
+        workers, progress: header-reading processes and progress bar (:func:`milgp.ct.dicom.read_headers`).
         rule: read validation (a mapping for other encodings).
         policy: what a series may contain; files it refuses (non-CT, localizers) are left out
             before a series is chosen.

@@ -105,8 +105,7 @@ def index_generic(
         labels_csv: bag labels (:func:`read_bag_labels`).
         slice_labels_csv: optional slice labels (:func:`read_slice_labels`); when given, every
             kept slice of a bag needs a row.
-        workers: processes for header reading.
-        progress: show a progress bar while reading headers.
+        workers, progress: header-reading processes and progress bar (:func:`milgp.ct.dicom.read_headers`).
         rule: bag-label validation (``LabelRule("aggregate")`` for aggregate targets).
         policy: what a series may contain.
 

@@ -96,8 +96,7 @@ def index_rsna(
     Args:
         image_dir: folder of ``ID_*.dcm`` files (not searched recursively).
         labels_csv: the ``stage_2_train.csv`` label file (:func:`read_rsna_labels`).
-        workers: processes for header reading (see :func:`milgp.ct.dicom.read_headers`).
-        progress: show a progress bar while reading headers.
+        workers, progress: header-reading processes and progress bar (:func:`milgp.ct.dicom.read_headers`).
         rule: label validation (a mapping for other label encodings).
         policy: what a series may contain (:class:`milgp.ct.series_policy.SeriesPolicy`).
 
