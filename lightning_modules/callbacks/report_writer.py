@@ -80,7 +80,8 @@ class ReportWriter(Callback):
         if csv_path is not None and csv_path.is_file():
             curves = read_csv_log(csv_path)
             if curves:
-                plot_training_curves(output_folder(trainer) / "training_curves.png", curves, title=f"{self._name(pl_module)}: training curves")
+                plot_training_curves(output_folder(trainer) / "training_curves.png", curves,
+                                     title=f"{self._name(pl_module)}: training curves")
 
     @rank_zero_only
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

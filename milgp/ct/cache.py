@@ -364,4 +364,6 @@ class CTCache:
                 return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
             except (OSError, ValueError, EOFError) as err:
                 problem = f"cannot be loaded ({type(err).__name__}: {err})"
-        raise CacheCorruptError(f"cached bag {bag_id!r}: {printable(path)}: {problem}; {repair_hint(self.root)}")
+        raise CacheCorruptError(
+            f"cached bag {bag_id!r}: {printable(path)}: {problem}; {repair_hint(self.root)}"
+        )

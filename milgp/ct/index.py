@@ -235,7 +235,8 @@ class BagIndex:
                 for b in self.bags:
                     for i, p in enumerate(b.slice_paths):
                         label = "" if b.slice_labels is None else b.slice_labels[i]
-                        writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering, b.modality])
+                        writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering,
+                                         b.modality])
         else:
             raise ValueError(f"{path}: bag index files must end in .json or .csv")
 

@@ -143,9 +143,10 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         outputscale = check_positive("outputscale", self.outputscale, none="searched")
         out: list[tuple[str, float, float]] = []
         for kind, factor, scale in self.kernel_grid:
-            if self.kernel in ("auto", kind):
-                ls = 1.0 if kind != "rbf" else lengthscale if lengthscale is not None else factor * math.sqrt(dim)
-                out.append((kind, ls, outputscale if outputscale is not None else scale))
+            if self.kernel not in ("auto", kind):
+                continue
+            ls = 1.0 if kind != "rbf" else lengthscale if lengthscale is not None else factor * math.sqrt(dim)
+            out.append((kind, ls, outputscale if outputscale is not None else scale))
         return list(dict.fromkeys(out))  # in grid order, each candidate once
 
     def _likelihood_variants(self) -> tuple[Any, ...]:
