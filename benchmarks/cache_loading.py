@@ -56,6 +56,7 @@ from lightning_modules.module_config import instantiate
 from milgp.ct.cache import CacheParams, build_cache
 from milgp.ct.rsna import index_rsna
 from milgp.ct.synthetic import write_rsna_dataset
+from milgp.data.atomic import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIGS = ["configs/rsna_attcnn.yaml", "configs/rsna_gp_end_to_end.yaml"]
@@ -309,8 +310,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "total_s": round(total_s, 1),
         "results": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2, default=float) + "\n", encoding="utf-8")
+    atomic_write_text(out, json.dumps(result, indent=2, default=float) + "\n")
     print(f"wrote {out}")
 
 

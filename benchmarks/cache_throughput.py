@@ -28,6 +28,7 @@ import torch
 from milgp.ct.cache import CacheParams, build_cache
 from milgp.ct.rsna import index_rsna
 from milgp.ct.synthetic import write_rsna_dataset
+from milgp.data.atomic import atomic_write_text
 
 RESULT_PATH = Path(__file__).resolve().parent / "results" / "cache_throughput.json"
 
@@ -115,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{r['workers']:>7} | {r['seconds']:>7.2f} | {r['slices_per_second']:>8.1f} | {r['cache_mb_per_1000_slices']:>22.1f}")
     print(f"DICOM source: {d['dicom_mb_per_1000_slices']:.1f} MB / 1000 slices; header indexing {d['index_seconds']:.2f} s")
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -28,15 +28,15 @@ from __future__ import annotations
 import argparse
 import re
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from sklearn.metrics import roc_auc_score
 
-from benchmarks.common import add_thread_arg, digits_bags, markdown_table, set_threads, write_json
-from benchmarks.real_mil import cv_folds, load_mil_csv
+from benchmarks.common import add_thread_arg, digits_bags, markdown_table, name_for_folder, set_threads, write_json
+from benchmarks.mil_csv import load_mil_folder
+from benchmarks.real_mil import FOLDS, cv_folds
 from milgp.estimators import VGPMILClassifier
 from milgp.metrics import expected_calibration_error, log_loss
 from milgp.prediction import AveragedFit, ModelAverage
@@ -139,14 +139,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     set_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
-    sets = {path.stem: load_mil_csv(path) for path in sorted(Path(args.data_dir).glob("*.csv"))}
+    sets = load_mil_folder(args.data_dir, min_bags_per_class=FOLDS)
     sets["digits"] = digits_bags(seed=0)
     results = {}
     for name, (bags, y) in sets.items():
         candidates, schemes = evaluate(bags, np.asarray(y, dtype=np.float64), list(range(args.seeds)), args.psi)
         print(f"\n## {name} (psi={args.psi}, {args.seeds} shuffles)\n\n{markdown_table(candidates)}\n\n{markdown_table(schemes)}", flush=True)
         results[name] = {"candidates": candidates, "averages": schemes}
-    write_json(args.name or f"candidate_families_{args.psi}", {"seeds": args.seeds, "results": results})
+    write_json(args.name or name_for_folder(f"candidate_families_{args.psi}", args.data_dir),
+               {"seeds": args.seeds, "data_dir": str(args.data_dir), "results": results})
     return results
 
 

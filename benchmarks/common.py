@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import time
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from milgp.data.atomic import atomic_write_text
 from milgp.data.bags import BagBatch, bag_index_from_sizes
 from milgp.data.synthetic_mil import synthetic_mil  # noqa: F401  (re-exported for the benchmarks)
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
@@ -178,13 +180,29 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """Write ``payload`` to ``benchmarks/results/<name>.json`` atomically (an interrupted or failed
+    write leaves the previous file as it was); quick runs get a ``_quick`` suffix, so they never
+    overwrite the full results."""
     if payload.get("quick") and not name.endswith("_quick"):
-        name += "_quick"  # quick runs never overwrite the full results
+        name += "_quick"
     path = RESULTS / f"{name}.json"
     payload = {"benchmark": name, "machine": machine(), "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), **payload}
-    path.write_text(json.dumps(payload, indent=2, default=float))
+    atomic_write_text(path, json.dumps(payload, indent=2, default=float))
     return path
+
+
+def name_for_folder(name: str, data_dir: str | Path) -> str:
+    """``name``, or ``name_<folder>`` when ``benchmarks/results/<name>.json`` records another
+    ``data_dir`` than this run's: a run on one's own data never overwrites the committed results
+    (a file without the record is taken to be of the same folder)."""
+    path = RESULTS / f"{name}.json"
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8")).get("data_dir") if path.exists() else None
+    except (OSError, ValueError):
+        recorded = None
+    if recorded is None or Path(recorded).resolve() == Path(data_dir).resolve():
+        return name
+    return name + "_" + re.sub(r"[^A-Za-z0-9_-]+", "_", Path(data_dir).resolve().name)
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:

@@ -25,13 +25,13 @@ import statistics
 import threading
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from lightning_modules import AttentionMILModule, GPMILModule, ResNetExtractor, SmallCNN
+from milgp.data.atomic import atomic_write_text
 from milgp.data.bags import Bags, bag_index_from_sizes
 
 
@@ -178,8 +178,7 @@ def main() -> None:
     args = p.parse_args()
     args.size = args.size or (64 if args.device == "cpu" else 512)
     report = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    atomic_write_text(args.out, json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -37,6 +37,7 @@ from sklearn.model_selection import train_test_split
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import witness_bags  # noqa: E402
+from milgp.data.atomic import atomic_write_text  # noqa: E402
 from milgp.estimators import VGPMILClassifier  # noqa: E402
 from milgp.metrics import expected_calibration_error  # noqa: E402
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--psi", nargs="+", default=["pg", "gamma"])
     parser.add_argument("--test-size", type=float, default=0.3)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="VGPMILClassifier overrides")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "digits_mil.json"))
+    parser.add_argument("--out", default=None, help="the JSON (default: benchmarks/results/digits_mil[_quick].json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     seeds = list(range(1 if args.quick else args.seeds))
@@ -160,9 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         "table": table,
         "results": raw,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = args.out or Path(__file__).resolve().parent / "results" / f"digits_mil{'_quick' if args.quick else ''}.json"
+    atomic_write_text(out, json.dumps(result, indent=2))
     return result
 
 

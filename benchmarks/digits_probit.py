@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from digits_mil import make_bags  # noqa: E402
 
+from milgp.data.atomic import atomic_write_text  # noqa: E402
 from milgp.estimators import ProbitMILClassifier, VGPMILClassifier  # noqa: E402
 
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--test-size", type=float, default=0.3)
     parser.add_argument("--max-iter", type=int, default=200, help="CAVI iterations at fixed hyperparameters (stops at tol)")
     parser.add_argument("--models", nargs="+", default=["probit-vi", "probit-gibbs", "probit-vi-learned", "vgpmil"])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "digits_probit.json"))
+    parser.add_argument("--out", default=None, help="the JSON (default: benchmarks/results/digits_probit[_quick].json)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (small matrices: 1 is fastest)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -131,9 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
         "table": table,
         "results": raw,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out = args.out or Path(__file__).resolve().parent / "results" / f"digits_probit{'_quick' if args.quick else ''}.json"
+    atomic_write_text(out, json.dumps(result, indent=2))
     return result
 
 

@@ -26,7 +26,6 @@ import statistics
 import time
 import traceback
 import warnings
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -34,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.deep_path import gp_head_update
 from lightning_modules import GPMILModule, SmallCNN
+from milgp.data.atomic import atomic_write_text
 from milgp.data.bags import bag_index_from_sizes
 
 _LIBRARY = ("/milgp/", "/lightning_modules/")
@@ -116,8 +116,7 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row), flush=True)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"torch": torch.__version__, "results": rows}, indent=2), encoding="utf-8")
+        atomic_write_text(args.out, json.dumps({"torch": torch.__version__, "results": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
-from benchmarks.real_mil import LogisticPooling, cv_folds, load_mil_csv
+from benchmarks.common import add_thread_arg, markdown_table, name_for_folder, set_threads, write_json
+from benchmarks.mil_csv import load_mil_folder
+from benchmarks.real_mil import FOLDS, LogisticPooling, cv_folds
 from milgp.inducing import bag_mean_inducing, kmeans_pp_inducing, mil_inducing
 
 SIZES = (100, 300)
@@ -69,8 +70,7 @@ def main() -> None:
         for kind in ("k-means++ seeds", "uniform draw", "principal directions", "bag means", "the estimators' mix") for m in SIZES
     ]
     rows, results = [], {}
-    for path in sorted(args.data_dir.glob("*.csv")):
-        bags, y = load_mil_csv(path)
+    for stem, (bags, y) in load_mil_folder(args.data_dir, min_bags_per_class=FOLDS).items():
         folds = [
             (seed, k, train, test)
             for seed in range(args.seeds)
@@ -79,11 +79,12 @@ def main() -> None:
         for name, basis, m, c in variants:
             aucs = [bag_auc(bags, y, train, test, c, basis, m, k) for _, k, train, test in folds]
             label = name if basis is not None else f"{name}, C = {c:g}"
-            rows.append({"data": path.stem, "weights in": label, "bag AUC": float(np.mean(aucs)), "worst fold": float(np.min(aucs))})
-            results.setdefault(path.stem, {})[label] = aucs
-            print(f"{path.stem}: {label}: {np.mean(aucs):.3f} ({np.min(aucs):.3f})", flush=True)
+            rows.append({"data": stem, "weights in": label, "bag AUC": float(np.mean(aucs)), "worst fold": float(np.min(aucs))})
+            results.setdefault(stem, {})[label] = aucs
+            print(f"{stem}: {label}: {np.mean(aucs):.3f} ({np.min(aucs):.3f})", flush=True)
     print(markdown_table(rows))
-    write_json("linear_span", {"seeds": args.seeds, "data_dir": str(args.data_dir), "fold_auc": results})
+    payload = {"seeds": args.seeds, "data_dir": str(args.data_dir), "fold_auc": results}
+    write_json(name_for_folder("linear_span", args.data_dir), payload)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ scikit-learn, judged exactly as ``benchmarks/real_mil.py`` judges the developmen
 
 The estimators' defaults were chosen on four classic MIL benchmarks; this is a check that they
 hold elsewhere. Each set is written as a CSV in ``real_mil``'s layout (label, bag id, features)
-to ``--out`` (default: a temporary folder) and run through :func:`benchmarks.real_mil.main`
-(every row, 5-fold CV over bags × ``--seeds`` shuffles); the JSON is
+to ``--out`` (default: a temporary folder; one holding other CSV files is refused) and run through
+:func:`benchmarks.real_mil.main` (every row, 5-fold CV over bags × ``--seeds`` shuffles); the JSON is
 ``benchmarks/results/package_mil.json`` (``package_mil_<n>_shuffles.json`` for other ``--seeds``).
 Bags are drawn once (seed 0), no instance in two bags, of two kinds: *witness* bags
 (:func:`benchmarks.common.witness_bags`: balanced, a positive bag holds 1 to ``k`` positive
@@ -89,6 +89,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=None, help="folder for the CSVs (default: a temporary one)")
     add_thread_arg(p)
     args = p.parse_args(argv)
+    if args.out is not None and args.out.is_dir():
+        others = sorted(f.name for f in args.out.iterdir() if f.suffix.lower() == ".csv" and f.stem not in SETS)
+        if others:
+            raise SystemExit(f"--out {args.out} holds other CSV files ({', '.join(others)}), which would be judged "
+                             "with these sets: give an empty folder")
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         write_sets(out)

@@ -4,7 +4,8 @@
 
 Every ``*.csv`` in ``--data-dir`` is one data set (one row per instance, no header: column 0 the
 bag's label, column 1 the bag id, the rest the features — the layout of the ``mil`` package's
-copies of the classic benchmarks). Each is judged by stratified 5-fold cross-validation over bags,
+copies of the classic benchmarks; :mod:`benchmarks.mil_csv`). A file that breaks the layout, or
+has fewer than 5 bags of a class, is skipped with one line on stderr. Each is judged by stratified 5-fold cross-validation over bags,
 repeated with ``--seeds`` shuffles (``StratifiedKFold(5, shuffle=True, random_state=seed)``,
 estimator ``random_state = fold``), one torch thread.
 
@@ -30,15 +31,15 @@ seconds per fold (``time.process_time``) and their ratio to the reference settin
 same fold; for every other row, its AUC minus the best logistic-regression row's (by mean AUC) on
 the same folds: the mean, a standard error corrected for repeated cross-validation
 (:func:`paired_difference`) and the folds won. Results: ``benchmarks/results/real_mil.json`` for
-the full run the README shows; other runs are named apart (:func:`result_name`) and never
-overwrite it (``--name`` names one outright: ``benchmarks/package_mil.py``).
+the full run the README shows; other runs are named apart (:func:`result_name`; a run on another
+folder than the file records gets the folder's name as a suffix) and never overwrite it
+(``--name`` names one outright: ``benchmarks/package_mil.py``).
 """
 from __future__ import annotations
 
 import argparse
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -47,21 +48,10 @@ from sklearn.metrics import roc_auc_score
 from sklearn.model_selection import StratifiedKFold
 from sklearn.preprocessing import StandardScaler
 
-from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
+from benchmarks.common import add_thread_arg, markdown_table, name_for_folder, set_threads, write_json
+from benchmarks.mil_csv import load_mil_folder
 from milgp.estimators import ProbitMILClassifier, VGPMILClassifier
 from milgp.metrics import calibrated_ece, expected_calibration_error, log_loss
-
-
-def load_mil_csv(path: Path) -> tuple[list[np.ndarray], np.ndarray]:
-    """Bags ``(n_b, D)`` and bag labels ``(B,)`` from one CSV (label, bag id, features...)."""
-    data = np.loadtxt(path, delimiter=",", ndmin=2)
-    labels, bag_ids, x = data[:, 0], data[:, 1], data[:, 2:]
-    ids, inverse = np.unique(bag_ids, return_inverse=True)
-    order = np.argsort(inverse, kind="stable")
-    bags = np.split(x[order], np.cumsum(np.bincount(inverse))[:-1])
-    y = np.zeros(len(ids))
-    np.maximum.at(y, inverse, labels)
-    return bags, y.astype(int)
 
 
 class LogisticPooling:
@@ -210,22 +200,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     set_threads(args.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
-    files = sorted(Path(args.data_dir).glob("*.csv"))
-    if not files:
-        raise SystemExit(f"no *.csv files in {args.data_dir}")
     unknown = sorted(set(args.models) - set(MODELS))
-    if unknown:
-        raise SystemExit(f"unknown model rows {unknown}; choose from {list(MODELS)}")
+    if unknown or not args.models:
+        raise SystemExit(f"unknown model rows {unknown or 'none given'}; choose from {list(MODELS)}")
+    if args.seeds < 1:
+        raise SystemExit(f"--seeds must be at least 1, got {args.seeds}")
     seeds = [0] if args.quick else list(range(args.seeds))
     results = {}
-    for path in files:
-        bags, y = load_mil_csv(path)
-        print(f"\n### {path.stem} — {len(bags)} bags ({int(y.sum())} positive), {sum(map(len, bags))} instances, "
+    for stem, (bags, y) in load_mil_folder(args.data_dir, min_bags_per_class=FOLDS).items():
+        print(f"\n### {stem} — {len(bags)} bags ({int(y.sum())} positive), {sum(map(len, bags))} instances, "
               f"{bags[0].shape[1]} features; {FOLDS}-fold CV × {len(seeds)} seed(s)\n", flush=True)
         rows = evaluate(bags, y, seeds, args.models)
         print(markdown_table(rows, COLUMNS), flush=True)
-        results[path.stem] = rows
-    write_json(args.name or result_name(args.quick, args.seeds, args.models), {"seeds": seeds, "data_dir": str(args.data_dir), "datasets": results})
+        results[stem] = rows
+    name = args.name or name_for_folder(result_name(args.quick, args.seeds, args.models), args.data_dir)
+    write_json(name, {"seeds": seeds, "data_dir": str(args.data_dir), "datasets": results})
     return results
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import batch_from_flat, machine, make_model, markdown_table, model_from, peak_rss_gib
+from milgp.data.atomic import atomic_write_text
 from milgp.data.synthetic_mil import synthetic_mil
 from milgp.likelihoods import MILBernoulliLikelihood
 from milgp.variational.fit import fit_closed_form
@@ -87,8 +88,7 @@ def main() -> None:
     print(markdown_table(rows, ["device", "fit_s", "iterations", "s_per_iteration", "final_elbo", "peak_mem_gib"]))
     report = {"benchmark": "rsna_size_fit", "machine": machine(), "instances": args.instances, "bags": int(batch.num_bags),
               "dim": args.dim, "num_inducing": args.num_inducing, "setup_s": round(setup_s, 1), "results": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    atomic_write_text(args.out, json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from benchmarks.common import add_thread_arg, markdown_table, set_threads, write_json
-from benchmarks.real_mil import cv_folds, load_mil_csv
+from benchmarks.common import add_thread_arg, markdown_table, name_for_folder, set_threads, write_json
+from benchmarks.mil_csv import load_mil_folder
+from benchmarks.real_mil import FOLDS, cv_folds
 from milgp.estimators import VGPMILClassifier
 
 
@@ -35,8 +36,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)  # the constant-feature notice, once per fit
     offsets = [int(v) for v in args.offsets.split(",")]
     rows, results = [], {}
-    for path in sorted(args.data_dir.glob("*.csv")):
-        bags, y = load_mil_csv(path)
+    for stem, (bags, y) in load_mil_folder(args.data_dir, min_bags_per_class=FOLDS).items():
         folds = [
             (k, train, test)
             for seed in range(args.seeds)
@@ -47,17 +47,18 @@ def main() -> None:
             for j, (k, train, test) in enumerate(folds):
                 model = VGPMILClassifier(random_state=k + offset).fit([bags[b] for b in train], y[train])
                 auc[i, j] = roc_auc_score(y[test], model.predict_proba([bags[b] for b in test])[:, 1])
-            print(f"{path.stem}: offset {offset}: {auc[i].mean():.3f} ({auc[i].min():.3f})", flush=True)
+            print(f"{stem}: offset {offset}: {auc[i].mean():.3f} ({auc[i].min():.3f})", flush=True)
         rows.append({
-            "data": path.stem,
+            "data": stem,
             "bag AUC per offset": " / ".join(f"{a:.3f}" for a in auc.mean(1)),
             "worst fold per offset": " / ".join(f"{a:.3f}" for a in auc.min(1)),
             "fold AUC sd across offsets": float(auc.std(0, ddof=1).mean()),
             "mean AUC sd across offsets": float(auc.mean(1).std(ddof=1)),
         })
-        results[path.stem] = auc.tolist()
+        results[stem] = auc.tolist()
     print(markdown_table(rows))
-    write_json("seed_stability", {"seeds": args.seeds, "offsets": offsets, "data_dir": str(args.data_dir), "fold_auc": results})
+    payload = {"seeds": args.seeds, "offsets": offsets, "data_dir": str(args.data_dir), "fold_auc": results}
+    write_json(name_for_folder("seed_stability", args.data_dir), payload)
 
 
 if __name__ == "__main__":

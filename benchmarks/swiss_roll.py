@@ -24,6 +24,7 @@ from scipy.stats import ortho_group, poisson
 from sklearn.datasets import make_swiss_roll
 
 from milgp.baselines import BagPixelRegressor, ConstantRateRegressor
+from milgp.data.atomic import atomic_write_text
 from milgp.estimators import VBAggRegressor
 
 LEVELS = (0.5, 0.8, 0.9)
@@ -78,8 +79,7 @@ def run(n_bags_list, seeds, num_inducing, max_iter, out_path):
                 print(f"  n_bags={n_bags} seed={seed} {name:13s} nll={res['nll']:.3f} mse={res['mse']:.3f} "
                       f"cov90={res.get('cov90', float('nan')):.2f} ({secs:.0f}s)", flush=True)
     summary = summarise(rows)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"rows": rows, "summary": summary, "config": {
+    atomic_write_text(out_path, json.dumps({"rows": rows, "summary": summary, "config": {
         "n_bags": n_bags_list, "seeds": seeds, "num_inducing": num_inducing, "max_iter": max_iter,
         "bag_size_mean": 150, "bag_size_sd": 50, "dim": 18}}, indent=2))
     print(markdown(summary))
