@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_modules.data.checks import check_bag_labels, label_kind
+from lightning_modules.data.checks import check_bag_labels, check_split_names, label_kind
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, SplitDataModule, patient_split
 from lightning_modules.input_error import InputError
@@ -44,7 +44,8 @@ class CTCacheDataModule(SplitDataModule):
             computation (``None``: when a CUDA device is present).
 
     A folder that is not a cache is reported when the data module is made; :meth:`setup` checks the
-    bag labels (docs/lightning.md, "Bad input"), naming the bag and the cache's ``manifest.json``.
+    bag labels, naming the bag and the cache's ``manifest.json``, and the splits file (:attr:`splits`;
+    docs/lightning.md, "Bad input").
     """
 
     def __init__(
@@ -85,11 +86,24 @@ class CTCacheDataModule(SplitDataModule):
 
     @functools.cached_property
     def splits(self) -> dict[str, list[str]]:
-        """``{split name: bag ids}`` (computed once)."""
+        """``{split name: bag ids}`` and ``"all"``: every cached bag (computed and checked once).
+
+        A splits file is checked: a bag listed twice (in one split, or in two, which would test on a
+        training bag) and a misspelt train/val/test are refused, and cached bags that it leaves in
+        no split are announced (a warning: e.g. a cache grown after ``milgp-cache --splits``)."""
         cache = self._cache
         path = self.splits_file or os.path.join(self.cache_dir, "splits.json")
         if os.path.isfile(path):
             splits = read_splits(path)
+            split_of: dict[str, str] = {}
+            for name, ids in splits.items():
+                for b in ids:
+                    if b in split_of:
+                        raise InputError(f"{path}: bag {b!r} is listed in split {split_of[b]!r} and again in {name!r}; "
+                                         "each bag belongs to one split")
+                    split_of[b] = name
+            unlisted = [b for b in cache.bag_ids if b not in split_of]
+            check_split_names(path, [*split_of, *unlisted], [*split_of.values(), *[""] * len(unlisted)])
         elif self.splits_file:
             raise FileNotFoundError(f"splits file {self.splits_file} does not exist")
         else:
@@ -99,7 +113,7 @@ class CTCacheDataModule(SplitDataModule):
                 self.fractions, self.split_seed,
             )
             splits = {name: [e.bag_id for e in entries if by_id[e.bag_id] == name] for name in SPLIT_NAMES}
-        splits["all"] = [b for name in SPLIT_NAMES for b in splits.get(name, [])] or cache.bag_ids
+        splits["all"] = cache.bag_ids
         return splits
 
     def setup(self, stage: str) -> None:

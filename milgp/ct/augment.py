@@ -55,6 +55,24 @@ class BagAugment:
     contrast_range: tuple[float, float] = (0.9, 1.1)
     brightness_range: tuple[float, float] = (-0.05, 0.05)
 
+    def __post_init__(self) -> None:
+        """Refuse settings that would serve NaN or meaningless bags (checked at construction, not at the
+        first bag a worker draws)."""
+        def check(name: str, ok: bool) -> None:
+            if not ok:
+                raise ValueError(f"BagAugment: {name} = {getattr(self, name)!r} is out of range")
+
+        def finite_range(lo_hi: tuple[float, float], lowest: float) -> bool:
+            lo, hi = (float(v) for v in lo_hi) if len(lo_hi) == 2 else (math.nan, math.nan)
+            return math.isfinite(lo) and math.isfinite(hi) and lowest <= lo <= hi
+
+        check("flip_p", 0.0 <= self.flip_p <= 1.0)
+        check("max_rotation_deg", 0.0 <= self.max_rotation_deg <= 180.0)
+        check("max_translate", 0.0 <= self.max_translate < 1.0)
+        check("scale_range", finite_range(self.scale_range, 1e-6))
+        check("contrast_range", finite_range(self.contrast_range, 0.0))
+        check("brightness_range", finite_range(self.brightness_range, -math.inf))
+
     def sample(self, generator: torch.Generator) -> AugmentParams:
         """Draw one bag's :class:`AugmentParams`."""
         u = torch.rand(7, generator=generator, dtype=torch.float64).tolist()
@@ -86,16 +104,17 @@ class BagAugment:
         if slices.ndim != 4:
             raise ValueError(f"BagAugment expects slices of shape (S, C, H, W), got {tuple(slices.shape)}")
         x = slices.flip(-1) if params.flip else slices
+        S, C, H, W = x.shape
         angle = math.radians(params.angle_deg)
         cos, sin = math.cos(angle) / params.scale, math.sin(angle) / params.scale
-        # affine_grid maps output to input coordinates in [-1, 1]: a shift of t (fraction of the
-        # size) moves content by +t, i.e. samples from -2t.
+        # affine_grid maps output to input coordinates in [-1, 1] per axis: a shift of t (fraction of
+        # the size) moves content by +t, i.e. samples from -2t; a rotation in pixels is D⁻¹RD in those
+        # coordinates, D = diag(W, H), so that a non-square slice turns without shearing.
         theta = torch.tensor(
-            [[cos, -sin, -2.0 * params.translate[0]], [sin, cos, -2.0 * params.translate[1]]],
+            [[cos, -sin * H / W, -2.0 * params.translate[0]], [sin * W / H, cos, -2.0 * params.translate[1]]],
             dtype=x.dtype, device=x.device,
         )
         # one grid for the whole bag: its slices and channels are sampled as the channels of one image
-        S, C, H, W = x.shape
         grid = F.affine_grid(theta.unsqueeze(0), [1, S * C, H, W], align_corners=False)
         x = F.grid_sample(x.reshape(1, S * C, H, W), grid, mode="bilinear", padding_mode="zeros", align_corners=False).reshape(S, C, H, W)
         return (x * params.contrast + params.brightness).clamp_(0.0, 1.0)

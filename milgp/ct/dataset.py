@@ -6,6 +6,7 @@ flat :class:`~milgp.data.bags.BagBatch`.
 """
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Sequence
 
@@ -65,9 +66,11 @@ class CTBagDataset(torch.utils.data.Dataset):
             self.cache.entry(b)  # KeyError naming the bag and the cache
         if max_slices is not None and max_slices < 1:
             raise ValueError(f"max_slices must be at least 1, got {max_slices}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
         self.max_slices = max_slices
         self.augment = augment
-        self.seed = seed
+        self.seed = int(seed)
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @classmethod

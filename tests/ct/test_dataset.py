@@ -115,6 +115,15 @@ def test_augmentation_is_off_by_default_and_deterministic(rsna_cache: str) -> No
     assert torch.equal(a[0][1], plain[0][1])
 
 
+def test_a_seed_that_cannot_seed_the_draws_is_refused_when_the_dataset_is_made(rsna_cache: str) -> None:
+    """seed=-1 was accepted and failed at the first augmented item, inside a worker, with numpy's
+    bare "expected non-negative integer"."""
+    for seed in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"seed must be an integer >= 0, got"):
+            CTBagDataset(rsna_cache, augment=BagAugment(), seed=seed)
+    assert CTBagDataset(rsna_cache, seed=np.int64(3)).seed == 3
+
+
 def test_augmentation_is_the_same_for_every_slice_of_a_bag() -> None:
     """A bag of identical slices must stay a bag of identical slices: one flip/affine/intensity draw per bag."""
     base = torch.rand(1, 3, 20, 20)

@@ -13,6 +13,7 @@ import lightning_modules.callbacks.report_writer as report_writer
 import lightning_modules.data.ct_cache_datamodule as ct_cache_datamodule
 from lightning_modules import BagArrayDataModule, CTCacheDataModule, ReportWriter
 from lightning_modules.data.sampler import EpochSampler
+from lightning_modules.input_error import InputError
 from lm_helpers import feature_bags
 from milgp.ct.augment import BagAugment
 from milgp.data.bags import BagBatch
@@ -102,7 +103,7 @@ def test_split_and_patient_lookups_read_the_cache_once(tiny_cache: str, monkeypa
     assert len(opened) <= 2
     truth = CTCache(tiny_cache)
     assert patients == [truth.entry(b).patient_id for b in ids * 3]
-    assert splits == [name for name in ("train", "val", "test") for _ in dm.splits[name]] * 3
+    assert splits == [next(name for name in ("train", "val", "test") if b in dm.splits[name]) for b in ids] * 3
     assert dm.split_of("nope") == ""
     with pytest.raises(KeyError, match="'nope' is not in the cache"):
         dm.patient_of("nope")
@@ -163,6 +164,33 @@ def test_truncated_splits_file_is_a_one_line_error_naming_it(tiny_cache: str, tm
     dm = CTCacheDataModule(tiny_cache, splits_file=str(bad))
     with pytest.raises(ValueError, match=r"splits\.json is not a splits file .*rerun milgp-cache with --splits"):
         dm.splits
+
+
+def test_all_serves_every_cached_bag_and_a_splits_file_is_checked(tiny_cache: str, tmp_path: Path) -> None:
+    """``"all"`` was the union of train, val and test: a cache grown after ``--splits`` (or a bag in
+    an ``external`` split) was left out of ``predict_split: all`` without a word, and a bag listed in
+    train and test was trained and tested on (and served twice by ``all``)."""
+    splits = json.loads(Path(tiny_cache, "splits.json").read_text())
+    cached = sorted(CTCache(tiny_cache).bag_ids)
+
+    def module(edit) -> CTCacheDataModule:
+        changed = {k: list(v) for k, v in splits.items()}
+        edit(changed)
+        path = tmp_path / f"splits_{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps(changed))
+        return CTCacheDataModule(tiny_cache, splits_file=str(path))
+
+    dropped = module(lambda s: s["train"].pop())
+    with pytest.warns(UserWarning, match="1 bags have no split while the others do"):
+        assert sorted(dropped.splits["all"]) == cached
+    external = module(lambda s: s.update(external=[s["test"].pop()]))
+    assert sorted(external.splits["all"]) == cached and len(external.splits["external"]) == 1
+    leak = module(lambda s: s["test"].append(s["train"][0]))
+    with pytest.raises(InputError, match=r"bag '.*' is listed in split 'train' and again in 'test'; each bag belongs to one split"):
+        leak.splits
+    misspelt = module(lambda s: s.update(validation=s.pop("val")))
+    with pytest.raises(InputError, match=r"has split 'validation'.*did you mean 'val'"):
+        misspelt.splits
 
 
 def test_each_stage_checks_the_labels_it_needs_after_an_earlier_stage() -> None:
