@@ -37,6 +37,8 @@ def kmeans_pp_inducing(
     chosen = []
     w_all = np.ones(len(x)) if weights is None else np.asarray(weights, dtype=np.float64)
     for group, count in zip(groups, counts):
+        if count == 0:  # num_inducing = 1: the one point comes from the first group
+            continue
         pts, w = x[group], w_all[group]
         if len(pts) > max_points:
             keep = rng.choice(len(pts), max_points, replace=False, p=w / w.sum())

@@ -38,7 +38,9 @@ from sklearn.base import BaseEstimator, ClassifierMixin
 from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, flatten_bags, split_by_bag
-from milgp.estimators._validation import FeatureScaler, check_bags, check_binary_bag_labels, check_positive, check_seed, torch_dtype
+from milgp.estimators._validation import (
+    FeatureScaler, check_bags, check_binary_bag_labels, check_positive, check_seed, check_settings, torch_dtype,
+)
 from milgp.inducing import linear_span_inducing, mil_inducing
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.models.shared_gram import SharedGram
@@ -73,6 +75,8 @@ distances between z-scored ``D``-dimensional instances (the reference code's fix
 variances 1 and 10 span σ(±1) to σ(±3) at one prior standard deviation (docs/core.md, cause 1)."""
 SHARED_GRAM_MAX_ENTRIES = 50_000_000
 """The kernel search shares ``Z xᵀ`` (``M·N`` floats) across candidates up to this size."""
+FLAGS = ("calibrate", "average", "standardize", "learn_hyperparameters", "ard", "learn_inducing_locations", "verbose")
+"""The True/False settings of the MIL classifiers."""
 
 
 class CandidateFit(NamedTuple):
@@ -199,6 +203,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
 
     def fit(self, bags: Sequence[Any], y: Any) -> "MILClassifierBase":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
+        check_settings(self, FLAGS, {"num_inducing": 1, "max_iter": 1, "search_iter": 1, "hyper_steps": 0})
         bags_np = check_bags(bags)
         y_np = check_binary_bag_labels(y, len(bags_np))
         self.seed_ = check_seed(self.random_state)

@@ -17,7 +17,7 @@ from milgp.data.standardize import standardization_scale
 
 __all__ = [
     "FeatureScaler", "as_float_array", "check_bag_weights", "check_bags", "check_binary_bag_labels", "check_positive", "check_seed",
-    "torch_dtype",
+    "check_settings", "torch_dtype",
 ]
 
 
@@ -112,6 +112,28 @@ def check_positive(name: str, value: Any, none: str | None = None) -> float | No
     if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and math.isfinite(value) and value > 0:
         return float(value)
     raise ValueError(f"{name} must be a positive number" + (f" or None ({none})" if none is not None else "") + f", got {value!r}")
+
+
+def check_settings(estimator: Any, flags: Sequence[str], counts: dict[str, int]) -> None:
+    """Refuse, in one line naming the setting, an estimator's True/False settings given as anything
+    but a boolean (``"no"`` counted as True), counts (``{name: minimum}``) that are not integers at
+    least their minimum (``max_iter=-1`` ran one sweep, ``2.5`` was a TypeError deep in the fit), a
+    negative or non-finite ``tol`` and a ``device`` torch does not know."""
+    for name in flags:
+        value = getattr(estimator, name)
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    for name, minimum in counts.items():
+        value = getattr(estimator, name)
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    tol = estimator.tol
+    if isinstance(tol, (bool, np.bool_)) or not isinstance(tol, numbers.Real) or not math.isfinite(tol) or tol < 0:
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}")
+    try:
+        torch.device(estimator.device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {estimator.device!r}") from None
 
 
 def check_seed(random_state: Any) -> int:

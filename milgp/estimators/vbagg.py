@@ -14,7 +14,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, flatten_bags
 from milgp.estimators._validation import (
-    FeatureScaler, as_float_array, check_bag_weights, check_bags, check_positive, check_seed, torch_dtype,
+    FeatureScaler, as_float_array, check_bag_weights, check_bags, check_positive, check_seed, check_settings, torch_dtype,
 )
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
@@ -120,6 +120,10 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "VBAggRegressor":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays), aggregate targets ``y`` ``(B,)`` and
         optional per-bag populations ``weights`` (sequence of ``(n_b,)``, default ones)."""
+        check_settings(
+            self, ("learn_hyperparameters", "constant_mean", "ard", "learn_inducing_locations", "standardize", "verbose"),
+            {"num_inducing": 1, "max_iter": 0, "warmup_iter": 0, "hyper_steps": 0},
+        )
         bags_np = check_bags(bags)
         y_np = np.asarray(y, dtype=np.float64)
         if y_np.ndim != 1 or len(y_np) != len(bags_np):

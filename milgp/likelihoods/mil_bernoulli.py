@@ -87,8 +87,8 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
         bag_size_cap: float | None = None,
     ):
         super().__init__()
-        if not H > 1:
-            raise ValueError(f"H must be > 1 (bag labels more likely right than wrong), got {H}")
+        if not 1 < H < math.inf:
+            raise ValueError(f"H must be a finite number > 1 (bag labels more likely right than wrong), got {H}")
         if max_rule not in ("exact", "max", "single"):
             raise ValueError(f"max_rule must be 'exact', 'max' or 'single', got {max_rule!r}")
         if not 0 < damping <= 1:

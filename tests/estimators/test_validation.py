@@ -212,3 +212,44 @@ def test_bags_that_are_not_numbers_get_a_one_line_error_naming_the_bag():
     tensors = [torch.as_tensor(b).requires_grad_(True) for b in bags]
     np.testing.assert_array_equal(check_bags(tensors)[3], bags[3])
     np.testing.assert_array_equal(check_bags(b for b in bags)[5], bags[5])
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(calibrate="no"), "calibrate must be True or False, got 'no'"),
+        (dict(average="false"), "average must be True or False, got 'false'"),
+        (dict(standardize=0), "standardize must be True or False, got 0"),
+        (dict(num_inducing=20.0), r"num_inducing must be an integer >= 1, got 20\.0"),
+        (dict(max_iter=-1), "max_iter must be an integer >= 1, got -1"),
+        (dict(max_iter=2.5), r"max_iter must be an integer >= 1, got 2\.5"),
+        (dict(search_iter=0), "search_iter must be an integer >= 1, got 0"),
+        (dict(tol=-1.0), r"tol must be a finite number >= 0, got -1\.0"),
+        (dict(device="tpu"), "device must be a torch device such as 'cpu' or 'cuda', got 'tpu'"),
+        (dict(H=float("inf")), "H must be a finite number > 1"),
+    ],
+)
+def test_settings_out_of_range_are_one_line_errors_naming_them(setting, message):
+    """``calibrate="no"`` and ``average="false"`` were taken as True (the defaults' predictions, no
+    word), ``max_iter=-1`` ran one sweep, ``max_iter=2.5`` and ``device="tpu"`` were tracebacks from
+    deep in the fit, and ``H=inf`` failed with a FloatingPointError advising a lower learning rate."""
+    bags, y = _small_problem()
+    with pytest.raises(ValueError, match=message):
+        VGPMILClassifier(**{**FAST, **setting}).fit(bags, y)
+
+
+def test_one_inducing_point_is_a_fit():
+    """``num_inducing=1`` gave the negative bags' group 0 points, which k-means++ refused."""
+    bags, y = _small_problem()
+    proba = VGPMILClassifier(**{**FAST, "num_inducing": 1}).fit(bags, y).predict_proba(bags)
+    assert proba.shape == (len(bags), 2) and np.isfinite(proba).all()
+
+
+def test_vbagg_settings_are_checked_like_the_classifiers():
+    from milgp.estimators import VBAggRegressor
+
+    bags, y = _small_problem()
+    with pytest.raises(ValueError, match="constant_mean must be True or False, got 'no'"):
+        VBAggRegressor(constant_mean="no").fit(bags, y.astype(float))
+    with pytest.raises(ValueError, match="warmup_iter must be an integer >= 0, got -2"):
+        VBAggRegressor(warmup_iter=-2).fit(bags, y.astype(float))
