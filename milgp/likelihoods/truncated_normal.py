@@ -32,6 +32,7 @@ __all__ = [
     "mean_above_zero",
     "mean_below_zero",
     "sample_above",
+    "sample_some_positive",
     "sample_truncated",
     "var_above_zero",
     "var_below_zero",
@@ -207,3 +208,43 @@ def sample_truncated(
     # m > 0  <=>  Z > −mean/std ;  m < 0  <=>  −Z > mean/std  (Z standard normal, m = mean + std·Z)
     z = sample_above(-sign * mean / std, generator=generator)
     return sign * (sign * mean + std * z)
+
+
+def sample_some_positive(
+    mean: Tensor, std: Tensor, segment: Tensor, num_segments: int, generator: torch.Generator | None = None
+) -> Tensor:
+    """Exact joint draws of independent ``m_i ~ N(mean_i, std_i²)`` conditioned on at least one
+    ``m_i > 0`` in every segment (a positive bag's latents in the MIL probit model).
+
+    The position ``K`` of a segment's first positive entry has ``P(K = k) ∝ Π_{i<k} Φ(−z_i) Φ(z_k)``,
+    ``z = mean/std`` (the events "first positive at k" partition the constraint); it is drawn by the
+    Gumbel-max trick on those log-weights, then the entries before ``K`` are drawn below 0, the
+    ``K``-th above 0 and the rest unrestricted (:func:`sample_truncated`). Work and memory are linear
+    in the entries, whatever the segments' lengths.
+
+    Args:
+        mean, std: ``(..., n)``; every leading index (e.g. a chain) is drawn independently.
+        segment: ``(n,)`` segment of each entry, ``0..num_segments − 1``, non-decreasing (each
+            segment's entries contiguous, in the order "first" refers to).
+        num_segments: the number of segments (each must have an entry).
+    """
+    mean, std = torch.broadcast_tensors(mean, std)
+    n = mean.shape[-1]
+    z = (mean / std).double()
+    log_below = torch.special.log_ndtr(-z)
+    before = torch.cumsum(log_below, -1) - log_below  # Σ over all earlier entries of the row
+    starts = torch.searchsorted(segment, torch.arange(num_segments, device=segment.device))
+    log_w = before - before[..., starts][..., segment] + torch.special.log_ndtr(z)
+    u = torch.rand(mean.shape, dtype=torch.float64, device=mean.device, generator=generator)
+    score = log_w - torch.log(-torch.log(u.clamp_min(1e-300)))
+    index = segment.expand(mean.shape)
+    best = torch.full((*mean.shape[:-1], num_segments), -math.inf, dtype=score.dtype, device=mean.device)
+    best = best.scatter_reduce(-1, index, score, "amax")
+    position = torch.arange(n, device=mean.device).expand(mean.shape)
+    # the first entry reaching its segment's maximum (ties have probability 0)
+    first = torch.full(best.shape, n, dtype=position.dtype, device=mean.device).scatter_reduce(
+        -1, index, torch.where(score == best.gather(-1, index), position, n), "amin"
+    ).gather(-1, index)
+    truncated = sample_truncated(mean, std, position == first, generator=generator)  # above 0 at K, below before
+    free = mean + std * torch.randn(mean.shape, dtype=mean.dtype, device=mean.device, generator=generator)
+    return torch.where(position > first, free, truncated)

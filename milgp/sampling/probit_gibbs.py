@@ -12,10 +12,13 @@ is the ``K̃ = 0`` special case). Whitened (``v = L⁻¹u``, ``A = L⁻¹K_zx``,
   ``(−∞, 0)`` if ``Y_b = 0``; ``(0, ∞)`` if ``Y_b = 1`` and every other ``m_i`` of the bag is negative;
   unrestricted otherwise.
 
-The ``m`` of a positive bag are updated one position at a time (all bags and all chains at once,
-each update seeing the bag-mates' latest values), so every state satisfies the constraint; the
-negative-bag ``m`` are drawn in one go; every draw is exact
-(:func:`~milgp.likelihoods.truncated_normal.sample_truncated`). Chains are vectorised, start
+Given ``v`` the bags' ``m`` are independent, and the ``m`` of a positive bag are drawn jointly and
+exactly, conditioned on at least one being positive
+(:func:`~milgp.likelihoods.truncated_normal.sample_some_positive`): the blocked form of the
+single-site updates of Eq. 28, with the same stationary distribution, every state within the
+constraint, and work linear in the instances (the single-site sweep over a bag's positions cost one
+pass per position of the longest positive bag: about 15 minutes for one bag of 20,000 instances); the
+negative-bag ``m`` are drawn in one go (:func:`~milgp.likelihoods.truncated_normal.sample_truncated`). Chains are vectorised, start
 over-dispersed and report split-R̂ and ESS (:mod:`milgp.sampling.diagnostics`) of the latent means
 ``μ₀_n + A_nᵀ v`` of up to ``diagnostic_instances`` training instances.
 
@@ -36,9 +39,9 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from milgp.data.bags import BagBatch, Bags, segment_sum, to_padded
+from milgp.data.bags import BagBatch, Bags, segment_sum
 from milgp.likelihoods.instance_link import ProbitLink
-from milgp.likelihoods.truncated_normal import sample_truncated
+from milgp.likelihoods.truncated_normal import sample_some_positive, sample_truncated
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import WhitenedPosterior
 from milgp.sampling.diagnostics import effective_sample_size, split_rhat
@@ -255,12 +258,12 @@ def sample_probit_posterior(
         P = torch.eye(M, dtype=dtype, device=device) + (A / d) @ A.mT
         L_P = robust_cholesky(0.5 * (P + P.mT), what="Gibbs u|m precision")
         pos_inst = labels[bag_index]
-        # positive-bag instances in a padded (B₊, n_max) layout for the sequential sweep
-        pos_bags = torch.nonzero(labels, as_tuple=True)[0]
-        has_pos = pos_bags.numel() > 0
-        if has_pos:
-            positive_batch, orig = batch.select_bags_with_index(pos_bags)
-            pad_idx, pad_mask = to_padded(orig, positive_batch.bags, fill=0)
+        # the positive bags' instances, each bag's contiguous (in its own order), for their joint draw
+        in_positive = torch.nonzero(pos_inst, as_tuple=True)[0]
+        in_positive = in_positive[torch.argsort(bag_index[in_positive], stable=True)]
+        in_negative = torch.nonzero(~pos_inst, as_tuple=True)[0]
+        positive_bag = torch.unique_consecutive(bag_index[in_positive], return_inverse=True)[1]
+        num_positive = int(positive_bag[-1]) + 1 if len(in_positive) else 0
 
         def randn(*shape: int) -> Tensor:
             return torch.randn(shape, dtype=dtype, device=device, generator=gen)
@@ -285,24 +288,14 @@ def sample_probit_posterior(
             mean_v = torch.cholesky_solve(h.mT, L_P).mT
             v = mean_v + torch.linalg.solve_triangular(L_P.mT, randn(M, C), upper=True).mT
             mean_m = mu0 + v @ A  # (C, N)
-            # m | v (Eq. 28). The mean does not depend on the other m, so both candidates of every
-            # instance — constrained (negative bag: < 0; positive bag: > 0) and free — are drawn at
-            # once; the sweep over positions of positive bags then only picks one per instance.
-            forced = sample_truncated(mean_m, sd.expand_as(mean_m), pos_inst.expand_as(mean_m), generator=gen)
-            if has_pos:
-                free = mean_m + sd * randn(C, N)
-                f_pad, c_pad = free[:, pad_idx], forced[:, pad_idx]  # (C, B₊, n_max)
-                cur = torch.where(pad_mask, m[:, pad_idx], torch.full_like(f_pad, -1.0))
-                n_pos = (cur > 0).sum(-1)  # (C, B₊)
-                for k in range(pad_idx.shape[1]):
-                    was = cur[..., k] > 0
-                    others = n_pos - was.long()
-                    new = torch.where(others > 0, f_pad[..., k], c_pad[..., k])
-                    new = torch.where(pad_mask[:, k], new, cur[..., k])
-                    cur[..., k] = new
-                    n_pos = others + (new > 0).long()
-                forced[:, pad_idx[pad_mask]] = cur[:, pad_mask]
-            m = forced
+            # m | v (Eq. 28 for every bag at once): a negative bag's m below 0; a positive bag's
+            # jointly, exactly, given that at least one is positive
+            m = torch.empty_like(mean_m)
+            m[:, in_negative] = sample_truncated(mean_m[:, in_negative], sd[in_negative], False, generator=gen)
+            if num_positive:
+                m[:, in_positive] = sample_some_positive(
+                    mean_m[:, in_positive], sd[in_positive], positive_bag, num_positive, generator=gen
+                )
             if it >= burn_in and (it - burn_in) % thin == thin - 1:
                 kept.append(v.clone())
         V = torch.stack(kept, 1)  # (C, S, M)

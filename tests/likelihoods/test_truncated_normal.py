@@ -154,3 +154,30 @@ def test_sampler_far_tail_and_two_sided_wrapper():
     assert abs(float(m[:, 0].mean()) - ref) < 5 * 2 / math.sqrt(20000)
     # far side: N(40, 4) truncated below 0 -> about −2·(1/20)
     assert abs(float(m[:, 2].mean()) - 2 * float(mean_below_zero(torch.tensor(20.0, dtype=torch.float64)))) < 5e-3
+
+
+def test_some_positive_draws_are_the_exact_conditional():
+    """The joint draw of a positive bag's latents in the probit Gibbs sampler: independent normals
+    conditioned on at least one positive per segment. Against the closed forms
+    ``P(m_i > 0 | A) = Φ(z_i)/Z`` and ``E[m_i | A] = (μ_i − E[m_i 1{m_i<0}] Π_{j≠i} Φ(−z_j))/Z``,
+    ``Z = 1 − Π_j Φ(−z_j)``, on segments of 3, 1 and 5 entries (200,000 draws; MC error ≲ 0.003 on
+    the probabilities, ≲ 0.01 on the means). A wrong first-positive weight or a swapped truncation
+    moves them by more than 0.05."""
+    norm = stats.norm
+
+    from milgp.likelihoods.truncated_normal import sample_some_positive
+
+    mu = torch.tensor([-1.0, -0.5, -2.0, 0.3, -3.0, -1.0, 0.0, -0.2, -1.5], dtype=torch.float64)
+    sd = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.5, 0.7], dtype=torch.float64)
+    segment = torch.tensor([0, 0, 0, 1, 2, 2, 2, 2, 2])
+    m = sample_some_positive(mu.expand(200_000, -1), sd, segment, 3, generator=torch.Generator().manual_seed(0)).numpy()
+    for b in range(3):
+        idx = np.flatnonzero(segment.numpy() == b)
+        assert (m[:, idx] > 0).any(1).all()
+        mi, si = mu[idx].numpy(), sd[idx].numpy()
+        below = norm.cdf(-mi / si)
+        Z = 1 - np.prod(below)
+        np.testing.assert_allclose((m[:, idx] > 0).mean(0), norm.cdf(mi / si) / Z, atol=0.004)
+        part = mi * below - si * norm.pdf(mi / si)  # E[m_i 1{m_i < 0}]
+        exact = [(mi[i] - part[i] * np.prod(np.delete(below, i))) / Z for i in range(len(idx))]
+        np.testing.assert_allclose(m[:, idx].mean(0), exact, atol=0.015)
