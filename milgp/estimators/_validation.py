@@ -188,8 +188,10 @@ class FeatureScaler:
         constant = np.nonzero(np.isinf(scale))[0]
         if len(constant):
             warnings.warn(
-                f"{len(constant)} of {D} features are constant in the training bags (first: feature {int(constant[0])}); "
-                "they carry no information and are ignored" + (" — every feature is constant, so only the base rate can be learned" if len(constant) == D else ""),
+                f"{len(constant)} of {D} features are constant in the training bags to float32 resolution (spread at "
+                f"most a millionth of their mean; first: feature {int(constant[0])}); they are ignored (a feature that "
+                "varies on a large common offset: subtract the offset first)"
+                + (" — every feature is constant, so only the base rate can be learned" if len(constant) == D else ""),
                 UserWarning, stacklevel=3,
             )
         self.mean_, self.scale_ = mean, scale
