@@ -301,6 +301,8 @@ class BagBatch:
             raise ValueError(f"bag_index must be a long (int64) tensor, got {index.dtype}; use bag_index.long()")
         if tuple(index.shape) != (n,):
             raise ValueError(f"bag_index has shape {tuple(index.shape)}; it must be ({n},), the bag of each instance of x")
+        if self.instance_weights is not None and tuple(self.instance_weights.shape) != (n,):
+            raise ValueError(f"instance_weights has shape {tuple(self.instance_weights.shape)}; it must be ({n},), one per instance of x")
         if self.bag_labels.dim() != 1 or num_bags == 0 or n == 0:
             raise ValueError(f"a batch needs bag_labels (B,) with B >= 1 and instances, got bag_labels of shape {tuple(self.bag_labels.shape)} and {n} instances")
         sizes = bag_sizes(index.clamp(0, num_bags - 1), num_bags)  # clamped: an out-of-range id is reported below

@@ -352,6 +352,31 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 "populations must be finite and strictly positive"
             )
 
+    def _check_layout(self, target: Tensor, weights: Tensor, bags: Bags, targets_given: bool) -> None:
+        """``expected_log_prob``'s inputs against ``bag_index``: a long index, one weight per instance,
+        every bag with instances (a minibatch that kept its global bag ids gave a finite loss and NaN
+        gradients) and, read from ``target``, one value per bag (individual observations would be
+        replaced by one instance's); one-line ``ValueError``s."""
+        index, n = bags.index, bags.num_instances
+        if index.dtype != torch.long:
+            raise ValueError(f"bag_index must be a long (int64) tensor, got {index.dtype}; use bag_index.long()")
+        if tuple(weights.shape) != (n,):
+            raise ValueError(f"weights has shape {tuple(weights.shape)}; it must be ({n},), one population per instance")
+        empty = torch.nonzero(bags.sizes == 0).flatten()
+        if len(empty):
+            raise ValueError(f"bag {int(empty[0])} has no instances ({len(empty)} such bag(s)): number the bags of a "
+                             "minibatch 0..B-1 (torch.unique(bag_index, return_inverse=True)[1])")
+        if targets_given:
+            return
+        if tuple(target.shape) != (n,):
+            raise ValueError(f"target has shape {tuple(target.shape)}; it must be ({n},), each bag's target on its "
+                             "instances (y[bag_index]), or pass bag_targets=(B,)")
+        per_bag = target.new_zeros(bags.num_bags).scatter(0, index, target)
+        differ = torch.nonzero(per_bag[index] != target).flatten()
+        if len(differ):
+            raise ValueError(f"bag {int(index[differ[0]])} has different targets on its instances; the target is the bag's "
+                             "aggregate repeated on each instance (y[bag_index]), not individual observations")
+
     # -- GPyTorch entry point ---------------------------------------------------------------
     def expected_log_prob(self, target: Tensor, function_dist: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Expected log-likelihood per instance ``(N,)`` for ``gpytorch.mlls.VariationalELBO``.
@@ -374,10 +399,13 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         mean, var = function_dist.mean, function_dist.variance
         weights = kwargs.get("weights")
         weights = torch.ones_like(mean) if weights is None else weights.to(mean)
+        check = kwargs.get("check", True)
+        if check:
+            self._check_layout(target, weights, bags, targets_given=y is not None)
         if y is None:
             y = target.new_zeros(bags.num_bags).scatter(0, bags.index, target)
         y = y.to(mean)
-        if kwargs.get("check", True):
+        if check:
             self.check_data(y, weights, bags)
         blocks = None
         model, x = kwargs.get("model"), kwargs.get("x")
@@ -385,7 +413,11 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             if model is not None and x is not None:
                 q_u = model.variational_strategy.variational_distribution
                 m, S = q_u.mean, q_u.covariance_matrix
-                proj = model.variational_strategy.projection(x)
+                strategy = model.variational_strategy
+                if not hasattr(strategy, "projection"):  # the likelihoods do not import the strategy's layer
+                    raise TypeError(f"model=, x= need a model whose variational_strategy is milgp's ClosedFormStrategy, "
+                                    f"got {type(strategy).__name__}; or pass model(x, diag=False) without them")
+                proj = strategy.projection(x)
                 mean, var = whitened_marginals(proj.A, proj.prior_var, proj.prior_mean, m, S)
                 blocks = bag_blocks(model, x, proj, bags, m, S, weights)
             elif _is_train_mode_diagonal(function_dist) and bool((bags.sizes > 1).any()):
