@@ -127,11 +127,20 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                              "(1 = positive; map -1/+1 labels first)")
 
     # -- GPyTorch ------------------------------------------------------------------------------
-    def optimal_locals(self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, sweeps: int = 5) -> Any:
-        """Locals optimised for a fixed q(f) by ``sweeps`` coordinate-ascent passes."""
+    def optimal_locals(
+        self, mean: Tensor, var: Tensor, bags: Bags, bag_labels: Tensor, max_sweeps: int = 200, tol: float = 1e-9
+    ) -> Tensor:
+        """Locals at their fixed point for a fixed q(f): coordinate-ascent passes from
+        :meth:`init_locals` until no local moves by more than ``tol`` (at most ``max_sweeps``). Five
+        passes, as before, left VGPMIL's damped largest-other-π rule far from it: the ELBO that
+        ``VariationalELBO`` and ``NGD`` saw at the closed-form fit's q(v) was −64.0 against −42.8."""
         locals_ = self.init_locals(bags, bag_labels, mean)
-        for _ in range(sweeps):
-            locals_ = self.update_locals(mean, var, bags, bag_labels, locals_)
+        for _ in range(max_sweeps):
+            updated = self.update_locals(mean, var, bags, bag_labels, locals_)
+            moved = float((updated - locals_).abs().max()) if updated.numel() else 0.0
+            locals_ = updated
+            if moved <= tol:
+                break
         return locals_
 
     def expected_log_prob(self, target: Tensor, function_dist: Any, *args: Any, **kwargs: Any) -> Tensor:
