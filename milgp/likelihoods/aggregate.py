@@ -32,7 +32,7 @@ from scipy import stats
 from torch import Tensor
 
 from milgp.data.bags import Bags, identity_padded, to_padded
-from milgp.likelihoods.base import bag_share, bags_from_keywords
+from milgp.likelihoods.base import bag_share, bags_from_keywords, refuse_empty_bags
 
 __all__ = [
     "AggregateLikelihood",
@@ -362,10 +362,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             raise ValueError(f"bag_index must be a long (int64) tensor, got {index.dtype}; use bag_index.long()")
         if tuple(weights.shape) != (n,):
             raise ValueError(f"weights has shape {tuple(weights.shape)}; it must be ({n},), one population per instance")
-        empty = torch.nonzero(bags.sizes == 0).flatten()
-        if len(empty):
-            raise ValueError(f"bag {int(empty[0])} has no instances ({len(empty)} such bag(s)): number the bags of a "
-                             "minibatch 0..B-1 (torch.unique(bag_index, return_inverse=True)[1])")
+        refuse_empty_bags(bags)
         if targets_given:
             return
         if tuple(target.shape) != (n,):

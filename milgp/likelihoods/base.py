@@ -26,7 +26,7 @@ from torch.distributions import Bernoulli
 from milgp.data.bags import Bags, segment_max
 from milgp.likelihoods.instance_link import InstanceLink
 
-__all__ = ["AugmentedBagLikelihood", "bag_share", "bags_from_keywords", "check_bag_size_cap"]
+__all__ = ["AugmentedBagLikelihood", "bag_share", "bags_from_keywords", "check_bag_size_cap", "refuse_empty_bags"]
 
 
 def check_bag_size_cap(cap: float | None) -> float | None:
@@ -50,6 +50,15 @@ def bags_from_keywords(
         )
     labels = kwargs.get(labels_key)
     return Bags.from_index(bag_index, None if labels is None else int(labels.shape[0])), labels
+
+
+def refuse_empty_bags(bags: Bags) -> None:
+    """One-line ``ValueError`` when a bag of ``expected_log_prob``'s ``bag_index`` has no instances: a
+    minibatch that kept its global bag ids (its loss was finite, its gradients or labels not)."""
+    empty = torch.nonzero(bags.sizes == 0).flatten()
+    if len(empty):
+        raise ValueError(f"bag {int(empty[0])} has no instances ({len(empty)} such bag(s)): number the bags of a "
+                         "minibatch 0..B-1 (torch.unique(bag_index, return_inverse=True)[1])")
 
 
 def bag_share(bag_values: Tensor, bags: Bags) -> Tensor:
@@ -162,6 +171,8 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         """
         bags, bag_labels = bags_from_keywords(self, kwargs, "bag_labels", "mll(output, target, bag_index=bag_index)")
         mean, var = function_dist.mean, function_dist.variance
+        if kwargs.get("check", True):
+            refuse_empty_bags(bags)
         if bag_labels is None:
             bag_labels = segment_max(target.to(mean.dtype), bags.index, bags.num_bags)
         if kwargs.get("check", True):

@@ -201,3 +201,14 @@ def test_instance_label_posterior_is_q_y_and_knows_the_bag_labels(psi):
     assert post[negative].max() < 1e-6
     top = torch.zeros(batch.num_bags, dtype=post.dtype).scatter_reduce(0, batch.bag_index, post, "amax")
     assert (top[batch.bag_labels == 1] > 0.5).all()
+
+
+def test_a_minibatch_that_kept_global_bag_ids_is_named_as_such():
+    """Bags 2.. alone under their global ids: the empty bags 0 and 1 were reported as "bag 0 has
+    label -inf" (the largest label of no instance)."""
+    Z, batch = small_problem()
+    model = SparseGP(Z, lengthscale=1.0, outputscale=1.5)
+    keep = batch.bag_index >= 2
+    mll = gpytorch.mlls.VariationalELBO(MILBernoulliLikelihood(), model, num_data=int(keep.sum()))
+    with pytest.raises(ValueError, match=r"bag 0 has no instances \(2 such bag\(s\)\): number the bags of a minibatch"):
+        mll(model(batch.x[keep]), batch.bag_labels[batch.bag_index][keep], bag_index=batch.bag_index[keep])
