@@ -17,10 +17,11 @@ exactly, conditioned on at least one being positive
 (:func:`~milgp.likelihoods.truncated_normal.sample_some_positive`): the blocked form of the
 single-site updates of Eq. 28, with the same stationary distribution, every state within the
 constraint, and work linear in the instances (the single-site sweep over a bag's positions cost one
-pass per position of the longest positive bag: about 15 minutes for one bag of 20,000 instances); the
-negative-bag ``m`` are drawn in one go (:func:`~milgp.likelihoods.truncated_normal.sample_truncated`). Chains are vectorised, start
-over-dispersed and report split-R̂ and ESS (:mod:`milgp.sampling.diagnostics`) of the latent means
-``μ₀_n + A_nᵀ v`` of up to ``diagnostic_instances`` training instances.
+pass per position of the longest positive bag: about 15 minutes for one bag of 20,000 instances);
+the negative-bag ``m`` are drawn in one go (:func:`~milgp.likelihoods.truncated_normal.sample_truncated`).
+Chains are vectorised, start over-dispersed and report split-R̂ and ESS
+(:mod:`milgp.sampling.diagnostics`) of the latent means ``μ₀_n + A_nᵀ v`` of up to
+``diagnostic_instances`` training instances.
 
 Predictions average over the kept draws of ``v``, Rao–Blackwellised over ``f*`` and ``m*``:
 ``P(h* = 1 | v) = Φ(μ*(v)/sqrt(1 + K̃**))`` and, the FITC ``f*`` of a bag being independent given
