@@ -18,7 +18,7 @@ import gpytorch
 import torch
 from torch import Tensor
 
-from milgp.data.bags import Bags, identity_padded, to_padded
+from milgp.data.bags import BagBatch, Bags, identity_padded, to_padded
 from milgp.likelihoods.natural_statistics import NaturalStatistics
 from milgp.linalg import cholesky_inverse_from_precision, robust_cholesky
 
@@ -169,6 +169,19 @@ class ClosedFormStrategy(gpytorch.variational.VariationalStrategy):
                 f"got {type(strategy).__name__} on {type(model).__name__}"
             )
         return strategy
+
+    def check_batch(self, batch: BagBatch) -> BagBatch:
+        """``batch`` (:meth:`BagBatch.check`) with features this model can take: as many as the
+        inducing points have, in their dtype (a float32 model on float64 features was torch's
+        "addmv input tensors must have the same dtype" from inside the first step)."""
+        batch.check()
+        Z = self.inducing_points
+        if batch.x.dim() != 2 or batch.x.shape[1] != Z.shape[1]:
+            raise ValueError(f"batch.x has shape {tuple(batch.x.shape)}; the model's inducing points have {Z.shape[1]} features")
+        if batch.x.dtype != Z.dtype:
+            raise ValueError(f"batch.x is {batch.x.dtype} but the model is {Z.dtype}: cast one to the other "
+                             "(batch.to(dtype=...) or model.to(dtype))")
+        return batch
 
     # -- properties ---------------------------------------------------------------------------
     @property

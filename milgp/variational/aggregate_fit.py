@@ -328,7 +328,7 @@ def fit_aggregate(
             hyperparameter steps when they fit in this many floats (else recompute per pass).
     """
     strategy = ClosedFormStrategy.of(model)  # a one-line TypeError for a model on another strategy
-    batch.check()
+    strategy.check_batch(batch)
     likelihood.check_data(batch.bag_labels, _weights(batch), batch.bags)
     steps = AggregateSteps(
         strategy, likelihood, batch, rho=rho0, rho_max=rho_max, chunk_instances=chunk_instances,

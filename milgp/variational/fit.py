@@ -265,7 +265,7 @@ def fit_closed_form(
             "(bags_per_batch=None, learn_hyperparameters=False): its safeguard compares ELBOs of one objective"
         )
     strategy = ClosedFormStrategy.of(model)
-    batch.check()
+    strategy.check_batch(batch)
     likelihood.check_bag_labels(batch.bag_labels)
     relax = AdaptiveOverrelaxation(max_overrelaxation) if max_overrelaxation != 1.0 else None
     optimizer = torch.optim.Adam(strategy.hyperparameters(), lr=lr) if learn_hyperparameters else None

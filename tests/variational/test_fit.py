@@ -221,3 +221,24 @@ def test_float64_locals_continue_a_float32_fit():
     res = fit_closed_form(model32, MILBernoulliLikelihood("pg"), batch32, max_iter=3, learn_hyperparameters=False,
                           initial_locals=first.locals)
     assert res.locals.dtype == torch.float32 and np.isfinite(res.elbo).all()
+
+
+def test_a_batch_the_model_cannot_take_is_a_one_line_error():
+    """A float32 model on float64 features (or features of another width) was torch's "addmv input
+    tensors must have the same dtype" from inside the first step, in both fits."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "likelihoods"))
+    from _aggregate_helpers import random_bags, random_model
+
+    from milgp.likelihoods import PoissonAggregateLikelihood
+    from milgp.variational.aggregate_fit import fit_aggregate
+
+    x, bag_index = random_bags([3, 4, 2, 5])
+    counts, labels = torch.tensor([2.0, 3.0, 1.0, 4.0], dtype=torch.float64), torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    for fit, likelihood, y in ((fit_aggregate, PoissonAggregateLikelihood("exp"), counts), (fit_closed_form, MILBernoulliLikelihood(), labels)):
+        with pytest.raises(ValueError, match="batch.x is torch.float64 but the model is torch.float32: cast one to the other"):
+            fit(random_model().float(), likelihood, BagBatch(x, bag_index, y), max_iter=2, learn_hyperparameters=False)
+        with pytest.raises(ValueError, match=r"batch.x has shape \(14, 3\); the model's inducing points have 2 features"):
+            fit(random_model(), likelihood, BagBatch(torch.cat([x, x[:, :1]], 1), bag_index, y), max_iter=2, learn_hyperparameters=False)
