@@ -31,6 +31,7 @@ __all__ = [
     "BagGroup",
     "bag_index_from_sizes",
     "bag_sizes",
+    "check_bag_index_dtype",
     "collate_bags",
     "flatten_bags",
     "from_padded",
@@ -44,6 +45,12 @@ __all__ = [
     "split_by_bag",
     "to_padded",
 ]
+
+
+def check_bag_index_dtype(bag_index: Tensor) -> None:
+    """One-line ``ValueError`` unless ``bag_index`` is a long tensor (what indexing and scatter need)."""
+    if bag_index.dtype != torch.long:
+        raise ValueError(f"bag_index must be a long (int64) tensor, got {bag_index.dtype}; use bag_index.long()")
 
 
 def bag_index_from_sizes(sizes: Sequence[int] | Tensor, device: torch.device | None = None) -> Tensor:
@@ -297,8 +304,7 @@ class BagBatch:
         bag ids, or with labels of bags that lost their instances). One device synchronisation:
         the fits call it once, not per step."""
         index, n, num_bags = self.bag_index, self.num_instances, self.num_bags
-        if index.dtype != torch.long:
-            raise ValueError(f"bag_index must be a long (int64) tensor, got {index.dtype}; use bag_index.long()")
+        check_bag_index_dtype(index)
         if tuple(index.shape) != (n,):
             raise ValueError(f"bag_index has shape {tuple(index.shape)}; it must be ({n},), the bag of each instance of x")
         if self.instance_weights is not None and tuple(self.instance_weights.shape) != (n,):

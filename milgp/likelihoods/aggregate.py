@@ -353,13 +353,11 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             )
 
     def _check_layout(self, target: Tensor, weights: Tensor, bags: Bags, targets_given: bool) -> None:
-        """``expected_log_prob``'s inputs against ``bag_index``: a long index, one weight per instance,
-        every bag with instances (a minibatch that kept its global bag ids gave a finite loss and NaN
-        gradients) and, read from ``target``, one value per bag (individual observations would be
+        """``expected_log_prob``'s inputs against ``bag_index`` (long: :func:`bags_from_keywords`):
+        one weight per instance, every bag with instances (a minibatch that kept its global bag ids
+        gave a finite loss and NaN gradients) and, read from ``target``, one value per bag (individual observations would be
         replaced by one instance's); one-line ``ValueError``s."""
         index, n = bags.index, bags.num_instances
-        if index.dtype != torch.long:
-            raise ValueError(f"bag_index must be a long (int64) tensor, got {index.dtype}; use bag_index.long()")
         if tuple(weights.shape) != (n,):
             raise ValueError(f"weights has shape {tuple(weights.shape)}; it must be ({n},), one population per instance")
         refuse_empty_bags(bags)

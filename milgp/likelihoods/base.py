@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Bernoulli
 
-from milgp.data.bags import Bags, segment_max
+from milgp.data.bags import Bags, check_bag_index_dtype, segment_max
 from milgp.likelihoods.instance_link import InstanceLink
 
 __all__ = ["AugmentedBagLikelihood", "bag_share", "bags_from_keywords", "check_bag_size_cap", "refuse_empty_bags"]
@@ -48,6 +48,7 @@ def bags_from_keywords(
             f"{type(likelihood).__name__}.expected_log_prob needs bag_index=(N,) as a keyword argument, "
             f"e.g. {example}"
         )
+    check_bag_index_dtype(bag_index)
     labels = kwargs.get(labels_key)
     return Bags.from_index(bag_index, None if labels is None else int(labels.shape[0])), labels
 
