@@ -23,10 +23,12 @@ from milgp.likelihoods.aggregate_poisson import PoissonAggregateLikelihood
 from milgp.models.sparse_gp import SparseGP
 from milgp.variational.aggregate_fit import fit_aggregate, predict_bag_moments
 
-__all__ = ["VBAggRegressor"]
+__all__ = ["VBAggRegressor", "target_scale"]
 
 SEARCH_OUTPUTSCALES = (0.3, 1.0, 3.0, 10.0)
-"""Kernel variances ``outputscale=None`` chooses among."""
+"""Kernel variances ``outputscale=None`` chooses among (Normal model: in units of ``target_scale_²``)."""
+SEARCH_NOISES = (1.0, 0.3, 0.1, 0.03, 0.01)
+"""Initial Normal noise τ ``noise=None`` chooses among, in units of ``target_scale_²``."""
 CV_FOLDS = 3
 """Folds (over bags) of the cross-validation that chooses the kernel variance."""
 _VBAGG_DEFAULT_LINK = {"poisson": "exp", "normal": "identity", "exponential": "exp"}
@@ -48,17 +50,24 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     After ``warmup_iter`` natural steps, Adam steps on the constant mean and the Normal noise τ
     alternate with them (the kernel stays fixed; ``learn_hyperparameters=True`` learns it too).
 
+    The Normal model is fitted on ``y / s``, ``s`` the targets' spread per unit weight
+    (:func:`target_scale`), with its initial noise chosen beside the kernel variance
+    (``SEARCH_NOISES``); the fitted GP and noise are then rescaled to the targets' units, so that
+    multiplying ``y`` by a constant multiplies every prediction by it (docs/aggregate.md).
+
     Args:
         likelihood: ``"poisson"`` (counts, populations), ``"normal"`` or ``"exponential"``.
         link: ``"exp"`` (Poisson, Exponential; Lemma-1 / A.4 bounds), ``"square"`` (Poisson;
             Taylor approximation Eq. 11) or ``"identity"`` (Normal). ``None``: the default per model.
         num_inducing: M.
         lengthscale, outputscale: the RBF kernel's (initial) values on standardised features;
-            ``lengthscale=None``: the median pairwise distance of the training instances.
+            ``lengthscale=None``: the median pairwise distance of the training instances;
+            ``outputscale=None``: chosen by the cross-validation (Normal: in the targets' units).
         lr, hyper_steps: Adam on hyperparameters, each step on random whole bags
             holding at most ``hyper_max_instances`` instances.
         max_iter, tol, warmup_iter: natural-step iterations (epochs with ``bags_per_batch``).
-        noise: initial τ of the Normal model.
+        noise: initial τ of the Normal model, in the targets' units (variance per unit weight);
+            ``None``: chosen by the cross-validation among ``SEARCH_NOISES × target_scale_²``.
         constant_mean: learn a constant prior mean of f, initialised at the link value of the
             pooled rate ``Σy / Σw`` (default); ``False``: zero-mean GP, as in Law et al.'s models.
         bags_per_batch: minibatches of whole bags (stochastic natural steps); ``None``: full batch
@@ -67,8 +76,11 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         ard, learn_inducing_locations, standardize, dtype, device, verbose.
 
     Fitted attributes: ``model_`` (:class:`~milgp.models.SparseGP`), ``likelihood_``, ``seed_``,
-    ``fit_result_``, ``elbo_``, ``n_features_in_``, ``fitted_with_weights_`` (populations other
-    than 1 were given: :meth:`predict_bags` and :meth:`score` then need them too).
+    ``fit_result_`` (Normal: the fit on ``y / target_scale_``), ``elbo_`` (in the targets' units),
+    ``n_features_in_``, ``fitted_with_weights_`` (populations other than 1 were given:
+    :meth:`predict_bags` and :meth:`score` then need them too), ``target_scale_`` (1 but for the
+    Normal model), ``search_`` (``(outputscale, noise)`` → cross-validated NLL per bag, in the
+    targets' units; ``noise`` ``None`` for the models without one).
     """
 
     likelihood: str = "poisson"
@@ -83,7 +95,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     lr: float = 0.05
     hyper_steps: int = 3
     hyper_max_instances: int = 5000
-    noise: float = 1.0
+    noise: float | None = None
     constant_mean: bool = True
     ard: bool = False
     learn_inducing_locations: bool = False
@@ -96,14 +108,16 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     random_state: int = 0
     verbose: bool = False
 
-    def _make_likelihood(self) -> Any:
+    def _make_likelihood(self, noise: float | None = None, scale: float = 1.0) -> Any:
+        """The likelihood; the Normal one with initial noise ``noise`` (default 1) and its lower
+        bound, both in units of ``scale²``."""
         if self.likelihood not in _VBAGG_DEFAULT_LINK:
             raise ValueError(f"likelihood must be 'poisson', 'normal' or 'exponential', got {self.likelihood!r}")
         link = self.link or _VBAGG_DEFAULT_LINK[self.likelihood]
         if self.likelihood == "poisson":
             return PoissonAggregateLikelihood(link)
         if self.likelihood == "normal":
-            return NormalAggregateLikelihood(link, noise=self.noise)
+            return NormalAggregateLikelihood(link, noise=(1.0 if noise is None else noise) * scale**2, noise_lower_bound=1e-6 * scale**2)
         return ExponentialAggregateLikelihood(link)
 
     def _flat(self, bags: list[np.ndarray], weights: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
@@ -135,6 +149,9 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         self.seed_ = check_seed(self.random_state)
         given_lengthscale = check_positive("lengthscale", self.lengthscale, none="the median heuristic")
         given_outputscale = check_positive("outputscale", self.outputscale, none="chosen by cross-validation")
+        given_noise = check_positive("noise", self.noise, none="chosen by cross-validation")
+        normal = self.likelihood == "normal"
+        self.target_scale_ = scale = target_scale(y_np, w_list) if normal else 1.0
         flat = np.concatenate(bags_np, 0)
         self.n_features_in_ = flat.shape[1]
         self.scaler_ = FeatureScaler(self.standardize).fit(flat)
@@ -145,27 +162,48 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             dtype=x.dtype, device=self.device,
         )
         lengthscale = median_lengthscale(x_np, seed=self.seed_) if given_lengthscale is None else given_lengthscale
-        batch = BagBatch(x, bag_index, torch.as_tensor(y_np, dtype=x.dtype, device=self.device), instance_weights=w)
-        self.search_: dict[float, float] = {}
-        if given_outputscale is None and len(bags_np) >= 2 * CV_FOLDS:
-            self.search_ = {s: self._cross_validated_nll(batch, Z, lengthscale, s) for s in SEARCH_OUTPUTSCALES}
-            outputscale = min(self.search_, key=self.search_.get)
+        batch = BagBatch(x, bag_index, torch.as_tensor(y_np / scale, dtype=x.dtype, device=self.device), instance_weights=w)
+        # the candidates (kernel variance, Normal noise) in units of scale²
+        outputscales = SEARCH_OUTPUTSCALES if given_outputscale is None else (given_outputscale / scale**2,)
+        noises = (None,) if not normal else SEARCH_NOISES if given_noise is None else (given_noise / scale**2,)
+        candidates = [(s, n) for s in outputscales for n in noises]
+        self.search_: dict[tuple[float, float | None], float] = {}
+        if len(candidates) > 1 and len(bags_np) >= 2 * CV_FOLDS:
+            nll = {c: self._cross_validated_nll(batch, Z, lengthscale, *c) for c in candidates}
+            outputscale, noise = min(nll, key=nll.get)
+            self.search_ = {(s * scale**2, n if n is None else n * scale**2): v + math.log(scale) for (s, n), v in nll.items()}
         else:
-            outputscale = 1.0 if given_outputscale is None else given_outputscale
-        self.model_, self.likelihood_, self.fit_result_ = self._fit_one(batch, Z, lengthscale, outputscale)
-        self.elbo_ = self.fit_result_.elbo[-1]
+            outputscale = outputscales[0] if len(outputscales) == 1 else 1.0
+            noise = noises[0] if len(noises) == 1 else 1.0
+        self.model_, self.likelihood_, self.fit_result_ = self._fit_one(batch, Z, lengthscale, outputscale, noise)
+        self.elbo_ = self.fit_result_.elbo[-1] - len(bags_np) * math.log(scale)  # each bag's density in the targets' units
+        if scale != 1.0:
+            self._to_target_units(scale)
         return self
 
+    def _to_target_units(self, scale: float) -> None:
+        """The model fitted on ``y / scale`` in the targets' units: ``f`` × ``scale`` (kernel variance,
+        jitter and noise × ``scale²``, constant mean × ``scale``; whitened ``q(v)`` unchanged)."""
+        model = self.model_
+        model.covar_module.outputscale = model.covar_module.outputscale.detach() * scale**2
+        if self.constant_mean:
+            model.mean_module.constant = model.mean_module.constant.detach() * scale
+        strategy = model.variational_strategy
+        strategy.jitter_val = strategy.jitter * scale**2
+        strategy.clear_caches()
+        noise = self.likelihood_.noise.item()
+        self.likelihood_ = self._make_likelihood(noise, scale).to(device=self.device, dtype=torch_dtype(self.dtype))
+
     def _fit_one(
-        self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float, learn: bool = True
+        self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float, noise: float | None, learn: bool = True
     ) -> tuple[SparseGP, Any, Any]:
-        """One model fitted on ``batch`` at these kernel values as the class docstring says
-        (``learn=False``, or nothing to learn: natural steps alone, up to ``max_iter``)."""
+        """One model fitted on ``batch`` at these kernel values and initial Normal noise as the class docstring says (``learn=False``, or nothing to learn:
+        natural steps alone, up to ``max_iter``)."""
         model = SparseGP(
             Z, ard=self.ard, constant_mean=self.constant_mean, learn_inducing_locations=self.learn_inducing_locations,
             lengthscale=lengthscale, outputscale=outputscale,
         ).to(self.device)
-        likelihood = self._make_likelihood().to(device=self.device, dtype=batch.x.dtype)
+        likelihood = self._make_likelihood(noise).to(device=self.device, dtype=batch.x.dtype)
         if self.constant_mean:  # at the rate that explains the total: Σy = Σ w Ψ(c)
             model.mean_module.constant.data.fill_(likelihood.pooled_latent(batch.bag_labels, batch.instance_weights))
         if not self.learn_hyperparameters:
@@ -187,7 +225,9 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             ).after(result)
         return model, likelihood, result
 
-    def _cross_validated_nll(self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float) -> float:
+    def _cross_validated_nll(
+        self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float, noise: float | None
+    ) -> float:
         """Mean held-out negative log-likelihood of the bag targets under the Gaussian predictive
         ``N(E[y_a], Var[y_a])`` (a proper score that includes the predictive uncertainty), by
         ``CV_FOLDS``-fold cross-validation over bags."""
@@ -195,7 +235,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         total = 0.0
         for train, test in folds:
             tr, te = batch.select_bags(torch.as_tensor(train)), batch.select_bags(torch.as_tensor(test))
-            model, likelihood, _ = self._fit_one(tr, Z, lengthscale, outputscale, learn=False)
+            model, likelihood, _ = self._fit_one(tr, Z, lengthscale, outputscale, noise, learn=False)
             moments = predict_bag_moments(
                 model, likelihood, te.x, te.bags, te.instance_weights, self.chunk_instances, self.block_budget
             )
@@ -256,3 +296,18 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     def score(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> float:
         """R² of the predicted bag aggregates ``E[y_a]`` against ``y`` (bag level)."""
         return float(r2_score(np.asarray(y, dtype=np.float64), self.predict_bags(bags, weights)["y_mean"]))
+
+
+def target_scale(y: np.ndarray, weights: Sequence[np.ndarray]) -> float:
+    """The spread of aggregate targets per unit weight, ``s = sqrt(Σ_a (y_a − W_a ȳ)² / Σ_a W2_a)``
+    with ``W_a = Σ_{i∈a} w_i``, ``W2_a = Σ_{i∈a} w_i²`` and the pooled rate ``ȳ = Σ_a y_a / Σ_a W_a``:
+    the standard deviation of independent instances that would spread the bags' targets as much
+    as they are spread (for ``y`` ``(B,)`` and each bag's weights ``(n_b,)``). Multiplying ``y`` by
+    ``c`` multiplies ``s`` by ``|c|``. Targets with no spread: ``|ȳ|``, else 1."""
+    W = np.array([w.sum() for w in weights])
+    W2 = np.array([(w * w).sum() for w in weights])
+    rate = float(y.sum() / W.sum())
+    s = math.sqrt(float(((y - W * rate) ** 2).sum() / W2.sum()))
+    if s > 1e-9 * abs(rate):  # a spread, not rounding
+        return s
+    return abs(rate) if rate != 0 else 1.0

@@ -50,7 +50,8 @@ class NormalAggregateLikelihood(AggregateLikelihood):
         super().__init__(link)
         if not isinstance(self.link, IdentityLink):
             raise ValueError(f"the Normal aggregate model is exact and conjugate with link='identity' only, got {self.link.name!r}")
-        self.register_parameter("raw_noise", torch.nn.Parameter(torch.zeros(())))
+        # float64, so that the initial τ is exact (a float32 parameter rounded it before any .to(float64))
+        self.register_parameter("raw_noise", torch.nn.Parameter(torch.zeros((), dtype=torch.float64)))
         self.register_constraint("raw_noise", GreaterThan(noise_lower_bound))
         self.noise = noise
 

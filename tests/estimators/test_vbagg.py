@@ -81,7 +81,7 @@ def test_predictions_shapes_quantiles_and_bag_moments(fitted):
         (dict(lengthscale=-1.0), "lengthscale must be a positive number or None"),
         (dict(lengthscale=float("nan")), "lengthscale must be a positive number or None"),
         (dict(outputscale=0), "outputscale must be a positive number or None"),
-        (dict(likelihood="normal", link="identity", noise=0.0), "the noise τ must be a finite number above its lower bound"),
+        (dict(likelihood="normal", link="identity", noise=0.0), "noise must be a positive number or None"),
         (dict(bags_per_batch=0), "bags_per_batch must be a positive integer or None"),
         (dict(random_state=1.5), "random_state must be an integer >= 0 or None"),
     ],
@@ -185,6 +185,80 @@ def test_normal_model_learns_noise_and_function():
     assert np.mean((est.predict(x) - mu) ** 2) < 0.05
     q = est.predict_quantiles(x, [0.05, 0.95])
     assert np.mean((mu >= q[:, 0]) & (mu <= q[:, 1])) > 0.6
+
+
+def _normal_problem(seed=1):
+    """Normal aggregates of ``μ(x) = 2 + sin 2x`` over bags of consecutive x, with populations."""
+    rng = np.random.default_rng(seed)
+    x = np.sort(rng.uniform(-2, 2, 300)).reshape(-1, 1)
+    sizes = rng.integers(4, 12, 40)
+    sizes = sizes[np.cumsum(sizes) <= len(x)]
+    x = x[: sizes.sum()]
+    w = rng.uniform(0.5, 2.0, len(x))
+    edges = np.cumsum(sizes)[:-1]
+    mu = 2 + np.sin(2 * x[:, 0])
+    y = np.array([(wi * m).sum() + rng.normal(0, np.sqrt(0.05 * (wi**2).sum())) for wi, m in zip(np.split(w, edges), np.split(mu, edges))])
+    return np.split(x, edges), y, np.split(w, edges), x
+
+
+@pytest.mark.parametrize("c", [1e-3, 1e3])
+def test_normal_model_predicts_in_the_targets_units(c):
+    """Multiplying the Normal model's targets by ``c`` must multiply every prediction by ``c`` (and
+    variances, the kernel variance and τ by ``c²``): the unit of ``y`` is the user's choice. With a
+    fixed initial noise of 1 and kernel variances 0.3–10, targets in thousandths of their unit
+    fitted a bag R² far below the same data in its unit (digits counts of 9s: 0.47 against −5.5
+    for hundredths), and in thousands chose the largest variance offered."""
+    bags, y, w, x = _normal_problem()
+    kw = dict(likelihood="normal", num_inducing=10, max_iter=15, random_state=0)
+    a = VBAggRegressor(**kw).fit(bags, y, w)
+    b = VBAggRegressor(**kw).fit(bags, c * y, w)
+    np.testing.assert_allclose(b.predict(x), c * a.predict(x), rtol=1e-6)
+    assert b.target_scale_ == pytest.approx(c * a.target_scale_, rel=1e-12)
+    pa, pb = a.predict_bags(bags, w), b.predict_bags(bags, w)
+    np.testing.assert_allclose(pb["y_mean"], c * pa["y_mean"], rtol=1e-6)
+    np.testing.assert_allclose(pb["y_var"], c**2 * pa["y_var"], rtol=1e-5)
+    assert b.likelihood_.noise.item() == pytest.approx(c**2 * a.likelihood_.noise.item(), rel=1e-5)
+    assert float(b.model_.covar_module.outputscale) == pytest.approx(c**2 * float(a.model_.covar_module.outputscale), rel=1e-9)
+    assert b.elbo_ == pytest.approx(a.elbo_ - len(bags) * np.log(c), rel=1e-6)
+    assert b.score(bags, c * y, w) == pytest.approx(a.score(bags, y, w), abs=1e-6) and a.score(bags, y, w) > 0.9
+    # the same candidates in the new units, each bag's density lower by log c
+    np.testing.assert_allclose(np.array(sorted(b.search_)), c**2 * np.array(sorted(a.search_)), rtol=1e-9)
+    np.testing.assert_allclose([b.search_[k] for k in sorted(b.search_)], [a.search_[k] + np.log(c) for k in sorted(a.search_)], rtol=1e-6)
+
+
+def test_normal_model_is_a_gpytorch_model_in_the_targets_units():
+    """The fitted ``model_`` is rescaled to the targets' units (kernel variance, jitter and mean):
+    GPyTorch's own predictive mean of it must equal :meth:`VBAggRegressor.predict`, and its noise
+    the τ it reports, or a user evaluating ``model_`` directly gets the internal scale."""
+    import torch
+
+    bags, y, w, x = _normal_problem(seed=2)
+    est = VBAggRegressor(likelihood="normal", num_inducing=10, max_iter=10, random_state=0).fit(bags, 250.0 * y, w)
+    assert est.target_scale_ > 10
+    est.model_.eval()
+    with torch.no_grad():
+        mean = est.model_(est._transform(x)).mean.numpy()
+    np.testing.assert_allclose(mean, est.predict(x), rtol=1e-9)
+    # GPyTorch's float64 jitter (1e-6) relative to the fit's scale
+    assert est.model_.variational_strategy.jitter_val == pytest.approx(1e-6 * est.target_scale_**2, rel=1e-12)
+
+
+def test_target_scale():
+    """``target_scale`` is the spread per unit weight ``sqrt(Σ(y_a − W_a ȳ)² / Σ W2_a)`` (against a
+    direct loop), scales with ``|c|``, ignores a common factor of ``y`` and the weights' pooled rate,
+    and falls back to ``|ȳ|`` then 1 without spread."""
+    from milgp.estimators.vbagg import target_scale
+
+    rng = np.random.default_rng(0)
+    w = [rng.uniform(0.5, 2, n) for n in (3, 5, 2, 7)]
+    y = rng.normal(5, 2, 4)
+    rate = y.sum() / sum(wi.sum() for wi in w)
+    expected = np.sqrt(sum((ya - wi.sum() * rate) ** 2 for ya, wi in zip(y, w)) / sum((wi**2).sum() for wi in w))
+    assert target_scale(y, w) == pytest.approx(expected, rel=1e-12)
+    assert target_scale(-3 * y, w) == pytest.approx(3 * expected, rel=1e-12)
+    proportional = np.array([2.5 * wi.sum() for wi in w])
+    assert target_scale(proportional, w) == pytest.approx(2.5)
+    assert target_scale(np.zeros(4), w) == 1.0
 
 
 def test_baselines_bag_pixel_and_constant():

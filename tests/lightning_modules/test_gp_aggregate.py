@@ -135,6 +135,8 @@ def test_normal_exact_step_matches_vbagg_regressor() -> None:
     ls = float(reg.model_.covar_module.base_kernel.lengthscale.detach())
     model = GPMILModule(feature_dim=2, likelihood=NormalAggregateLikelihood(noise=0.3), num_inducing=12,
                         hyper_steps=0, warmup_epochs=0, lengthscale=ls, seed=0)
+    # the regressor fits y / target_scale_ at GPyTorch's jitter, i.e. jitter × target_scale_² in y's units
+    model.gp.gp.variational_strategy.jitter_val = reg.model_.variational_strategy.jitter_val
     _trainer(1).fit(model, dict_loader(data, idx))
     torch.testing.assert_close(model.gp.gp.variational_strategy.inducing_points, reg.model_.variational_strategy.inducing_points, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(model.gp.gp.mean_module.constant.detach(), reg.model_.mean_module.constant.detach(), rtol=1e-12, atol=1e-12)

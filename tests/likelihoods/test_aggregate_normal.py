@@ -35,7 +35,7 @@ def test_elbo_with_singleton_bags_equals_gpytorch_svgp_elbo():
     model, q, x, bag_index, y, _, lik = _setup(sizes, weights=False)
     N = len(sizes)
     gauss = gpytorch.likelihoods.GaussianLikelihood(noise_constraint=gpytorch.constraints.GreaterThan(1e-8)).double()
-    gauss.noise = TAU
+    gauss.noise = torch.tensor(TAU, dtype=torch.float64)  # a float scalar is rounded to float32 by GPyTorch's setter
     model.train()
     with torch.no_grad():
         reference = float(gpytorch.mlls.VariationalELBO(gauss, model, num_data=N)(model(x), y)) * N
