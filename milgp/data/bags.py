@@ -198,7 +198,10 @@ def flatten_bags(bags: Sequence[Any]) -> tuple[Tensor, Tensor]:
     tensors = []
     for b, bag in enumerate(bags):
         try:
-            t = torch.as_tensor(np.asarray(bag) if not isinstance(bag, Tensor) else bag)
+            if not isinstance(bag, Tensor):
+                bag = np.asarray(bag)
+                bag = bag.copy() if any(s < 0 for s in bag.strides) else bag  # torch takes no negative strides
+            t = torch.as_tensor(bag)
         except (TypeError, ValueError) as err:
             raise ValueError(f"bag {b} is not an array of instances: {err}") from err
         if t.ndim == 0:

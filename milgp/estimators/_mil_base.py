@@ -204,6 +204,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     def fit(self, bags: Sequence[Any], y: Any) -> "MILClassifierBase":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
         check_settings(self, FLAGS, {"num_inducing": 1, "max_iter": 1, "search_iter": 1, "hyper_steps": 0})
+        # what the fitted state lives in: predictions use these, whatever set_params changes later
+        self.dtype_, self.device_ = torch_dtype(self.dtype), torch.device(self.device)
         bags_np = check_bags(bags)
         y_np = check_binary_bag_labels(y, len(bags_np))
         self.seed_ = check_seed(self.random_state)
@@ -339,8 +341,8 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     # -- data --------------------------------------------------------------------------------------
     def _to_tensor(self, bags: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         x, bag_index = flatten_bags(bags)
-        bag_index = bag_index.to(self.device)
-        return self.scaler_.transform(x.to(device=self.device), bag_index, torch_dtype(self.dtype)), bag_index
+        bag_index = bag_index.to(self.device_)
+        return self.scaler_.transform(x.to(device=self.device_), bag_index, self.dtype_), bag_index
 
     def _features(self, bags: Sequence[Any]) -> tuple[torch.Tensor, Bags]:
         """Standardised instances ``(N, D)`` and their :class:`Bags`."""

@@ -27,17 +27,20 @@ def as_float_array(a: Any, name: str = "X") -> np.ndarray:
     numeric is refused in one line naming ``name``."""
     if isinstance(a, torch.Tensor):
         a = a.detach().cpu()
+    if np.iscomplexobj(a.data if issparse(a) else a):
+        raise ValueError(f"{name} has complex values: features must be real numbers")
     try:
-        return np.asarray(a.toarray() if issparse(a) else a, dtype=np.float64)
+        arr = np.asarray(a.toarray() if issparse(a) else a, dtype=np.float64)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{name} is not an array of numbers: {err}") from None
+    return arr.copy() if any(s < 0 for s in arr.strides) else arr  # torch takes no negative strides (X[::-1])
 
 
 def check_bags(bags: Iterable[Any], name: str = "bags", n_features: int | None = None) -> list[np.ndarray]:
     """Validate bags: a non-empty sequence (or other iterable) of non-empty 2-D finite float arrays
     with at least one feature, of equal width (``n_features``, where given: the width a fitted model
     expects); sparse bags are taken as their dense arrays (:func:`as_float_array`)."""
-    if isinstance(bags, np.ndarray) and bags.dtype != object and bags.ndim == 2:
+    if issparse(bags) or (isinstance(bags, (np.ndarray, torch.Tensor)) and bags.dtype != object and bags.ndim == 2):
         raise ValueError(f"{name} must be a sequence of (n_b, d) arrays, one per bag, not a single 2-D array")
     bags = bags if isinstance(bags, (Sequence, np.ndarray, torch.Tensor)) else list(bags)
     if len(bags) == 0:

@@ -77,7 +77,8 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
 
     Fitted attributes: ``model_`` (:class:`~milgp.models.SparseGP`), ``likelihood_``, ``seed_``,
     ``fit_result_`` (Normal: the fit on ``y / target_scale_``), ``elbo_`` (in the targets' units),
-    ``n_features_in_``, ``fitted_with_weights_`` (populations other than 1 were given:
+    ``n_features_in_``, ``dtype_`` and ``device_`` (of the fit, used by every prediction),
+    ``fitted_with_weights_`` (populations other than 1 were given:
     :meth:`predict_bags` and :meth:`score` then need them too), ``target_scale_`` (1 but for the
     Normal model), ``search_`` (``(outputscale, noise)`` → cross-validated NLL per bag, in the
     targets' units; ``noise`` ``None`` for the models without one).
@@ -122,14 +123,14 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
 
     def _flat(self, bags: list[np.ndarray], weights: list[np.ndarray]) -> tuple[torch.Tensor, ...]:
         x, bag_index = flatten_bags(bags)
-        bag_index = bag_index.to(self.device)
+        bag_index = bag_index.to(self.device_)
         x = self._transform(x, bag_index)
-        return x, bag_index, torch.as_tensor(np.concatenate(weights), dtype=x.dtype, device=self.device)
+        return x, bag_index, torch.as_tensor(np.concatenate(weights), dtype=x.dtype, device=self.device_)
 
     def _transform(self, x: np.ndarray | torch.Tensor, bag_index: torch.Tensor | None = None) -> torch.Tensor:
         """Validated float64 instances ``(n, d)``, standardised, in the model's dtype and on its device
         (an instance that overflows is named by its bag, given ``bag_index`` ``(n,)``)."""
-        return self.scaler_.transform(torch.as_tensor(x, dtype=torch.float64).to(self.device), bag_index, torch_dtype(self.dtype))
+        return self.scaler_.transform(torch.as_tensor(x, dtype=torch.float64).to(self.device_), bag_index, self.dtype_)
 
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "VBAggRegressor":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays), aggregate targets ``y`` ``(B,)`` and
@@ -138,6 +139,8 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
             self, ("learn_hyperparameters", "constant_mean", "ard", "learn_inducing_locations", "standardize", "verbose"),
             {"num_inducing": 1, "max_iter": 0, "warmup_iter": 0, "hyper_steps": 0},
         )
+        # what the fitted state lives in: predictions use these, whatever set_params changes later
+        self.dtype_, self.device_ = torch_dtype(self.dtype), torch.device(self.device)
         bags_np = check_bags(bags)
         y_np = np.asarray(y, dtype=np.float64)
         if y_np.ndim != 1 or len(y_np) != len(bags_np):
@@ -192,7 +195,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         strategy.jitter_val = strategy.jitter * scale**2
         strategy.clear_caches()
         noise = self.likelihood_.noise.item()
-        self.likelihood_ = self._make_likelihood(noise, scale).to(device=self.device, dtype=torch_dtype(self.dtype))
+        self.likelihood_ = self._make_likelihood(noise, scale).to(device=self.device_, dtype=self.dtype_)
 
     def _fit_one(
         self, batch: BagBatch, Z: torch.Tensor, lengthscale: float, outputscale: float, noise: float | None, learn: bool = True

@@ -65,7 +65,8 @@ class VGPMILClassifier(MILClassifierBase):
     Fitted attributes: ``ensemble_`` (the weighted candidates, :class:`~milgp.prediction.ModelAverage`);
     ``model_``, ``likelihood_``, ``fit_result_``, ``decision_`` (rule and calibration) of its
     heaviest candidate; ``search_`` (every fit's out-of-bag NLL); ``elbo_`` (the un-augmented ELBO
-    of the heaviest fit, a lower bound of ``log p(T)`` for the logistic MIL model), ``scaler_``, ``seed_``;
+    of the heaviest fit, a lower bound of ``log p(T)`` for the logistic MIL model), ``scaler_``, ``seed_``,
+    ``dtype_`` and ``device_`` (of the fit, used by every prediction);
     ``instance_calibrator_`` (the map of instance scores to the MIL fits' posterior instance labels,
     or ``None`` without a MIL fit).
     """

@@ -73,14 +73,17 @@ class SparseGP(gpytorch.models.ApproximateGP):
                 base = gpytorch.kernels.AdditiveKernel(linear, constant)
         self.kernel = kernel
         self.covar_module = gpytorch.kernels.ScaleKernel(base)
-        self.to(inducing_points.dtype)  # before setting values: a float64 model gets them exactly
+        dtype = inducing_points.dtype
+        # the values as tensors of the model's dtype: GPyTorch's setters turn a Python float into a
+        # tensor of torch's default dtype first (float32: lengthscale 7.8 became 7.8000002)
+        self.to(dtype)
         if kernel == "rbf":
-            base.lengthscale = lengthscale
+            base.lengthscale = torch.as_tensor(lengthscale, dtype=dtype)
         else:
-            linear.variance = 1.0 / dim
+            linear.variance = torch.tensor(1.0 / dim, dtype=dtype)
             if kernel == "affine":
-                constant.constant = torch.tensor(1.0, dtype=inducing_points.dtype)
-        self.covar_module.outputscale = outputscale
+                constant.constant = torch.tensor(1.0, dtype=dtype)
+        self.covar_module.outputscale = torch.as_tensor(outputscale, dtype=dtype)
 
     def forward(self, x: Tensor) -> gpytorch.distributions.MultivariateNormal:
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))

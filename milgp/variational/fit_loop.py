@@ -69,6 +69,7 @@ class FitSteps(Protocol):
         """Write the family's final state into ``result``."""
 
 
+@torch.enable_grad()  # the autograd statistics and the hyperparameter steps work inside a caller's torch.no_grad()
 def fit_loop(
     steps: FitSteps,
     *,

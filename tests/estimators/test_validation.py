@@ -253,3 +253,73 @@ def test_vbagg_settings_are_checked_like_the_classifiers():
         VBAggRegressor(constant_mean="no").fit(bags, y.astype(float))
     with pytest.raises(ValueError, match="warmup_iter must be an integer >= 0, got -2"):
         VBAggRegressor(warmup_iter=-2).fit(bags, y.astype(float))
+
+
+def test_bags_with_negative_strides_are_ordinary_input():
+    """``b[::-1]`` and ``np.flip`` are NumPy views with a negative stride, which torch refuses: they
+    must fit and predict exactly as their copies (before: "bag 0 is not an array of instances:
+    At least one stride ... is negative", and a raw torch error from ``VBAggRegressor.predict``)."""
+    from milgp.estimators import VBAggRegressor
+
+    bags, y = _small_problem()
+    flipped = [b[::-1] for b in bags]
+    clf = VGPMILClassifier(num_inducing=8).fit(flipped, y)
+    copy = VGPMILClassifier(num_inducing=8).fit([b.copy() for b in flipped], y)
+    np.testing.assert_array_equal(clf.predict_proba(flipped), copy.predict_proba([b.copy() for b in flipped]))
+    reg = VBAggRegressor(num_inducing=8, max_iter=3).fit(flipped, np.full(12, 3.0))
+    X = np.concatenate(bags)
+    np.testing.assert_array_equal(reg.predict(X[::-1]), reg.predict(X[::-1].copy()))
+    np.testing.assert_array_equal(reg.predict_bags([np.flip(b, 0) for b in bags])["y_mean"], reg.predict_bags(flipped)["y_mean"])
+
+
+@pytest.mark.parametrize("as_matrix", [csr_matrix, torch.as_tensor])
+def test_a_single_matrix_of_instances_is_not_taken_for_bags(as_matrix):
+    """A 2-D sparse matrix (or tensor) of all instances is one matrix, not a sequence of bags: it must
+    be refused like a 2-D NumPy array. Before, iterating a ``csr_matrix`` gave its rows, so it was
+    fitted silently as one bag per instance."""
+    bags, y = _small_problem()
+    X = np.concatenate(bags)
+    with pytest.raises(ValueError, match="not a single 2-D array"):
+        VGPMILClassifier(num_inducing=8).fit(as_matrix(X), np.repeat(y, 4))
+
+
+def test_fits_work_inside_torch_no_grad():
+    """A fit called inside ``torch.no_grad()`` (e.g. from an evaluation loop) must equal the same fit
+    outside it: the aggregate natural step and the hyperparameter steps take gradients (before:
+    "element 0 of tensors does not require grad")."""
+    from milgp.estimators import VBAggRegressor
+
+    bags, y = _small_problem()
+    counts = np.arange(12) % 4 + 1.0
+    fits = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            reg = VBAggRegressor(num_inducing=8, max_iter=3).fit(bags, counts)
+            clf = VGPMILClassifier(num_inducing=8, learn_hyperparameters=True, max_iter=5).fit(bags, y)
+        fits.append((reg.predict(np.concatenate(bags)), clf.predict_proba(bags)))
+    np.testing.assert_array_equal(fits[0][0], fits[1][0])
+    np.testing.assert_array_equal(fits[0][1], fits[1][1])
+
+
+def test_predictions_use_the_fitted_dtype_after_set_params():
+    """``set_params(dtype=...)`` after a fit takes effect at the next fit (scikit-learn): predictions
+    must stay those of the fitted model (before: torch's "expected m1 and m2 to have the same dtype")."""
+    from milgp.estimators import VBAggRegressor
+
+    bags, y = _small_problem()
+    clf = VGPMILClassifier(num_inducing=8).fit(bags, y)
+    reg = VBAggRegressor(num_inducing=8, max_iter=3).fit(bags, np.full(12, 3.0))
+    before = clf.predict_proba(bags), reg.predict_bags(bags)["y_mean"]
+    clf.set_params(dtype="float32")
+    reg.set_params(dtype="float32")
+    np.testing.assert_array_equal(clf.predict_proba(bags), before[0])
+    np.testing.assert_array_equal(reg.predict_bags(bags)["y_mean"], before[1])
+
+
+def test_complex_features_are_refused():
+    """Complex features have no meaning for the kernels: refused naming the bag, as scikit-learn
+    does. Before, NumPy dropped the imaginary part with only a ``ComplexWarning``."""
+    with pytest.raises(ValueError, match=r"bags\[1\] has complex values"):
+        check_bags([np.ones((2, 2)), np.ones((2, 2)) + 1j])
+    with pytest.raises(ValueError, match=r"bags\[0\] has complex values"):
+        check_bags([torch.ones(2, 2, dtype=torch.complex64)])

@@ -123,7 +123,7 @@ def test_normal_exact_step_matches_vbagg_regressor() -> None:
     """Normal aggregates with non-unit weights (``instance_weights`` of the batch): one full-batch
     epoch without Adam is the exact conjugate optimum of q(u) and equals VBAggRegressor's single
     exact step on the same bags — same standardisation, k-means++ inducing points, constant mean
-    Σy/Σw, and (given its lengthscale, which SparseGP's constructor rounds to float32) the same
+    Σy/Σw, and (given its lengthscale) the same
     q(u) to 1e-9 and the same instance predictions.
 
     If this fails, the training step is not the library's exact Normal step (wrong statistics,

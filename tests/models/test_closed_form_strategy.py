@@ -298,3 +298,17 @@ def test_prior_variance_equals_the_projections_without_projecting() -> None:
     x = torch.randn(11, 3, generator=g, dtype=torch.float64)
     strategy = model.variational_strategy
     torch.testing.assert_close(strategy.prior_variance(x), strategy.projection(x).prior_var, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "linear", "affine"])
+def test_sparse_gp_keeps_its_kernel_values_exactly(kernel: str) -> None:
+    """A float64 ``SparseGP`` must hold the lengthscale, outputscale and linear variance it is given to
+    float64 precision whatever torch's default dtype: GPyTorch's setters turn a Python float into a
+    float32 tensor first, which stored 7.8 as 7.8000002 and moved predictions by ~1e-8."""
+    m = SparseGP(torch.randn(5, 3, dtype=torch.float64), kernel=kernel, lengthscale=7.8, outputscale=0.2)
+    assert abs(float(m.covar_module.outputscale.detach()) - 0.2) < 1e-15
+    if kernel == "rbf":
+        assert abs(float(m.covar_module.base_kernel.lengthscale.detach()) - 7.8) < 1e-14
+    else:
+        linear = m.covar_module.base_kernel if kernel == "linear" else m.covar_module.base_kernel.kernels[0]
+        assert abs(float(linear.variance.detach()) - 1 / 3) < 1e-15
