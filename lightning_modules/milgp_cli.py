@@ -22,15 +22,19 @@ def _checkpoint_dir(root: str | None) -> str | None:
     return None if not root else str(RunFolder(root).checkpoint_dir)
 
 
+_GENERIC = ("Does not validate against any of the Union subtypes", "Expected a", "Import path ", "Problem with given class_path")
+"""The starts of jsonargparse's own lines in a list of tried types (not a constructor's message)."""
+
+
 def _constructor_message(err: ValueError) -> str:
     """The constructor's own message in a jsonargparse error, which lists, for an optional class
-    argument, every type it tried (``Errors:`` then ``  - <message>`` lines)."""
+    argument, every type it tried (``Errors:`` then ``- <message>`` lines, nested one level deeper
+    for each class argument inside another, e.g. the likelihood inside the model)."""
     lines = str(err).strip().splitlines()
-    if "Errors:" in lines:
-        tried = [line.strip()[2:] for line in lines[lines.index("Errors:") + 1:] if line.startswith("  - ")]
-        own = [t for t in tried if not t.startswith("Expected a")]
-        if own:
-            return own[0]
+    tried = [line.strip()[2:] for line in lines if line.lstrip().startswith("- ")]
+    own = [t for t in tried if not t.startswith(_GENERIC)]
+    if own:
+        return own[0]
     return lines[0] if lines else type(err).__name__
 
 

@@ -166,3 +166,23 @@ def test_settings_out_of_range_are_one_line(tmp_path: Path, capsys: pytest.Captu
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"H": -5}, "H must be a finite number > 1 (bag labels more likely right than wrong), got -5.0"),
+    ({"psi": "bogus"}, "unknown psi 'bogus'"),
+])
+def test_a_nested_constructor_check_is_reported_with_its_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                setting: dict, message: str) -> None:
+    """The likelihood's own check (a class argument inside the model) is the one line printed. If
+    this fails, the user gets jsonargparse's "Does not validate against any of the Union subtypes"
+    and no word of which value is wrong (the reason sits one level deeper in its error text)."""
+    _save(tmp_path, "f.npz", feature_bags(num_bags=12))
+    likelihood = {"class_path": "milgp.likelihoods.MILBernoulliLikelihood", "init_args": {"psi": "pg", "H": 100.0, **setting}}
+    cfg = {"trainer": trainer_cfg(tmp_path, "run"),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, "likelihood": likelihood}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "f.npz")}}}
+    assert main(["fit", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "run").exists()
