@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from lightning_modules.attention_pooling import AttentionPooling
 from lightning_modules.bag_module_base import BagModuleBase, records_metrics
 from lightning_modules.extractors.small_cnn import SmallCNN
+from lightning_modules.setting_checks import check_at_least, check_rate
 from milgp.data.bags import BagBatch, Bags
 from milgp.metrics import log_loss
 from milgp.prediction import BagCalibrator, cross_fitted_calibration
@@ -70,6 +71,11 @@ class AttentionMILModule(BagModuleBase):
         self.save_hyperparameters(ignore=self._ignored_hparams(["extractor"]))
         if instance_score not in ("attention", "classifier"):
             raise ValueError(f"instance_score must be 'attention' or 'classifier', got {instance_score!r}")
+        check_at_least("attention_dim", attention_dim, 1)
+        check_rate("lr", lr)
+        check_rate("weight_decay", weight_decay, zero=True)
+        if pos_weight is not None:
+            check_rate("pos_weight", pos_weight)
         self.extractor = self._built(extractor) if extractor is not None else SmallCNN(feature_dim=32)
         dim = int(getattr(self.extractor, "feature_dim"))
         self.pooling = AttentionPooling(dim, attention_dim, gated)

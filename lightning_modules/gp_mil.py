@@ -10,7 +10,6 @@ from the training features and what a checkpoint holds so that a resumed run con
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Callable
 
@@ -26,6 +25,7 @@ from lightning_modules.distributed import all_gather_objects, all_reduce_sum, wo
 from lightning_modules.gp_head import GPHead
 from lightning_modules.input_error import InputError
 from lightning_modules.module_config import module_config
+from lightning_modules.setting_checks import check_at_least, check_rate
 from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, split_by_bag
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
@@ -139,12 +139,11 @@ class GPMILModule(BagModuleBase):
             if not -dim <= int(population_column) < dim or dim < 2:
                 raise ValueError(f"population_column={population_column} is not a column of the {dim} input features")
             dim -= 1
-        for name, value in (("lr_gp", lr_gp), ("lr_extractor", lr_extractor)):
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        check_rate("lr_gp", lr_gp)
+        check_rate("lr_extractor", lr_extractor)
+        check_rate("weight_decay", weight_decay, zero=True)
         for name, value, least in (("num_inducing", num_inducing, 1), ("hyper_steps", hyper_steps, 0), ("warmup_epochs", warmup_epochs, 0)):
-            if value is not None and value < least:
-                raise ValueError(f"{name} must be at least {least}, got {value}")
+            check_at_least(name, value, least)
         if not 0.0 < rho0 <= 1.0 or not 0.0 < rho_max <= 1.0:
             raise ValueError(f"rho0 and rho_max must lie in (0, 1], got {rho0} and {rho_max}")
         self.population_column = None if population_column is None else int(population_column)

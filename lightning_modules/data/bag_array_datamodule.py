@@ -12,6 +12,7 @@ from lightning_modules.data.in_memory_dataset import InMemoryBagDataset
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, SplitDataModule, patient_split
 from lightning_modules.input_error import InputError
+from lightning_modules.setting_checks import check_at_least
 from milgp.data.bags import collate_bags
 
 __all__ = ["BagArrayDataModule"]
@@ -61,8 +62,8 @@ class BagArrayDataModule(SplitDataModule):
     ):
         super().__init__()
         for name, value in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1 (or None: all bags in one batch), got {value}")
+            check_at_least(name, value, 1, " (or None: all bags in one batch)")
+        check_at_least("num_workers", num_workers, 0)
         self.fractions, self.split_seed = tuple(fractions), split_seed
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.shuffle, self.predict_split, self.num_workers, self.seed = shuffle, predict_split, num_workers, seed

@@ -13,6 +13,7 @@ from lightning_modules.data.checks import check_bag_labels, check_split_names, l
 from lightning_modules.data.sampler import EpochSampler
 from lightning_modules.data.splits import SPLIT_NAMES, SplitDataModule, patient_split
 from lightning_modules.input_error import InputError
+from lightning_modules.setting_checks import check_at_least
 from milgp.ct.augment import BagAugment
 from milgp.data.bags import collate_bags
 from milgp.ct.cache import CTCache
@@ -69,6 +70,10 @@ class CTCacheDataModule(SplitDataModule):
         super().__init__()
         if not (Path(cache_dir) / "params.json").is_file():
             raise InputError(f"{cache_dir}: not a milgp CT cache (no params.json); build it with milgp-cache")
+        check_at_least("batch_size", batch_size, 1)
+        check_at_least("eval_batch_size", eval_batch_size, 1)
+        check_at_least("max_slices", max_slices, 1, " (or None: every slice)")
+        check_at_least("num_workers", num_workers, 0)
         self.cache_dir = str(cache_dir)
         self.splits_file = splits_file
         self.fractions, self.split_seed = tuple(fractions), split_seed
