@@ -17,7 +17,7 @@ from torch import nn
 from lightning_modules.input_error import InputError
 from lightning_modules.module_config import instantiate
 
-__all__ = ["CHECKPOINT_KEY", "check_state", "extractor_from_checkpoint", "load_module", "read_checkpoint"]
+__all__ = ["CHECKPOINT_KEY", "check_checkpoint_model", "check_state", "extractor_from_checkpoint", "load_module", "read_checkpoint"]
 
 CHECKPOINT_KEY = "milgp"
 
@@ -82,6 +82,35 @@ def extractor_from_checkpoint(path: str | os.PathLike[str], extractor: nn.Module
     check_state(extractor, sub, "the extractor", str(path))
     extractor.load_state_dict(sub)
     return extractor, (ckpt.get(CHECKPOINT_KEY) or {}).get("preprocessing")
+
+
+def _class_of(class_path: str) -> Any:
+    """The class a ``class_path`` names (the path itself when it does not import)."""
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError):
+        return class_path
+
+
+def check_checkpoint_model(path: str | os.PathLike[str], class_path: str, mode: str | None) -> None:
+    """Refuse a checkpoint of another model than the config's: another class, or a GP head of the
+    other ``mode`` (the CLI would otherwise build the checkpoint's model in its place without a word,
+    and report or resume it under the config's name). A checkpoint that records no milgp module
+    passes (Lightning then loads it as it does any)."""
+    ckpt = read_checkpoint(path)
+    recorded = (ckpt.get(CHECKPOINT_KEY) or {}).get("module")
+    if not recorded:
+        return
+    recorded_mode = (ckpt.get("hyper_parameters") or {}).get("mode")
+    if _class_of(recorded) is not _class_of(class_path):
+        theirs, ours = recorded.rpartition(".")[2], class_path.rpartition(".")[2]
+    elif mode is not None and recorded_mode is not None and mode != recorded_mode:
+        theirs, ours = f"{recorded.rpartition('.')[2]} (mode {recorded_mode})", f"{class_path.rpartition('.')[2]} (mode {mode})"
+    else:
+        return
+    raise InputError(f"--ckpt_path {path}: the checkpoint's model is {theirs}, the config's is {ours}; "
+                     "give the config the checkpoint was trained with (or a checkpoint of this model)")
 
 
 def load_module(path: str | os.PathLike[str], map_location: str = "cpu") -> Any:

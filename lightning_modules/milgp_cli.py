@@ -10,6 +10,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from lightning_modules.attention_mil import AttentionMILModule  # noqa: F401
 from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.callbacks import BestAndLastCheckpoint, FeatureWriter, PredictionWriter, ReportWriter  # noqa: F401
+from lightning_modules.checkpoints import check_checkpoint_model
 from lightning_modules.data import BagArrayDataModule, CTCacheDataModule, DicomDataModule, FeatureDataModule  # noqa: F401
 from lightning_modules.gp_mil import GPMILModule  # noqa: F401
 from lightning_modules.input_error import InputError
@@ -63,6 +64,9 @@ class MilgpCLI(LightningCLI):
             raise InputError("give the run folder with --trainer.default_root_dir DIR (or in the config): every output goes under it")
         self.run_folder = RunFolder(root)
         cfg.ckpt_path = self.run_folder.resolve_checkpoint(cfg.get("ckpt_path"))
+        model = cfg.get("model")
+        if cfg.ckpt_path is not None and model is not None:  # Lightning would replace the config's model by the checkpoint's
+            check_checkpoint_model(cfg.ckpt_path, model.class_path, (model.get("init_args") or {}).get("mode"))
         if subcommand != "fit":
             self.run_folder.check_evaluation(subcommand, cfg.ckpt_path)
         self._history = self.run_folder.check_fit(cfg.ckpt_path) if subcommand == "fit" else (None, None)

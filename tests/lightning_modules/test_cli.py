@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lightning_modules.cli import run_cli
+from lightning_modules.cli import main, run_cli
 from lightning_modules.features import FeatureTable, load_features, save_features
 from lm_helpers import feature_bags, report, trainer_cfg, write_config
 
@@ -115,3 +115,32 @@ def test_gp_end_to_end_through_cli_with_gamma_psi(tiny_cache: str, tmp_path: Pat
     for k in REQUIRED + ("instance_auc",):
         assert k in m
     assert list((tmp_path / "e2e" / "test" / "version_0" / "scans").glob("*.png"))
+
+
+def test_a_checkpoint_of_another_model_than_the_configs_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`test` with an AttCNN config and a GP checkpoint, and a resumed `fit` whose config has the other
+    GP mode, stop with exit status 2 and one line naming both models, before anything is written.
+    If this fails, Lightning builds the checkpoint's model in place of the config's without a word:
+    a GP report filed under the AttCNN's name, or the run resumed as the checkpoint's model on the
+    config's data."""
+    bags = feature_bags(num_bags=12)
+    save_features(tmp_path / "f.npz", FeatureTable.from_bags(bags["bags"], [f"b{i:02d}" for i in range(12)], bags["bag_labels"],
+                                                            bags["instance_labels"]))
+    data = {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "f.npz")}}
+    gp = {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4, "num_inducing": 4, "warmup_epochs": 0}}
+    assert main(["fit", "--config", write_config(tmp_path / "gp.yaml", {"trainer": trainer_cfg(tmp_path, "gp"), "model": gp, "data": data})]) == 0
+    capsys.readouterr()
+    ckpt = str(tmp_path / "gp" / "checkpoints" / "last.ckpt")
+    att = write_config(tmp_path / "att.yaml", {"trainer": trainer_cfg(tmp_path, "att"), "data": data,
+                                               "model": {"class_path": "lightning_modules.AttentionMILModule"}})
+    assert main(["test", "--config", att, "--ckpt_path", ckpt]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the checkpoint's model is GPMILModule, the config's is AttentionMILModule" in err, err
+    assert not (tmp_path / "att").exists()
+    e2e = {"class_path": "lightning_modules.GPMILModule",
+           "init_args": {"mode": "end_to_end", "extractor": {"class_path": "lightning_modules.SmallCNN", "init_args": {"feature_dim": 4}}}}
+    resume = write_config(tmp_path / "e2e.yaml", {"trainer": trainer_cfg(tmp_path, "gp", max_epochs=3), "model": e2e, "data": data})
+    assert main(["fit", "--config", resume, "--ckpt_path", "last"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model is GPMILModule (mode two_stage), the config's is GPMILModule (mode end_to_end)" in err, err
+    assert sorted(p.name for p in (tmp_path / "gp" / "fit").iterdir()) == ["version_0"]
