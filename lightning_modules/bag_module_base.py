@@ -105,11 +105,20 @@ class BagModuleBase(pl.LightningModule, ABC):
     # -- inputs ----------------------------------------------------------------------------------
     extractor: nn.Module | None
 
+    def input_source(self) -> str:
+        """``"<file or folder>: "`` of the data the trainer serves (for an error message), else ``""``."""
+        source = getattr(getattr(self._trainer, "datamodule", None), "source", None)
+        return f"{source}: " if source else ""
+
     def features(self, x: Tensor, grad: bool | None = None) -> Tensor:
         """Instance features ``(N, D)``: ``x`` itself when it holds features (2-D: a feature file),
-        else the extractor's output for slices ``(N, C, H, W)``; ``grad`` forces autograd on or off."""
-        if x.dim() == 2 or self.extractor is None:
+        else the extractor's output for slices ``(N, C, H, W)``; ``grad`` forces autograd on or off.
+        A model without an extractor takes features only (slices: a one-line :class:`InputError`)."""
+        if x.dim() == 2:
             return x
+        if self.extractor is None:
+            raise InputError(f"{self.input_source()}the inputs are slices {tuple(x.shape[1:])}, but the model has no extractor: "
+                             "it was trained on features and takes feature files only")
         with torch.set_grad_enabled(torch.is_grad_enabled() if grad is None else grad):
             return self.extractor(x)
 

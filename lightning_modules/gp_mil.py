@@ -193,8 +193,7 @@ class GPMILModule(BagModuleBase):
         """Instance features ``(N, D)`` (:meth:`BagModuleBase.features`), checked against the head's width."""
         h = super().features(x, grad)
         if h.shape[-1] != self.gp.feature_dim:
-            source = getattr(getattr(self._trainer, "datamodule", None), "source", None)  # the file or folder, when a trainer serves it
-            raise InputError(f"{source + ': ' if source else ''}the inputs have {h.shape[-1]} features per instance, the GP head expects {self.gp.feature_dim}")
+            raise InputError(f"{self.input_source()}the inputs have {h.shape[-1]} features per instance, the GP head expects {self.gp.feature_dim}")
         return h
 
     def describe(self) -> dict[str, Any]:

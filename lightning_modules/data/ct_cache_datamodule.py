@@ -74,7 +74,7 @@ class CTCacheDataModule(SplitDataModule):
         check_at_least("eval_batch_size", eval_batch_size, 1)
         check_at_least("max_slices", max_slices, 1, " (or None: every slice)")
         check_at_least("num_workers", num_workers, 0)
-        self.cache_dir = str(cache_dir)
+        self.cache_dir = self.source = str(cache_dir)
         self.splits_file = splits_file
         self.fractions, self.split_seed = tuple(fractions), split_seed
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size

@@ -186,3 +186,21 @@ def test_a_nested_constructor_check_is_reported_with_its_reason(tmp_path: Path, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("dim", [4, 32])
+def test_a_feature_only_model_given_ct_slices_is_one_line(tiny_cache: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], dim: int) -> None:
+    """A GP trained on feature files (no extractor) tested on a CT cache stops with exit status 2 and
+    one line naming the cache and saying the model takes feature files only. If this fails, the
+    32×32 slices were read as 32 features per instance: a message about feature widths (dim 4) or,
+    when the widths coincide (dim 32), a RuntimeError traceback from the GP's solver."""
+    _save(tmp_path, "f.npz", feature_bags(num_bags=12, dim=dim))
+    model = {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": dim, "num_inducing": 4, "warmup_epochs": 0}}
+    fit = {"trainer": trainer_cfg(tmp_path, "run"), "model": model,
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "f.npz")}}}
+    assert main(["fit", "--config", write_config(tmp_path / "fit.yaml", fit)]) == 0
+    capsys.readouterr()
+    test = {**fit, "data": {"class_path": "lightning_modules.CTCacheDataModule", "init_args": {"cache_dir": tiny_cache, "test_split": "all"}}}
+    assert main(["test", "--config", write_config(tmp_path / "test.yaml", test), "--ckpt_path", "last"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{tiny_cache}: the inputs are slices" in err and "takes feature files only" in err, err
