@@ -9,12 +9,13 @@ outputs. Everything here runs in float64; callers cast features with :meth:`GPHe
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from lightning_modules.bag_module_base import records_metrics
+from lightning_modules.input_error import InputError
 from milgp.data.bags import BagBatch, Bags, segment_sum
 from milgp.data.standardize import standardization_scale
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
@@ -302,6 +303,21 @@ class GPHead(nn.Module):
         reference length)."""
         reference = float(self.decision_reference_length)
         return MaxRule(reference) if self.rule_name == "max" and reference > 0 else make_bag_rule(self.rule_name)
+
+    def check_bag_lengths(self, source: str, bag_ids: Sequence[str], sizes: Sequence[int]) -> None:
+        """Every bag short enough for the head's bag rule: a joint rule (``joint_max``,
+        ``joint_noisy_or``, ``orthant``) factorises each bag's ``n×n`` predictive covariance, up to
+        its ``max_instances``; a longer bag is a one-line :class:`InputError` naming it (``source``:
+        the data's name and ``": "``, or ``""``), before any work on it."""
+        limit = getattr(self.decision_rule_object(), "max_instances", None)
+        too_long = [(b, int(n)) for b, n in zip(bag_ids, sizes) if limit is not None and int(n) > limit]
+        if too_long:
+            bag_id, n = too_long[0]
+            raise InputError(
+                f"{source}bag {bag_id!r} has {n} instances, more than the {limit} that bag_rule {self.rule_name!r} reads jointly "
+                f"(it factorises the bag's {n}×{n} predictive covariance): use a model fitted with a marginal bag_rule "
+                "(auto, max, noisy_or, top_k_mean), or fewer slices per bag (max_slices)"
+            )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints written before the max rule had a reference length hold the plain max

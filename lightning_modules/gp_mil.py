@@ -237,7 +237,10 @@ class GPMILModule(BagModuleBase):
     def check_bag_data(self, source: str, bag_ids: list[str], bags: list[Any], labels: list[float]) -> None:
         """Check bags a run will fit or score before any work (called by the in-memory data modules'
         ``setup``): the bag targets and the population column's populations as the head's
-        likelihood needs them. Binary labels are the data module's own check."""
+        likelihood needs them, and the bags' lengths as the head's bag rule needs them
+        (:meth:`GPHead.check_bag_lengths`). Binary labels are the data module's own check."""
+        if self.gp.makes_decision:
+            self.gp.check_bag_lengths(f"{source}: ", bag_ids, [len(b) for b in bags])
         if not self.is_aggregate or not bags:
             return
         x = torch.cat([torch.as_tensor(b, dtype=torch.float64).reshape(len(b), -1) for b in bags])
@@ -409,7 +412,11 @@ class GPMILModule(BagModuleBase):
     @torch.no_grad()
     def _records(self, batch: BagBatch) -> tuple[list[dict], Tensor]:
         """The batch's records (:meth:`GPHead.predict`: bag probabilities, or predicted aggregates
-        with their further per-bag fields) and its instance features ``h`` ``(N, D)``."""
+        with their further per-bag fields) and its instance features ``h`` ``(N, D)``; a bag too long
+        for the head's bag rule is refused first (:meth:`GPHead.check_bag_lengths`)."""
+        if self.gp.makes_decision:
+            ids = batch.bag_ids or [f"#{b}" for b in range(batch.num_bags)]
+            self.gp.check_bag_lengths(self.input_source(), ids, batch.bags.sizes.tolist())
         x, w = self.split_inputs(batch)
         h = self.features(x)
         with self._float64():

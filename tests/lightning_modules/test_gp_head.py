@@ -1,9 +1,17 @@
 """GPHead: its training step's cost on a GPU (one launch per operation), and features constant in training."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
+import pytest
 import torch
 
 from lightning_modules import GPMILModule, SmallCNN
+from lightning_modules.cli import main
+from lightning_modules.features import FeatureTable, save_features
+from milgp.prediction.bag_posterior import MAX_JOINT_INSTANCES
+from lm_helpers import feature_bags, trainer_cfg, write_config
 from milgp.data.bags import Bags, bag_index_from_sizes
 
 
@@ -48,3 +56,34 @@ def test_a_feature_constant_at_initialize_is_ignored_in_prediction_and_end_to_en
         head.update_standardization(torch.randn(20, 3, dtype=torch.float64), momentum, lambda t: t)
         z = head.standardize(probe)
         assert torch.isfinite(z).all() and torch.equal(z[0], z[1])
+
+
+def test_a_bag_too_long_for_a_joint_bag_rule_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bag longer than the joint rule's limit (MAX_JOINT_INSTANCES) stops `fit` (at the data
+    module's setup, before any training) and `predict` with exit status 2 and one line naming the
+    bag, the limit and the way out. If this fails, the whole run aborts with a ValueError
+    traceback from BagPosterior.joint_blocks naming the bag by its position in a batch."""
+    bags = feature_bags(num_bags=12)
+    ids, splits = [f"b{i:02d}" for i in range(12)], ["train"] * 6 + ["test"] * 2 + ["val"] * 4
+    long = np.random.default_rng(0).standard_normal((MAX_JOINT_INSTANCES + 1, 4)).astype(np.float32)
+    for name, x in (("short.npz", bags["bags"]), ("long.npz", [*bags["bags"][:-1], long])):
+        inst = [np.zeros(len(b), np.float32) for b in x]
+        save_features(tmp_path / name, FeatureTable.from_bags(x, ids, bags["bag_labels"], inst, splits=splits))
+    model = {"class_path": "lightning_modules.GPMILModule",
+             "init_args": {"feature_dim": 4, "num_inducing": 4, "warmup_epochs": 0, "bag_rule": "joint_max"}}
+
+    def config(name: str, data: str) -> str:
+        return write_config(tmp_path / f"{name}.yaml", {"trainer": trainer_cfg(tmp_path, name), "model": model, "data": {
+            "class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / data)}}})
+
+    expected = f"bag 'b11' has {MAX_JOINT_INSTANCES + 1} instances, more than the {MAX_JOINT_INSTANCES} that bag_rule 'joint_max' reads jointly"
+    assert main(["fit", "--config", config("long", "long.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err and "marginal bag_rule" in err, err
+    assert not (tmp_path / "long" / "checkpoints").exists()
+    assert main(["fit", "--config", config("short", "short.npz")]) == 0
+    capsys.readouterr()
+    predict = config("short", "long.npz")
+    assert main(["predict", "--config", predict, "--ckpt_path", "last", "--data.init_args.predict_split", "val"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and expected in err, err
