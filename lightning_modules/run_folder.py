@@ -13,6 +13,7 @@ from lightning_fabric.loggers.csv_logs import _ExperimentWriter
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.loggers.logger import rank_zero_experiment
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from lightning_modules.checkpoints import read_checkpoint
 from lightning_modules.input_error import InputError
@@ -84,10 +85,23 @@ class RunFolder:
         epoch = int(read_checkpoint(ckpt_path).get("epoch", -1))
         return (history if history is not None and history.is_file() else None), epoch
 
-    def logger(self, subcommand: str, history: Path | None = None, until_epoch: int | None = None) -> "RunLogger":
-        """The CSV logger of the next version of ``subcommand`` (continuing ``history``)."""
+    def claim_version(self, subcommand: str) -> int:
+        """Create ``<subcommand>/version_<n>`` for the next free ``n`` and return ``n``. The folder is
+        made with ``os.mkdir``, which fails when it exists, so two commands running at once into
+        this folder never get the same version (the later one takes the next number)."""
+        (self.root / subcommand).mkdir(parents=True, exist_ok=True)
         version = max(self.versions(subcommand), default=-1) + 1
-        return RunLogger(str(self.root), subcommand, version, history, until_epoch)
+        while True:
+            try:
+                os.mkdir(self.root / subcommand / f"version_{version}")
+                return version
+            except FileExistsError:
+                version += 1
+
+    def logger(self, subcommand: str, history: Path | None = None, until_epoch: int | None = None) -> "RunLogger":
+        """The CSV logger of a new version of ``subcommand`` (continuing ``history``), claimed when
+        the trainer first asks for it (:meth:`claim_version`)."""
+        return RunLogger(self, subcommand, history, until_epoch)
 
 
 class _RunExperimentWriter(ExperimentWriter):
@@ -113,21 +127,29 @@ class _RunExperimentWriter(ExperimentWriter):
 
 
 class RunLogger(CSVLogger):
-    """``CSVLogger`` writing ``<save_dir>/<name>/version_<version>/metrics.csv``, optionally starting
+    """``CSVLogger`` writing ``<run folder>/<name>/version_<n>/metrics.csv``, optionally starting
     with the rows of an earlier ``metrics.csv`` up to epoch ``until_epoch`` (a resumed fit).
 
+    The version is claimed (:meth:`RunFolder.claim_version`) on rank 0 when first asked for; the
+    other ranks of a DDP run write nothing and take the latest version.
+
     Args:
-        save_dir: the run folder.
+        folder: the run folder.
         name: the subcommand.
-        version: the version number.
         history: an earlier ``metrics.csv`` to continue.
         until_epoch: keep its rows of epochs up to this one (the resumed checkpoint's epoch).
     """
 
-    def __init__(self, save_dir: str, name: str, version: int, history: Path | None = None, until_epoch: int | None = None):
-        super().__init__(save_dir, name=name, version=version)
+    def __init__(self, folder: RunFolder, name: str, history: Path | None = None, until_epoch: int | None = None):
+        super().__init__(str(folder.root), name=name)
+        self._folder = folder
         self._history = history
         self._until_epoch = until_epoch
+
+    def _get_next_version(self) -> int:
+        if rank_zero_only.rank != 0:
+            return max(self._folder.versions(self.name), default=0)
+        return self._folder.claim_version(self.name)
 
     @property
     @rank_zero_experiment

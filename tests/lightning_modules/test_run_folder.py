@@ -128,3 +128,21 @@ def test_reports_name_model_checkpoint_and_data(tmp_path: Path) -> None:
         assert r["data"]["path"] == str(tmp_path / "ext.npz") and r["data"]["split"] == "test"
         assert r["model"]["class"].endswith("GPMILModule") and r["model"]["bag_decision"]["bag_rule"] in ("max", "top_k_mean", "mean")
     assert report(tmp_path / "a")["metrics"] != report(tmp_path / "b")["metrics"]
+
+
+def test_commands_running_at_once_get_their_own_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two commands started together into one run folder (parallel `milgp-predict` jobs, two fits)
+    each get their own version folder, made when claimed; and a version made by another job between
+    listing the folder and creating it is skipped, not shared.
+
+    Before, each picked max(versions) + 1 when its logger was built and made the folder later: both
+    wrote into `predict/version_0`, the last job's files replacing the others', and every job said it
+    had succeeded (or a fit stopped in Lightning's SaveConfigCallback)."""
+    from lightning_modules.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    first, second = folder.logger("predict"), folder.logger("predict")
+    assert Path(first.log_dir) != Path(second.log_dir)
+    assert Path(first.log_dir).is_dir() and Path(second.log_dir).is_dir()
+    monkeypatch.setattr(RunFolder, "versions", lambda self, subcommand: [])  # a listing made before the others claimed
+    assert Path(folder.logger("predict").log_dir).name == "version_2"
