@@ -175,6 +175,30 @@ def test_last_checkpoint_is_the_latest_epoch_when_the_best_is_earlier(tmp_path: 
     at the latest. With Lightning's own ``ModelCheckpoint`` (``save_top_k=1``, ``save_last=True``)
     ``last.ckpt`` is only rewritten when the best improves: here it held epoch 0, and
     ``--ckpt_path last`` would resume from there and train epochs 1–3 again."""
+    _fit_worsening(tmp_path, epochs=4)
+    assert torch.load(tmp_path / "best.ckpt", weights_only=False)["epoch"] == 0
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["epoch"] == 3
+
+
+def test_resuming_a_moved_run_folder_keeps_its_best_checkpoint(tmp_path: Path) -> None:
+    """A run folder copied (or moved) elsewhere and resumed there (``--ckpt_path last``) keeps
+    ``best.ckpt`` at the best epoch, as it would in place. Lightning's ``ModelCheckpoint`` drops the
+    best score when the checkpoint's stored folder is not the current one, so the resumed run's first
+    epoch, however worse, replaced ``best.ckpt`` or was written beside it (here ``best-v1.ckpt``
+    at epoch 2, and ``last-v1.ckpt``, leaving ``last.ckpt`` at the epoch resumed from)."""
+    import shutil
+
+    _fit_worsening(tmp_path / "a", epochs=2)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    _fit_worsening(tmp_path / "b", epochs=4, ckpt_path=tmp_path / "b" / "last.ckpt")
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["best.ckpt", "last.ckpt"]
+    assert torch.load(tmp_path / "b" / "best.ckpt", weights_only=False)["epoch"] == 0
+    assert torch.load(tmp_path / "b" / "last.ckpt", weights_only=False)["epoch"] == 3
+
+
+def _fit_worsening(folder: Path, epochs: int, ckpt_path: Path | None = None) -> None:
+    """Fit a model whose validation loss grows every epoch (best at epoch 0) with ``milgp-train``'s
+    checkpoint callback writing ``best.ckpt`` and ``last.ckpt`` into ``folder``."""
     from pytorch_lightning.demos.boring_classes import BoringModel
 
     from lightning_modules.callbacks import BestAndLastCheckpoint
@@ -183,9 +207,7 @@ def test_last_checkpoint_is_the_latest_epoch_when_the_best_is_earlier(tmp_path: 
         def validation_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
             self.log("val_loss", float(self.current_epoch))  # best at epoch 0
 
-    callback = BestAndLastCheckpoint(dirpath=str(tmp_path), filename="best", monitor="val_loss", mode="min", save_top_k=1, save_last=True)
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=4, limit_train_batches=2, limit_val_batches=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], default_root_dir=str(tmp_path))
-    trainer.fit(Worsening())
-    assert torch.load(tmp_path / "best.ckpt", weights_only=False)["epoch"] == 0
-    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["epoch"] == 3
+    callback = BestAndLastCheckpoint(dirpath=str(folder), filename="best", monitor="val_loss", mode="min", save_top_k=1, save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=epochs, limit_train_batches=2, limit_val_batches=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback], default_root_dir=str(folder))
+    trainer.fit(Worsening(), ckpt_path=None if ckpt_path is None else str(ckpt_path))
