@@ -82,12 +82,17 @@ def predict(
     data = data_module_for(inputs, max_slices, batch_size)
     parent = Path(checkpoint).resolve().parent  # <run>/checkpoints/x.ckpt belongs to <run>
     folder = RunFolder(out if out is not None else parent.parent if parent.name == "checkpoints" else parent)
+    logger = folder.logger("predict")
     trainer = pl.Trainer(
-        accelerator=accelerator, devices=1, default_root_dir=str(folder.root), logger=folder.logger("predict"),
+        accelerator=accelerator, devices=1, default_root_dir=str(folder.root), logger=logger,
         callbacks=[PredictionWriter(threshold=threshold, plots=plots)], enable_checkpointing=False, enable_model_summary=False,
         enable_progress_bar=progress,
     )
-    trainer.predict(model, datamodule=data, ckpt_path=str(checkpoint))
+    try:
+        trainer.predict(model, datamodule=data, ckpt_path=str(checkpoint))
+    except BaseException:
+        logger.discard_unwritten()  # the inputs are checked once the model is in place: a refusal writes nothing
+        raise
     return Path(trainer.log_dir)
 
 

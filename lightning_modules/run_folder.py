@@ -145,11 +145,22 @@ class RunLogger(CSVLogger):
         self._folder = folder
         self._history = history
         self._until_epoch = until_epoch
+        self._claimed: Path | None = None
 
     def _get_next_version(self) -> int:
         if rank_zero_only.rank != 0:
             return max(self._folder.versions(self.name), default=0)
-        return self._folder.claim_version(self.name)
+        version = self._folder.claim_version(self.name)
+        self._claimed = Path(self.root_dir) / f"version_{version}"
+        return version
+
+    def discard_unwritten(self) -> None:
+        """Remove the version folder this logger claimed when it holds nothing but the logger's own
+        ``hparams.yaml`` (a command refused before it wrote anything); a folder with any other file stays."""
+        if self._claimed is None or not self._claimed.is_dir() or any(p.name != "hparams.yaml" for p in self._claimed.iterdir()):
+            return
+        (self._claimed / "hparams.yaml").unlink(missing_ok=True)
+        self._claimed.rmdir()
 
     @property
     @rank_zero_experiment

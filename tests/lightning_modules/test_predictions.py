@@ -178,6 +178,31 @@ def test_milgp_predict_refuses_bad_options_before_writing_anything(
     assert (sorted((gp_run / "predict").iterdir()) if (gp_run / "predict").is_dir() else []) == before
 
 
+@pytest.mark.parametrize("case", ["empty folder", "every scan undecodable", "feature file of another width"])
+def test_a_refused_milgp_predict_leaves_no_version_folder(gp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    """Inputs found unusable once the model is in place (no series in the folder, no scan that can
+    be decoded, features of another width than the model's) are refused (exit 2) and leave the run
+    folder as it was. Before, each left a new `predict/version_<n>` holding only `hparams.yaml`."""
+    from lightning_modules.features import FeatureTable, save_features
+
+    if case == "empty folder":
+        (tmp_path / "empty").mkdir()
+        given = str(tmp_path / "empty")
+    elif case == "every scan undecodable":
+        new = write_rsna_dataset(tmp_path / "new", n_scans=1, slices=(3, 3), size=32, seed=4)
+        for p in new.scans[0].paths:
+            _undecodable(p)
+        given = new.image_dir
+    else:
+        given = str(tmp_path / "wide.npz")
+        save_features(given, FeatureTable.from_bags([np.zeros((2, 9), np.float32)], ["w0"], [float("nan")]))
+    before = sorted((gp_run / "predict").rglob("*")) if (gp_run / "predict").is_dir() else []
+    capsys.readouterr()
+    assert predict_main([str(gp_run / "checkpoints" / "best.ckpt"), given, "--no-plots", "--accelerator", "cpu"]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) >= 1
+    assert (sorted((gp_run / "predict").rglob("*")) if (gp_run / "predict").is_dir() else []) == before
+
+
 def test_milgp_predict_names_scans_that_lie_outside_the_training_data(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A scan whose slice features lie far from every training slice (here ×50) gets the GP prior at
     every slice, which the calibrated bag decision read as near-certain (0.9999 ± 6e-5, called
