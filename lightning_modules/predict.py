@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["build_parser", "data_module_for", "main", "predict"]
+__all__ = ["build_parser", "check_accelerator", "data_module_for", "main", "predict"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +72,7 @@ def predict(
         raise InputError(f"--batch-size must be at least 1, got {batch_size}")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise InputError(f"--out {out}: a file, not a run folder")
+    check_accelerator(accelerator)
     import pytorch_lightning as pl
 
     from lightning_modules.callbacks import PredictionWriter
@@ -94,6 +95,18 @@ def predict(
         logger.discard_unwritten()  # the inputs are checked once the model is in place: a refusal writes nothing
         raise
     return Path(trainer.log_dir)
+
+
+def check_accelerator(accelerator: str) -> None:
+    """Refuse an ``--accelerator`` that is not cpu, gpu (cuda) or auto, and a GPU that is not there."""
+    from lightning_modules.input_error import InputError
+
+    if accelerator not in ("auto", "cpu", "gpu", "cuda"):
+        raise InputError(f"--accelerator {accelerator}: give cpu, gpu or auto")
+    import torch
+
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise InputError(f"--accelerator {accelerator}: this machine has no GPU that torch can use; give cpu or auto")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

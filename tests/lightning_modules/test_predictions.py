@@ -162,6 +162,7 @@ def test_a_scan_predicted_from_dicom_equals_the_same_scan_predicted_from_its_cac
     ("--max-slices", "0", "--max-slices must be at least 1"),
     ("--batch-size", "0", "--batch-size must be at least 1, got 0"),
     ("--out", "a_file", "a file, not a run folder"),
+    ("--accelerator", "quantum", "--accelerator quantum: give cpu, gpu or auto"),
 ])
 def test_milgp_predict_refuses_bad_options_before_writing_anything(
     gp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str, message: str
@@ -176,6 +177,20 @@ def test_milgp_predict_refuses_bad_options_before_writing_anything(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err
     assert (sorted((gp_run / "predict").iterdir()) if (gp_run / "predict").is_dir() else []) == before
+
+
+def test_milgp_predict_on_gpu_without_one_is_one_line(gp_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--accelerator gpu` on a machine without a GPU (here: torch sees none) is one line naming the
+    option (exit 2), and nothing is written; it was Lightning's traceback (exit 1)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    capsys.readouterr()
+    assert predict_main([str(gp_run / "checkpoints" / "best.ckpt"), str(tmp_path), "--no-plots", "--accelerator", "gpu", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--accelerator gpu: this machine has no GPU" in err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("case", ["empty folder", "every scan undecodable", "feature file of another width"])
