@@ -30,8 +30,9 @@ class FeatureWriter(BasePredictionWriter):
 
     Args:
         output_path: ``.npz`` (default format) or ``.csv``; a relative path lies in the run's version
-            folder (default ``<run>/predict/version_<n>/features.npz``); an absolute path must not
-            exist yet (a feature file is never overwritten).
+            folder (default ``<run>/predict/version_<n>/features.npz``); the file it names must not
+            exist yet (a feature file is never overwritten): an absolute path is checked here, a
+            relative one (``../../f.npz`` leaves the version folder) at :meth:`setup`, before predicting.
     """
 
     def __init__(self, output_path: str = "features.npz"):
@@ -42,6 +43,15 @@ class FeatureWriter(BasePredictionWriter):
             raise InputError(f"FeatureWriter output_path {output_path} exists: feature files are never overwritten, choose another path")
         self.output_path = output_path
         self.written: str | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "predict" and self._target(trainer).exists():
+            raise InputError(f"FeatureWriter output_path {self.output_path} ({self._target(trainer)}) exists: "
+                             "feature files are never overwritten, choose another path")
+
+    def _target(self, trainer: pl.Trainer) -> Path:
+        """The file written: ``output_path`` in the run's version folder (an absolute path as it is)."""
+        return (output_folder(trainer) / self.output_path).resolve()
 
     def write_on_epoch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
@@ -65,6 +75,6 @@ class FeatureWriter(BasePredictionWriter):
             [patient_of(b) for b in ids],
             [split[b] for b in ids],
         )
-        path = save_features(output_folder(trainer) / self.output_path, table)  # an absolute path stays as it is
+        path = save_features(self._target(trainer), table)
         self.written = path
         print(f"wrote features of {table.num_bags} bags ({len(table.features)} slices, D={table.feature_dim}) to {path}")

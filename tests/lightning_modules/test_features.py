@@ -104,3 +104,21 @@ def test_an_external_feature_file_is_tested_whole_with_test_split_all(tmp_path: 
         dm.setup("predict")
     assert len(whole.dataset(whole.test_split)) == 20 and whole.describe("test")["bags"] == 20
     assert len(split.dataset(split.test_split)) == split.describe("test")["bags"] == 4
+
+
+def test_feature_writer_never_overwrites_a_file_named_by_a_relative_path(tmp_path: Path) -> None:
+    """A relative ``output_path`` that leaves the version folder (``../../f.npz``, into the run folder)
+    naming an existing feature file is refused before predicting, naming the path, and the file is
+    kept. Only absolute paths were checked: a second ``predict`` replaced the first one's features."""
+    from types import SimpleNamespace
+
+    from lightning_modules.callbacks import FeatureWriter
+    from lightning_modules.input_error import InputError
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "f.npz").write_bytes(b"earlier features")
+    trainer = SimpleNamespace(loggers=[], default_root_dir=str(tmp_path / "run" / "predict" / "version_1"))
+    with pytest.raises(InputError, match=r"output_path \.\./\.\./f\.npz .*exists"):
+        FeatureWriter("../../f.npz").setup(trainer, None, "predict")  # type: ignore[arg-type]
+    assert (tmp_path / "run" / "f.npz").read_bytes() == b"earlier features"
+    FeatureWriter("../../g.npz").setup(trainer, None, "predict")  # type: ignore[arg-type]
