@@ -35,6 +35,11 @@ class PredictionWriter(BasePredictionWriter):
     the training data say nothing about (:meth:`~lightning_modules.gp_head.GPHead.outside_training`),
     and a scan at 50 % or more is named in one line on stderr. Under DDP the ranks' scans are gathered and rank 0 writes.
 
+    What the data module left out is listed in ``predictions.json`` under ``skipped`` (``{"what",
+    "reason"}``): files and series refused when set up and series none of whose slices could be read
+    (its ``record_predicted``), and slices left out of a predicted scan (its ``left_out``, looked up
+    on the rank that served the scan).
+
     Args:
         threshold: decision threshold of the scan probability.
         plots: draw one PNG per scan.
@@ -51,12 +56,17 @@ class PredictionWriter(BasePredictionWriter):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
     ) -> None:
         # the slice positions are looked up on the rank that served the scan (the slices it was given)
-        records = BagModuleBase.gather_records([{**r, "positions": slice_positions(trainer, r["bag_id"], len(r["slice_probs"]))}
-                                                for r in flatten_records(predictions)])
+        dm = getattr(trainer, "datamodule", None)
+        left_out = getattr(dm, "left_out", lambda bag_id: [])
+        records = BagModuleBase.gather_records([{**r, "positions": slice_positions(trainer, r["bag_id"], len(r["slice_probs"])),
+                                                 "left_out": left_out(r["bag_id"])} for r in flatten_records(predictions)])
         if not records:
             raise InputError("no scan could be predicted: every input was skipped (the lines above say why)")
         if trainer.global_rank != 0:
             return
+        record_predicted = getattr(dm, "record_predicted", lambda predicted: [])
+        skipped = record_predicted([r["bag_id"] for r in records])
+        skipped += [{"what": path, "reason": reason} for r in records for path, reason in r["left_out"]]
         out = output_folder(trainer)
         aggregate = bool(getattr(pl_module, "is_aggregate", False))
         value = "prediction" if aggregate else "probability"
@@ -86,7 +96,8 @@ class PredictionWriter(BasePredictionWriter):
         atomic_write_text(out / "predictions.csv", csv_text(header, [[s.get(k) for k in header] for s in scans]))
         atomic_write_text(out / "slices.csv", csv_text(["bag_id", "slice", "position", value, "std", "label"], slice_rows))
         meta = run_metadata(trainer, pl_module, "predict")
-        atomic_write_json(out / "predictions.json", json_safe({**meta, "threshold": None if aggregate else self.threshold, "scans": scans}))
+        atomic_write_json(out / "predictions.json", json_safe({**meta, "threshold": None if aggregate else self.threshold, "skipped": skipped,
+                                                            "scans": scans}))
         for s in scans:
             if s.get("outside_training", 0.0) >= 0.5:
                 print(f"milgp: scan {s['bag_id']}: {s['outside_training']:.0%} of its slices lie outside the training data (the GP knows "

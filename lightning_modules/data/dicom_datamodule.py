@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 import pytorch_lightning as pl
@@ -24,9 +24,11 @@ class DicomDataModule(pl.LightningDataModule):
     gives) with the CT preprocessing saved in the model's checkpoint (``input_preprocessing``) unless
     ``windows``/``size`` are given.
 
-    Its DataLoader yields ``(BagBatch, {series id: (slice positions, axis)})``; the module receives
-    the :class:`~milgp.data.bags.BagBatch` alone (:meth:`on_before_batch_transfer` keeps the
-    positions of the slices actually served, which :meth:`slice_positions` then gives).
+    Its DataLoader yields ``(BagBatch, {series id: (slice positions, axis)}, {series id: slices left
+    out})``; the module receives the :class:`~milgp.data.bags.BagBatch` alone
+    (:meth:`on_before_batch_transfer` keeps the positions of the slices actually served, which
+    :meth:`slice_positions` then gives, and the slices left out, :meth:`left_out`). What was skipped
+    is recorded in ``predictions.json`` (:meth:`record_predicted`).
 
     Args:
         inputs: study or series folders.
@@ -58,6 +60,9 @@ class DicomDataModule(pl.LightningDataModule):
         self._series: list[tuple[str, list[str]]] = []
         self._positions: dict[str, tuple[np.ndarray, str]] = {}  # of the slices served, per series
         self._source: dict[str, str] = {}
+        self._left_out: dict[str, list[tuple[str, str]]] = {}  # slices left out at read, per series served
+        self._dataset: DicomSeriesDataset | None = None
+        self._unpredicted: dict[str, str] = {}  # series set up but not predicted → why
         self.skipped: list[tuple[str, str]] = []
         """Files and series left out at :meth:`setup` (headers), with the reason; what cannot be
         decoded is found and reported when the pixels are read (:class:`DicomSeriesDataset`)."""
@@ -107,14 +112,32 @@ class DicomDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> torch.utils.data.DataLoader:
         windows, size, dtype = self._preprocessing()
-        ds = DicomSeriesDataset(self._series, windows, size, self.max_slices, storage_dtype=dtype)
+        ds = self._dataset = DicomSeriesDataset(self._series, windows, size, self.max_slices, storage_dtype=dtype)
         return torch.utils.data.DataLoader(ds, batch_size=self.eval_batch_size, collate_fn=_collate, num_workers=self.num_workers)
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if isinstance(batch, tuple):  # this module's own batches: keep the positions served
-            batch, positions = batch
+        if isinstance(batch, tuple):  # this module's own batches: keep the positions served and the slices left out
+            batch, positions, left_out = batch
             self._positions.update(positions)
+            self._left_out.update(left_out)
         return batch
+
+    def left_out(self, bag_id: str) -> list[tuple[str, str]]:
+        """The slices of a series served in this process that were left out when read: ``(path, reason)``."""
+        return self._left_out.get(bag_id, [])
+
+    def record_predicted(self, predicted: Collection[str]) -> list[dict[str, str]]:
+        """Once the predictions of every rank are gathered: what was skipped, as ``{"what", "reason"}``
+        (the files and series refused at :meth:`setup`, and every series set up but not in
+        ``predicted``: none of its slices could be read), and :meth:`describe` no longer lists those
+        series. The reason of a series skipped when read is its own where this process read it
+        (``num_workers=0``, one rank), else a pointer to the stderr line that gave it."""
+        failed = self._dataset.failed if self._dataset is not None else {}
+        predicted = set(predicted)
+        self._unpredicted = {uid: failed.get(uid, "none of its slices could be read (the reason is on stderr)")
+                             for uid, _ in self._series if uid not in predicted}
+        return ([{"what": what, "reason": reason} for what, reason in self.skipped]
+                + [{"what": f"series {uid}", "reason": reason} for uid, reason in self._unpredicted.items()])
 
     def slice_positions(self, bag_id: str) -> tuple[np.ndarray, str] | None:
         """The positions of a series' slices as served to the model in this process (mm along the
@@ -122,8 +145,10 @@ class DicomDataModule(pl.LightningDataModule):
         return self._positions.get(bag_id)
 
     def describe(self, subcommand: str) -> dict[str, Any]:
-        return {"class": type(self).__qualname__, "inputs": self.inputs, "series": dict(self._source), "max_slices": self.max_slices}
+        series = {uid: folder for uid, folder in self._source.items() if uid not in self._unpredicted}
+        return {"class": type(self).__qualname__, "inputs": self.inputs, "series": series, "max_slices": self.max_slices}
 
 
-def _collate(items: list[dict[str, Any]]) -> tuple[BagBatch, dict[str, tuple[np.ndarray, str]]]:
-    return collate_bags(items), {it["bag_id"]: (it["positions"], it["position_axis"]) for it in items}
+def _collate(items: list[dict[str, Any]]) -> tuple[BagBatch, dict[str, tuple[np.ndarray, str]], dict[str, list[tuple[str, str]]]]:
+    return (collate_bags(items), {it["bag_id"]: (it["positions"], it["position_axis"]) for it in items},
+            {it["bag_id"]: it["skipped"] for it in items})

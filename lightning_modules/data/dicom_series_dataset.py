@@ -34,6 +34,8 @@ class DicomSeriesDataset(torch.utils.data.IterableDataset):
     Pixels are read only here, so what cannot be decoded is found here: a series with no decodable
     slice (or slices of different sizes) is skipped and a slice that cannot be decoded is left out,
     each reported in one line on stderr (:func:`report_skipped`), and the other series are served.
+    A series' item lists its slices left out (``skipped``: ``(path, reason)``); a series skipped
+    whole is recorded in :attr:`failed` (of the process that read it).
     Under several DataLoader workers and DDP ranks each series is read by exactly one of them.
 
     Args:
@@ -52,6 +54,8 @@ class DicomSeriesDataset(torch.utils.data.IterableDataset):
         self.size = None if size is None else (tuple(int(v) for v in size) if not isinstance(size, int) else (size, size))
         self.max_slices = max_slices
         self.storage = None if storage_dtype is None else CacheParams(windows=self.windows, size=self.size, dtype=storage_dtype)
+        self.failed: dict[str, str] = {}
+        """Series id → why none of its slices could be used (the series this process read)."""
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = torch.utils.data.get_worker_info()
@@ -68,6 +72,7 @@ class DicomSeriesDataset(torch.utils.data.IterableDataset):
             ct = load_series(paths)
         except ValueError as err:
             report_skipped(f"series {bag_id}", str(err))
+            self.failed[bag_id] = str(err)
             return None
         for entry in ct.skipped:
             report_skipped(entry.path, entry.reason)
@@ -77,4 +82,4 @@ class DicomSeriesDataset(torch.utils.data.IterableDataset):
             x = self.storage.decode(self.storage.encode(x))
         axis = "position along the scan axis (mm)" if ct.ordering == "geometry" else "InstanceNumber"
         return {"x": torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), "bag_label": float("nan"), "bag_id": bag_id,
-                "positions": ct.positions[served], "position_axis": axis}
+                "positions": ct.positions[served], "position_axis": axis, "skipped": [(str(e.path), e.reason) for e in ct.skipped]}

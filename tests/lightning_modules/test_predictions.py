@@ -114,6 +114,28 @@ def test_milgp_predict_skips_what_cannot_be_decoded_and_places_the_slices_it_ser
     np.testing.assert_allclose(positions, served, atol=1e-3)
 
 
+def test_milgp_predict_records_what_it_skipped(gp_run: Path, tmp_path: Path) -> None:
+    """`predictions.json` lists every input left out, with its reason: a file that is not DICOM
+    (found when the headers are read), a series none of whose slices decode and a slice that does
+    not (found when the pixels are read); the series skipped is not listed among the data's series.
+    Before, the skips went to stderr only and `data.series` named the skipped series as an input
+    predicted, so the JSON alone could not tell that a scan was missing."""
+    new = write_rsna_dataset(tmp_path / "new", n_scans=3, slices=(4, 4), size=32, seed=5)
+    damaged, broken = new.scans[1], new.scans[2]
+    _undecodable(damaged.paths[1])
+    for p in broken.paths:
+        _undecodable(p)
+    notes = Path(new.image_dir) / "notes.txt"
+    notes.write_text("not an image")
+    args = [str(gp_run / "checkpoints" / "best.ckpt"), new.image_dir, "--out", str(tmp_path / "out"), "--no-plots"]
+    assert predict_main(args) == 0
+    summary = json.loads((tmp_path / "out" / "predict" / "version_0" / "predictions.json").read_text())
+    skipped = {e["what"]: e["reason"] for e in summary["skipped"]}
+    assert set(skipped) == {str(notes), f"series {broken.series_uid}", damaged.paths[1]}
+    assert "every image failed to decode" in skipped[f"series {broken.series_uid}"] and "cannot be decoded" in skipped[damaged.paths[1]]
+    assert set(summary["data"]["series"]) == {s["bag_id"] for s in summary["scans"]} == {new.scans[0].series_uid, damaged.series_uid}
+
+
 def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same entry point serves a whole CT cache (slice positions: indices in the cached scan)
     and a feature file (its slice_index), each into a new version folder of --out; a feature file
