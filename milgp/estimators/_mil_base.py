@@ -122,7 +122,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
     bags_per_batch: int | None = None
     dtype: str = "float64"
     device: str = "cpu"
-    random_state: int = 0
+    random_state: int | np.random.RandomState | np.random.Generator | None = 0
     verbose: bool = False
 
     kernel_grid: ClassVar[tuple[tuple[str, float, float], ...]] = KERNEL_GRID

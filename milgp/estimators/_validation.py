@@ -141,12 +141,18 @@ def check_settings(estimator: Any, flags: Sequence[str], counts: dict[str, int])
 
 def check_seed(random_state: Any) -> int:
     """The seed of ``random_state``: an integer ≥ 0 (NumPy integers included) as is; ``None`` a fresh
-    seed from the operating system's entropy (the global random states are never read or moved)."""
+    seed from the operating system's entropy; a ``np.random.RandomState`` or ``Generator`` one drawn
+    from it (as scikit-learn's estimators draw theirs: the object advances, each fit gets a new
+    seed). The global random states are never read or moved."""
     if random_state is None:
         return int(np.random.SeedSequence().generate_state(1)[0])
     if isinstance(random_state, numbers.Integral) and not isinstance(random_state, (bool, np.bool_)) and random_state >= 0:
         return int(random_state)
-    raise ValueError(f"random_state must be an integer >= 0 or None, got {random_state!r}")
+    if isinstance(random_state, np.random.RandomState):
+        return int(random_state.randint(2**31 - 1))
+    if isinstance(random_state, np.random.Generator):
+        return int(random_state.integers(2**63 - 1))
+    raise ValueError(f"random_state must be an integer >= 0, a NumPy RandomState or Generator, or None, got {random_state!r}")
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -106,7 +106,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
     block_budget: int = 2_000_000
     dtype: str = "float64"
     device: str = "cpu"
-    random_state: int = 0
+    random_state: int | np.random.RandomState | np.random.Generator | None = 0
     verbose: bool = False
 
     def _make_likelihood(self, noise: float | None = None, scale: float = 1.0) -> Any:

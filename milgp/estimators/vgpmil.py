@@ -59,7 +59,8 @@ class VGPMILClassifier(MILClassifierBase):
         learn_hyperparameters, lr, hyper_steps: afterwards, Adam on the chosen kernel's
             hyperparameters alternating with the natural steps (Algorithm 1; off by default).
         random_state: the seed of every random choice (an integer; ``None``: a fresh one from the
-            operating system, kept in ``seed_``); the global random states are never used.
+            operating system; a NumPy ``RandomState``/``Generator``: one drawn from it; kept in
+            ``seed_``); the global random states are never used.
         ard, learn_inducing_locations, standardize, bags_per_batch, dtype, device, verbose.
 
     Fitted attributes: ``ensemble_`` (the weighted candidates, :class:`~milgp.prediction.ModelAverage`);

@@ -183,8 +183,17 @@ def test_numpy_scalars_and_none_are_settings_like_python_numbers():
     state = torch.get_rng_state(), np.random.get_state()[1].copy()
     fresh = VGPMILClassifier(**FAST, random_state=None).fit(bags, y)
     assert isinstance(fresh.seed_, int) and torch.equal(torch.get_rng_state(), state[0]) and (np.random.get_state()[1] == state[1]).all()
-    with pytest.raises(ValueError, match="random_state must be an integer >= 0 or None, got -1"):
+    with pytest.raises(ValueError, match="random_state must be an integer >= 0, a NumPy RandomState or Generator, or None, got -1"):
         VGPMILClassifier(**FAST, random_state=-1).fit(bags, y)
+    # a NumPy RandomState / Generator (scikit-learn's convention) gives the seed drawn from it: the
+    # same object state gives the same fit, the object advances, the global states do not move
+    for make in (np.random.RandomState, np.random.default_rng):
+        first = VGPMILClassifier(**FAST, random_state=make(3)).fit(bags, y)
+        assert first.seed_ == VGPMILClassifier(**FAST, random_state=make(3)).fit(bags, y).seed_
+        rng = make(3)
+        seeds = [VGPMILClassifier(**FAST, random_state=rng).fit(bags, y).seed_ for _ in range(2)]
+        assert seeds[0] == first.seed_ != seeds[1]
+    assert torch.equal(torch.get_rng_state(), state[0]) and (np.random.get_state()[1] == state[1]).all()
     with pytest.raises(ValueError, match="outputscale must be a positive number or None"):
         VGPMILClassifier(**FAST, outputscale=np.float64("nan")).fit(bags, y)
 

@@ -83,7 +83,7 @@ def test_predictions_shapes_quantiles_and_bag_moments(fitted):
         (dict(outputscale=0), "outputscale must be a positive number or None"),
         (dict(likelihood="normal", link="identity", noise=0.0), "noise must be a positive number or None"),
         (dict(bags_per_batch=0), "bags_per_batch must be a positive integer or None"),
-        (dict(random_state=1.5), "random_state must be an integer >= 0 or None"),
+        (dict(random_state=1.5), "random_state must be an integer >= 0, a NumPy RandomState or Generator, or None"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(settings, message):
