@@ -89,9 +89,11 @@ def check_binary_bag_labels(y: Any, num_bags: int, require_both: bool = True) ->
 
 
 def check_bag_weights(weights: Any, bags: list[np.ndarray], name: str = "weights") -> list[np.ndarray]:
-    """Per-bag populations ``(n_b,)``: finite and strictly positive; ``None`` → ones."""
+    """Per-bag populations ``(n_b,)``: finite and strictly positive; ``None`` → ones; any iterable,
+    like the bags."""
     if weights is None:
         return [np.ones(len(b)) for b in bags]
+    weights = weights if isinstance(weights, (Sequence, np.ndarray, torch.Tensor)) else list(weights)
     if len(weights) != len(bags):
         raise ValueError(f"got {len(bags)} bags but {len(weights)} entries in {name}")
     out = []

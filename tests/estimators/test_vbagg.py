@@ -140,6 +140,8 @@ def test_bag_predictions_of_a_fit_on_populations_need_the_populations(fitted):
             call()
     unit = VBAggRegressor("poisson", "exp", num_inducing=6, max_iter=5, random_state=0).fit(bags, y, [np.ones(len(b)) for b in bags])
     assert not unit.fitted_with_weights_ and unit.predict_bags(bags)["y_mean"].shape == (len(bags),)
+    # populations, like bags, may come as any iterable (a generator raised "no len()")
+    np.testing.assert_array_equal(est.predict_bags(bags, (w for w in weights))["y_mean"], est.predict_bags(bags, weights)["y_mean"])
 
 
 def test_scaling_every_population_by_one_factor_changes_no_prediction():
