@@ -81,19 +81,24 @@ class NoisyOrRule(MarginalBagRule):
     independent chance of a positive, so a bag's probability grows with its length.
 
     With ``g_n = E[1 − p_n]``: ``E[Π(1−p)] = Π g_n`` and ``Var[Π(1−p)] = Π g_n² · (Π(1 + v_n/g_n²) − 1)``
-    with ``v_n = Var[p_n]``, evaluated as ``exp(2Σ log g) · expm1(Σ log1p(v/g²))`` so that long bags
-    keep their precision in float32 as in float64.
+    with ``v_n = Var[p_n]``, evaluated in log space as ``exp(2Σ log g + log expm1(Σ log1p(v/g²)))`` so
+    that long bags keep their precision in float32 as in float64, and a bag with an almost surely
+    positive instance (``g_n`` below the dtype's range) gets a std of 0, not ``0 · ∞``.
     """
 
     name = "noisy_or"
     uses_log_negative = True
 
     def combine(self, p, std, bags, log_negative=None):
-        log_g = torch.log1p(-p.clamp(max=1 - 1e-16)) if log_negative is None else log_negative
+        # p capped at the largest value below 1 of its dtype: log g stays finite
+        log_g = torch.log1p(-p.clamp(max=1 - torch.finfo(p.dtype).eps / 2)) if log_negative is None else log_negative
         log_all_neg = segment_sum(log_g, bags.index, bags.num_bags)
-        rel = segment_sum(torch.log1p(std * std * torch.exp(-2 * log_g)), bags.index, bags.num_bags)
-        var = torch.exp(2 * log_all_neg) * torch.expm1(rel)
-        return -torch.expm1(log_all_neg), var.clamp_min(0).sqrt()
+        # log1p(v/g²) = log(1 + exp(2(log σ − log g))): no 0·∞ when 1/g² overflows for a sure positive
+        ratio = 2 * (torch.log(std) - log_g)
+        rel = segment_sum(torch.logaddexp(torch.zeros_like(ratio), ratio), bags.index, bags.num_bags)
+        # exp(2L)·expm1(rel) = exp(2L + rel + log(1 − exp(−rel))): no 0·∞ when exp(2L) underflows
+        var = torch.exp(2 * log_all_neg + rel + torch.log(-torch.expm1(-rel)))
+        return -torch.expm1(log_all_neg), var.sqrt()
 
 
 class MaxRule(MarginalBagRule):

@@ -65,6 +65,30 @@ def test_noisy_or_std_of_long_bag_is_accurate_in_float32():
     assert p32.item() == pytest.approx(p64.item(), rel=1e-4)
 
 
+@pytest.mark.parametrize(
+    "dtype, link, mu",
+    [(torch.float64, ProbitLink(), 40.0), (torch.float64, LogisticLink(), 1000.0),
+     (torch.float32, LogisticLink(), 45.0), (torch.float32, ProbitLink(), 15.0)],
+)
+def test_noisy_or_std_of_a_bag_with_a_sure_positive_is_zero_not_nan(dtype, link, mu):
+    """A bag with an almost surely positive instance: p = 1 and its std ~0. If this fails, the
+    variance multiplied a zero instance std by ``1/g² = ∞`` (g = E[1 − p] underflows) and returned
+    NaN, which the bag calibrator and every metric then passed on or refused."""
+    mean, var = torch.tensor([mu, -2.0], dtype=dtype), torch.tensor([1.0, 1.0], dtype=dtype)
+    p, s = NoisyOrRule()(BagPosterior(mean, var, Bags(torch.tensor([0, 0]), 1)), link)
+    assert p.item() == 1.0
+    assert math.isfinite(s.item()) and 0.0 <= s.item() < 1e-6
+
+
+def test_noisy_or_combine_takes_a_probability_of_one_in_float32():
+    """Instance probabilities from another source (no ``log E[p(y=0|f)]``), one of them 1.0 in
+    float32: p = 1 and std 0. If this fails, the cap of p below 1 (1 − 1e-16) was a no-op in float32,
+    log(1 − p) = −∞ and the std came out NaN."""
+    p, s = NoisyOrRule().combine(torch.tensor([1.0, 0.3]), torch.tensor([0.0, 0.1]), Bags(torch.tensor([0, 0]), 1))
+    assert p.item() == 1.0
+    assert math.isfinite(s.item()) and s.item() < 1e-3
+
+
 def test_joint_noisy_or_with_diagonal_covariance_equals_noisy_or():
     """Sampling a diagonal joint q(f*_b) is the factorised model: the sampling rule must agree with
     the exact noisy-OR within Monte-Carlo error, and padded entries must not count."""
