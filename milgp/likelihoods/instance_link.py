@@ -47,7 +47,7 @@ class InstanceLink(ABC):
         """``log E[p(y=0|f)]``, computed from ``p(y=0|f)`` directly (not as ``1 − E[p(y=1|f)]``, which
         loses every digit when the instance is almost surely positive), by Gauss–Hermite quadrature."""
         e = gauss_hermite_expectation(lambda f: torch.exp(self.log_prob_negative(f)), mean, var, num_points)
-        return torch.log(e.clamp_min(torch.finfo(mean.dtype).tiny))
+        return torch.log(e.clamp(torch.finfo(mean.dtype).tiny, 1.0))  # a probability, whatever the rounding
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -66,7 +66,8 @@ class LogisticLink(InstanceLink):
 
     def moments(self, mean: Tensor, var: Tensor, num_points: int = 40) -> tuple[Tensor, Tensor]:
         p, p2 = gauss_hermite_expectation(_sigmoid_and_square, mean, var, num_points)
-        return p, (p2 - p * p).clamp_min(0).sqrt()
+        # the weights sum to 1 only up to rounding: E[σ(f)] of a sure positive came out 1 + 2e-16
+        return p.clamp(0.0, 1.0), (p2 - p * p).clamp_min(0).sqrt()
 
 
 def _sigmoid_and_square(f: Tensor) -> Tensor:

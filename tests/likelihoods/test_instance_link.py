@@ -44,3 +44,16 @@ def test_log_expected_negative_keeps_digits_for_confident_positives(link):
     torch.testing.assert_close(out, link.log_prob_negative(mean), rtol=1e-4, atol=1e-6)
     assert out[1].item() == pytest.approx(0.0, abs=1e-12)
     assert out[2].item() == pytest.approx(math.log(0.5), abs=1e-5)
+
+
+def test_logistic_probabilities_stay_in_zero_one_for_confident_instances():
+    """|mean| up to 200: E[σ(f)] in [0, 1] and log E[σ(−f)] <= 0. If this fails, the Gauss–Hermite
+    weights (which sum to 1 only up to rounding) gave E[σ(f)] = 1 + 2e-16 for a sure positive, or
+    E[σ(−f)] > 1 for a sure negative, and the bag rules passed on a probability above 1 (or a
+    noisy-OR below 0) that the metrics then refused."""
+    mean = torch.tensor([-200.0, -100.0, -40.0, 40.0, 100.0, 200.0], dtype=torch.float64).repeat(3)
+    var = torch.tensor([0.0, 1.0, 10.0], dtype=torch.float64).repeat_interleave(6)
+    p, s = LogisticLink().moments(mean, var)
+    assert ((p >= 0) & (p <= 1)).all()
+    assert (s >= 0).all() and (s <= 1e-12).all()
+    assert (LogisticLink().log_expected_negative(mean, var) <= 0).all()
