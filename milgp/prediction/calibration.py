@@ -79,16 +79,20 @@ class BagCalibrator(torch.nn.Module):
         return self
 
     def forward(self, p: Tensor, std: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-        """Calibrated probabilities (and their stds) for scores ``p`` ``(B,)``; unchanged until fitted."""
+        """Calibrated probabilities (and their stds) for scores ``p`` ``(B,)``; unchanged until fitted.
+        Computed in float64 (in float32 the clamp of a score of 1 to ``1 − 1e-9`` is a no-op: logit
+        ∞, std 0/0) and returned in the dtypes of ``p`` and ``std``."""
         if not bool(self.fitted):
             return p, std
-        a, c = self.slope.to(p), self.intercept.to(p)
-        p_cal = torch.sigmoid(a * _logit(p) + c)
+        s = p.to(torch.float64)
+        a, c = self.slope.to(s), self.intercept.to(s)
+        p_cal = torch.sigmoid(a * _logit(s) + c)
         if std is None:
-            return p_cal, None
-        pc = p.clamp(_EPS, 1 - _EPS)
+            return p_cal.to(p.dtype), None
+        sc = s.clamp(_EPS, 1 - _EPS)
         bound = (p_cal * (1 - p_cal)).sqrt()  # the largest std of any probability with mean p_cal
-        return p_cal, torch.minimum(a * p_cal * (1 - p_cal) / (pc * (1 - pc)) * std, bound)
+        std_cal = torch.minimum(a * p_cal * (1 - p_cal) / (sc * (1 - sc)) * std.to(torch.float64), bound)
+        return p_cal.to(p.dtype), std_cal.to(std.dtype)
 
     def extra_repr(self) -> str:
         return f"slope={float(self.slope):.4g}, intercept={float(self.intercept):.4g}, fitted={bool(self.fitted)}"

@@ -80,6 +80,22 @@ def test_calibrated_std_never_exceeds_that_of_a_probability_with_its_mean():
     torch.testing.assert_close(s[1], 1.5 * p[1] * (1 - p[1]) / (0.3 * 0.7) * 0.01)  # a narrow score keeps the delta method
 
 
+def test_float32_scores_are_calibrated_as_float64_ones():
+    """Scores 0, 0.999999 and 1 in float32: the calibrated probabilities and stds are the float64
+    ones rounded to float32, finite, in float32. If this fails, the clamp of a score to
+    [1e-9, 1 − 1e-9] was a no-op in float32, so a score of 1 mapped to p = 1 (not the calibrated
+    cap) with std 0/0 = NaN."""
+    cal = BagCalibrator().fit(torch.tensor([0.1, 0.2, 0.8, 0.9, 0.3, 0.7], dtype=torch.float64),
+                              torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64))
+    x, sd = torch.tensor([0.0, 0.999999, 1.0], dtype=torch.float64), torch.tensor([0.0, 1e-7, 0.0], dtype=torch.float64)
+    p64, s64 = cal(x, sd)
+    p32, s32 = cal(x.float(), sd.float())
+    assert p32.dtype == s32.dtype == torch.float32
+    assert torch.isfinite(s32).all() and p32[2].item() < 1.0
+    torch.testing.assert_close(p32, p64.float())
+    torch.testing.assert_close(s32, s64.float())
+
+
 def test_state_dict_round_trip():
     """The fitted map travels in a state dict (a checkpoint) and is restored exactly."""
     cal = BagCalibrator().fit(torch.tensor([0.2, 0.4, 0.6, 0.8]), torch.tensor([0.0, 1.0, 0.0, 1.0]))
