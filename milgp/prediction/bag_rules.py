@@ -196,7 +196,9 @@ def _draw_seed(seed: int, generator: torch.Generator | None) -> int:
 
 
 class _SamplingRule(BagRule):
-    """A joint rule estimated by sampling ``f*_b ~ q(f*_b)``: mean and std of a per-sample value.
+    """A joint rule estimated by sampling ``f*_b ~ q(f*_b)``: mean and std of a per-sample value
+    (the std of the samples themselves, dividing by ``S``, so that it never exceeds
+    ``sqrt(p(1 − p))``, the largest std of a quantity in [0, 1] with mean ``p``).
 
     The ``k``-th instance of every bag gets the same ``num_samples`` standard normal numbers (the
     ``k``-th row of one stream from the seed, drawn instance by instance), so a bag's value depends
@@ -227,7 +229,7 @@ class _SamplingRule(BagRule):
             # one batched GEMM over bags (B, S, n) @ (B, n, n): no S copies of every L[b]
             f = blk.mean + (eps @ L.mT).transpose(0, 1)
             values = self.per_sample(f, blk.mask, link)
-            p[blk.bags], std[blk.bags] = values.mean(0), values.std(0)
+            p[blk.bags], std[blk.bags] = values.mean(0), values.std(0, correction=0)
         return p, std
 
     def __repr__(self) -> str:

@@ -271,6 +271,18 @@ def test_error_paths():
     assert isinstance(make_bag_rule("max"), MaxRule)
 
 
+@pytest.mark.parametrize("rule", [JointNoisyOrRule(num_samples=64), JointMaxRule(num_samples=64)], ids=repr)
+def test_sampling_rule_std_never_exceeds_that_of_a_probability_with_its_mean(rule):
+    """Instances of huge variance: every sample's bag value is 0 or 1, and the std must be at most
+    sqrt(p(1 − p)) with p the sample mean. If this fails, the std divided by S − 1 (the unbiased
+    variance) while p is the plain mean, and the std overshot the largest std in [0, 1]."""
+    mean = torch.tensor([0.3, -1.0], dtype=torch.float64)
+    var = torch.tensor([1e12, 1e12], dtype=torch.float64)
+    p, s = rule(_diag_posterior(mean, var, torch.tensor([0, 0]), 1), LogisticLink())
+    assert 0.0 < p.item() < 1.0
+    assert s.item() <= math.sqrt(p.item() * (1 - p.item())) * (1 + 1e-12)
+
+
 def test_from_blocks_keeps_each_bag_its_own_block():
     """BagPosterior.from_blocks with bags of different sizes (processed smallest first): each bag
     must get the probability of its own block — a larger bag listed first once came back swapped."""
