@@ -53,13 +53,14 @@ def bags_from_keywords(
     return Bags.from_index(bag_index, None if labels is None else int(labels.shape[0])), labels
 
 
-def refuse_empty_bags(bags: Bags) -> None:
-    """One-line ``ValueError`` when a bag of ``expected_log_prob``'s ``bag_index`` has no instances: a
-    minibatch that kept its global bag ids (its loss was finite, its gradients or labels not)."""
+def refuse_empty_bags(bags: Bags, of: str = "a minibatch") -> None:
+    """One-line ``ValueError`` when a bag of ``bags`` has no instances: for ``expected_log_prob``'s
+    ``bag_index``, a minibatch that kept its global bag ids (its loss was finite, its gradients or
+    labels not); ``of`` names what the bags are in the advice."""
     empty = torch.nonzero(bags.sizes == 0).flatten()
     if len(empty):
-        raise ValueError(f"bag {int(empty[0])} has no instances ({len(empty)} such bag(s)): number the bags of a "
-                         "minibatch 0..B-1 (torch.unique(bag_index, return_inverse=True)[1])")
+        raise ValueError(f"bag {int(empty[0])} has no instances ({len(empty)} such bag(s)): number the bags of {of} "
+                         "0..B-1 (torch.unique(bag_index, return_inverse=True)[1])")
 
 
 def bag_share(bag_values: Tensor, bags: Bags) -> Tensor:

@@ -15,6 +15,7 @@ from gpytorch.models import ApproximateGP
 from torch import Tensor
 
 from milgp.data.bags import BagGroup, Bags
+from milgp.likelihoods.base import refuse_empty_bags
 from milgp.likelihoods.instance_link import InstanceLink
 
 __all__ = ["BLOCK_BUDGET", "BagPosterior", "JointBlocks", "MAX_JOINT_INSTANCES"]
@@ -63,6 +64,11 @@ class BagPosterior:
     block_budget: int | None = None
     chunk_instances: int = 32768
     _moments: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        """One-line ``ValueError`` naming a bag without instances: no rule has a value for it (the
+        max of nothing is −∞, the noisy-OR of nothing 0)."""
+        refuse_empty_bags(self.bags, "a prediction")
 
     def instance_moments(self, link: InstanceLink) -> tuple[Tensor, Tensor]:
         """``E[p(y=1|f*_n)]`` and its std ``(N,)`` under ``link``, computed once per link (every
