@@ -54,7 +54,11 @@ class InstanceCalibrator:
         return y0 + torch.where(width > 0, (s - x0) / width.clamp_min(torch.finfo(s.dtype).tiny), 0.0) * (y1 - y0)
 
     def __call__(self, score: Tensor, std: Tensor) -> tuple[Tensor, Tensor]:
-        """Mapped probability and standard deviation ``(N,)`` from a score and its std ``(N,)``."""
+        """Mapped probability and standard deviation ``(N,)`` from a score and its std ``(N,)``
+        (``ValueError`` naming the first std that is not ``>= 0``)."""
+        bad = torch.nonzero(~(std >= 0)).flatten()
+        if bad.numel():
+            raise ValueError(f"instance {int(bad[0])} has std {float(std[bad[0]])}; a standard deviation must be >= 0")
         upper = self.transform((score + std).clamp(max=1.0))
         lower = self.transform((score - std).clamp(min=0.0))
         return self.transform(score), 0.5 * (upper - lower)

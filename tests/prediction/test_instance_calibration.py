@@ -65,3 +65,14 @@ def test_constant_target_and_bad_input():
     torch.testing.assert_close(cal.transform(torch.tensor([0.0, 0.5, 1.0])), torch.full((3,), 0.2))
     with pytest.raises(ValueError, match="equal-length"):
         InstanceCalibrator().fit(torch.rand(5), torch.rand(4))
+
+
+def test_a_negative_or_nan_std_is_refused_by_instance():
+    """A std of −0.3 (or NaN) for instance 1: one line naming it. If this fails, the carried std
+    ``(p̃(s + σ) − p̃(s − σ)) / 2`` came out negative (or NaN) and was returned as a std."""
+    cal = InstanceCalibrator().fit(torch.tensor([0.1, 0.2, 0.3, 0.9], dtype=torch.float64),
+                                   torch.tensor([0.0, 0.5, 0.5, 1.0], dtype=torch.float64))
+    score = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    for bad in (-0.3, float("nan")):
+        with pytest.raises(ValueError, match=r"^instance 1 has std .*; a standard deviation must be >= 0"):
+            cal(score, torch.tensor([0.1, bad], dtype=torch.float64))
