@@ -31,7 +31,10 @@ def auto_bag_rules(sizes: Tensor) -> tuple[BagRule, ...]:
     the max at the resolution of the longest of them (``MaxRule(reference_length=max sizes)``:
     unchanged for bags of the lengths the decision is fitted on, the mean of the top ``n_b / n₀``
     instances for longer ones), the mean of the top quarter and the mean of the bag."""
-    return (MaxRule(reference_length=float(torch.as_tensor(sizes).max())), TopKMeanRule(fraction=0.25), TopKMeanRule(fraction=1.0))
+    sizes = torch.as_tensor(sizes)
+    if sizes.numel() == 0:
+        raise ValueError("auto_bag_rules needs the sizes of at least one held-out bag, got none")
+    return (MaxRule(reference_length=float(sizes.max())), TopKMeanRule(fraction=0.25), TopKMeanRule(fraction=1.0))
 
 
 @dataclass

@@ -181,3 +181,13 @@ def test_cross_fitted_calibration_scores_each_fold_with_the_other_folds_calibrat
     in_sample = BagCalibrator().fit(s, y)(s)[0]
     assert not torch.allclose(out, in_sample)
     assert cross_fitted_calibration(s[:3], torch.tensor([0.0, 1.0, 1.0]), folds=2) is None
+
+
+
+def test_auto_bag_rules_refuses_no_bags():
+    """No held-out bag sizes: one line. If this fails, the max of an empty tensor raised a bare
+    RuntimeError from inside torch."""
+    from milgp.prediction.bag_decision import auto_bag_rules
+
+    with pytest.raises(ValueError, match=r"^auto_bag_rules needs the sizes of at least one held-out bag"):
+        auto_bag_rules(torch.tensor([], dtype=torch.long))
