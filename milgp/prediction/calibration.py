@@ -48,7 +48,7 @@ class BagCalibrator(torch.nn.Module):
     def fit(self, scores: Tensor, labels: Tensor, max_iter: int = 100) -> "BagCalibrator":
         """Fit ``(a, c)`` on held-out scores ``(B,)`` in ``[0, 1]`` and labels ``(B,)`` in {0, 1} by
         Newton's method on the (concave) log-likelihood; raises ``ValueError`` naming the first
-        non-finite score."""
+        non-finite score or label other than 0 and 1."""
         s = torch.as_tensor(scores, dtype=torch.float64).reshape(-1).cpu()
         y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
         if s.shape != y.shape:
@@ -56,6 +56,9 @@ class BagCalibrator(torch.nn.Module):
         bad = torch.nonzero(~torch.isfinite(s)).flatten()
         if bad.numel():
             raise ValueError(f"bag {int(bad[0])} has a non-finite score ({float(s[bad[0]])}); cannot calibrate")
+        bad = torch.nonzero((y != 0) & (y != 1)).flatten()
+        if bad.numel():
+            raise ValueError(f"bag {int(bad[0])} has label {float(y[bad[0]])}; bag calibration takes labels 0 or 1")
         n_pos, n_neg = float(y.sum()), float((1 - y).sum())
         if n_pos == 0 or n_neg == 0:
             raise ValueError("bag calibration needs positive and negative bags")

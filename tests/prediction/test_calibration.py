@@ -191,3 +191,12 @@ def test_auto_bag_rules_refuses_no_bags():
 
     with pytest.raises(ValueError, match=r"^auto_bag_rules needs the sizes of at least one held-out bag"):
         auto_bag_rules(torch.tensor([], dtype=torch.long))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.5, -1.0])
+def test_fit_refuses_a_label_other_than_zero_or_one_by_bag(bad):
+    """Labels 0, 1 and a NaN, 0.5 or −1 for bag 2: one line naming bag 2. If this fails, a NaN label
+    made the slope, the intercept and every calibrated probability NaN, and 0.5 or −1 entered the
+    fit as a target of its own."""
+    with pytest.raises(ValueError, match=r"^bag 2 has label .*; bag calibration takes labels 0 or 1"):
+        BagCalibrator().fit(torch.tensor([0.2, 0.8, 0.4, 0.6]), torch.tensor([0.0, 1.0, bad, 1.0]))
