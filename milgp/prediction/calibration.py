@@ -103,7 +103,10 @@ class BagCalibrator(torch.nn.Module):
 
 def stratified_folds(labels: Tensor, folds: int) -> Tensor | None:
     """Fold ``0..folds-1`` of each of ``B`` bags ``(B,)`` (labels in {0, 1}), dealt in turn within
-    each class so that every fold holds both; ``None`` when a class has fewer bags than folds."""
+    each class so that every fold holds both; ``None`` when a class has fewer bags than folds.
+    ``folds`` below 2 is refused: each fold is calibrated on the others."""
+    if folds < 2:
+        raise ValueError(f"folds must be at least 2 (each fold is calibrated on the others), got {folds}")
     y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1).cpu()
     pos, neg = torch.nonzero(y > 0.5).flatten(), torch.nonzero(y <= 0.5).flatten()
     if min(len(pos), len(neg)) < folds:

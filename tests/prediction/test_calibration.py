@@ -200,3 +200,14 @@ def test_fit_refuses_a_label_other_than_zero_or_one_by_bag(bad):
     fit as a target of its own."""
     with pytest.raises(ValueError, match=r"^bag 2 has label .*; bag calibration takes labels 0 or 1"):
         BagCalibrator().fit(torch.tensor([0.2, 0.8, 0.4, 0.6]), torch.tensor([0.0, 1.0, bad, 1.0]))
+
+
+@pytest.mark.parametrize("folds", [0, 1])
+def test_cross_fitted_calibration_refuses_fewer_than_two_folds(folds):
+    """folds = 0 or 1: one line naming ``folds``. If this fails, folds = 0 raised a bare
+    ZeroDivisionError-like RuntimeError and folds = 1 a misleading 'needs positive and negative bags'
+    (the one fold was calibrated on no bags)."""
+    from milgp.prediction import cross_fitted_calibration
+
+    with pytest.raises(ValueError, match=rf"^folds must be at least 2 .*got {folds}$"):
+        cross_fitted_calibration(torch.tensor([0.2, 0.8, 0.3, 0.7]), torch.tensor([0.0, 1.0, 0.0, 1.0]), folds=folds)
