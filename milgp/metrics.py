@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torchmetrics.functional.classification import binary_accuracy, binary_auroc, binary_f1_score
+from scipy.stats import rankdata
 
 __all__ = [
     "accuracy",
@@ -48,36 +48,37 @@ def _as_arrays(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
     return p, y
 
 
-def _tensors(probs: Any, labels: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    p, y = _as_arrays(probs, labels)
-    return torch.as_tensor(p), torch.as_tensor(y, dtype=torch.long)
-
-
 def auroc(scores: Any, labels: Any) -> float:
-    """Area under the ROC curve; ``nan`` when the labels hold one class only (or are empty)."""
-    p, y = _tensors(scores, labels)
-    if y.numel() == 0 or y.min() == y.max():
+    """Area under the ROC curve of raw scores (any finite reals: only their order counts), as the
+    Mann–Whitney statistic ``(Σ ranks of positives − n₊(n₊+1)/2) / (n₊ n₋)`` with tied scores at
+    their average rank, in float64; ``nan`` when the labels hold one class only (or are empty)."""
+    s, y = _as_arrays(scores, labels)
+    positives = int(y.sum())
+    negatives = y.size - positives
+    if positives == 0 or negatives == 0:
         return float("nan")
-    return float(binary_auroc(p, y))
-
-
-def _of_decisions(metric: Any, probs: Any, labels: Any, threshold: float) -> float:
-    """A torchmetrics binary ``metric`` of the decisions ``1[p > threshold]`` (``nan`` when empty)."""
-    p, y = _tensors(probs, labels)
-    if y.numel() == 0:
-        return float("nan")
-    return float(metric((p > threshold).long(), y, threshold=0.5))
+    rank_sum = float(rankdata(s)[y == 1].sum())
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
 def accuracy(probs: Any, labels: Any, threshold: float = 0.5) -> float:
     """Fraction of correct decisions ``1[p > threshold]`` (``nan`` when empty)."""
-    return _of_decisions(binary_accuracy, probs, labels, threshold)
+    p, y = _as_arrays(probs, labels)
+    if p.size == 0:
+        return float("nan")
+    return float(np.mean((p > threshold) == (y == 1)))
 
 
 def f1_score(probs: Any, labels: Any, threshold: float = 0.5) -> float:
     """F1 of the positive class for decisions ``1[p > threshold]`` (0 when nothing is predicted
     or labelled positive, as scikit-learn's ``zero_division=0``; ``nan`` when empty)."""
-    return _of_decisions(binary_f1_score, probs, labels, threshold)
+    p, y = _as_arrays(probs, labels)
+    if p.size == 0:
+        return float("nan")
+    predicted, actual = p > threshold, y == 1
+    true_positives = int(np.sum(predicted & actual))
+    denominator = int(predicted.sum()) + int(actual.sum())
+    return 2 * true_positives / denominator if denominator else 0.0
 
 
 def log_loss(probs: Any, labels: Any, eps: float = 1e-7) -> float:

@@ -25,6 +25,25 @@ def test_auroc_accuracy_f1_match_sklearn(seed: int) -> None:
     assert metrics.auroc(torch.as_tensor(p), torch.as_tensor(y)) == pytest.approx(roc_auc_score(y, p), abs=1e-6)
 
 
+def test_auroc_of_raw_scores_and_metrics_in_float64_match_sklearn_exactly() -> None:
+    """AUROC of raw scores far outside [0, 1] (decision values, log-likelihood ratios) ranks them as
+    scikit-learn does, and AUROC/accuracy/F1 come back in float64 (equal to scikit-learn to 1e-12).
+
+    If this fails, AUROC of large scores is computed after a squashing that ties them (40 and 60
+    become 1.0: AUROC 0.5 for a perfect ranking), or the metrics are rounded to float32."""
+    y = np.array([0, 1, 0, 1, 1, 0])
+    s = np.array([40.0, 50.0, 41.0, 60.0, 45.0, 42.0])
+    assert metrics.auroc(s, y) == roc_auc_score(y, s) == 1.0
+    assert metrics.classification_metrics(s, y)["auc"] == 1.0
+    assert metrics.auroc(-1e6 * s, y) == 0.0
+    rng = np.random.default_rng(0)
+    p = rng.random(201)
+    labels = (rng.random(201) < p).astype(int)
+    assert metrics.auroc(p.round(1), labels) == pytest.approx(roc_auc_score(labels, p.round(1)), abs=1e-12)
+    assert metrics.accuracy(p, labels) == pytest.approx(accuracy_score(labels, p > 0.5), abs=1e-12)
+    assert metrics.f1_score(p, labels) == pytest.approx(f1_score(labels, p > 0.5), abs=1e-12)
+
+
 def test_degenerate_cases() -> None:
     """One class → AUROC nan (undefined, written as JSON null); nothing predicted positive → F1 0."""
     assert math.isnan(metrics.auroc([0.2, 0.7], [1, 1]))
