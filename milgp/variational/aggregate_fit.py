@@ -86,6 +86,9 @@ class AggregateSteps:
         reduce: Callable[[NaturalStatistics], NaturalStatistics] | None = None,
         reduce_value: Callable[[float], float] | None = None,
     ):
+        for name, value in (("rho0", rho), ("rho_max", rho_max)):
+            if not 0.0 < value < math.inf:  # ρ ≤ 0 would never step (ρ > 1: over-relaxed full-batch steps)
+                raise ValueError(f"{name} must be a positive step size, got {value!r}")
         self.strategy, self.model, self.likelihood, self.batch = strategy, strategy.model, likelihood, batch
         self.rho_max, self.chunk_instances, self.reduce, self.reduce_value = rho_max, chunk_instances, reduce, reduce_value
         self.budget = block_budget if likelihood.needs_covariance else None
@@ -203,10 +206,10 @@ class AggregateSteps:
     def _step(self, groups: list[BagGroup], rho: float, scale: float, check: bool, cached: list[_Cached] | None) -> bool:
         """One natural step on the bags of ``groups``: the statistics of
         :meth:`natural_statistics` (summed over ranks by ``reduce``; ``reduce_value`` sums
-        the data term), then :meth:`WhitenedPosterior.try_natural_step` with ``ρ`` halved (while
-        ``ρ ≥ 1e-6``) until the new precision is positive definite and, with ``check``, the batch's
-        ELBO estimate ``scale · data − KL`` does not fall. Writes the new ``q(v)``; returns whether
-        a step was taken."""
+        the data term), then :meth:`WhitenedPosterior.try_natural_step` with ``ρ`` halved (down to
+        ``1e-6``; the requested ``ρ`` itself is always tried) until the new precision is positive
+        definite and, with ``check``, the batch's ELBO estimate ``scale · data − KL`` does not
+        fall. Writes the new ``q(v)``; returns whether a step was taken."""
         stats, data = self.natural_statistics(groups, self.q, cached=cached)
         if self.reduce is not None:
             stats = self.reduce(stats)
@@ -221,12 +224,14 @@ class AggregateSteps:
 
         self.rho, q_new, self.elbo = float(rho), None, None
         with torch.no_grad():
-            while self.rho >= 1e-6:
+            while True:  # the requested ρ is tried however small; the halvings stop below 1e-6
                 q_new = self.q.try_natural_step(stats, self.rho, scale)
                 if q_new is not None and (not check or ascends(q_new)):
                     break
                 q_new = None
                 self.rho *= 0.5
+                if self.rho < 1e-6:
+                    break
         self.step_size = 0.0 if q_new is None else self.rho
         if q_new is not None:
             self.q = q_new
@@ -284,7 +289,7 @@ class AggregateSteps:
 
     def finish(self, result: FitResult) -> None:
         result.rho = self.rho
-        if not result.objective:
+        if not result.objective and result.elbo:  # max_iter = 0: no ELBO, no objective
             result.objective.append(result.elbo[-1])
 
 
@@ -318,9 +323,10 @@ def fit_aggregate(
             ``instance_weights`` = populations ``(N,)`` (``None`` = ones).
         max_iter: iterations (full batch) or epochs (``bags_per_batch`` set).
         tol: stop when the relative ELBO change stays below ``tol`` for two iterations.
-        rho0, rho_max: initial and largest natural step (non-conjugate likelihoods).
+        rho0, rho_max: initial and largest natural step (non-conjugate likelihoods; positive).
         bags_per_batch: minibatches of whole bags with Robbins–Monro steps ``schedule``
-            (default :class:`~milgp.variational.natural_update.RobbinsMonro` ``τ = 1, κ = 0.6``) scaled by ``rho_max``; a step that
+            (default :class:`~milgp.variational.natural_update.RobbinsMonro` ``τ = 1, κ = 0.6``; values in
+            ``(0, 1]``) scaled by ``rho_max``; a step that
             lowers the minibatch's unbiased ELBO estimate ``(B / B_mb) Σ_{a∈mb} bag_terms − KL`` is
             halved until it does not (conjugate models with the whole data in one batch: exact step).
         chunk_instances, block_budget: memory bounds of one chunk of bags (module docstring).

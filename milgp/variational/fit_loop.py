@@ -113,7 +113,10 @@ def fit_loop(
             order = torch.randperm(B, generator=generator)
             for s in range(0, B, bags_per_batch):
                 bags = order[s : s + bags_per_batch].to(batch.bag_index.device)
-                steps.minibatch_step(bags, schedule(step_t), B / len(bags))
+                rho = schedule(step_t)
+                if not 0.0 < rho <= 1.0:
+                    raise ValueError(f"schedule({step_t}) returned {rho!r}; the natural step size rho must be in (0, 1]")
+                steps.minibatch_step(bags, rho, B / len(bags))
                 step_t += 1
                 if optimizer is not None:
                     for _ in range(hyper_steps):

@@ -167,3 +167,30 @@ def test_a_bag_target_without_instances_is_refused_before_fitting():
     batch = BagBatch(x, torch.tensor([0, 0, 0, 2, 2, 2]), torch.tensor([3.0, 1.0, 2.0], dtype=torch.float64))
     with pytest.raises(ValueError, match=r"^bag 1 has a label but no instances"):
         fit_aggregate(SparseGP(x[:3].clone()), PoissonAggregateLikelihood("exp"), batch, max_iter=2, learn_hyperparameters=False)
+
+
+@pytest.mark.parametrize("options", [dict(schedule=lambda t: 0.0), dict(schedule=lambda t: -1.0), dict(schedule=lambda t: math.nan),
+                                     dict(schedule=lambda t: 1.5), dict(rho0=0.0), dict(rho_max=-1.0)])
+def test_a_step_size_that_could_never_step_is_refused(options) -> None:
+    """A schedule value outside (0, 1] (as fit_closed_form refuses it) and ρ₀ or ρ_max ≤ 0 raise a
+    one-line ValueError. If this fails, the fit takes no step at all and reports convergence at the
+    initial ELBO."""
+    model, x, bag_index, weights = _model_and_bags()
+    batch = BagBatch(x, bag_index, torch.tensor([3.0, 0.0, 7.0, 2.0], dtype=torch.float64), instance_weights=weights)
+    with pytest.raises(ValueError, match=r"(schedule\(0\) returned|rho0 must|rho_max must)"):
+        fit_aggregate(model, PoissonAggregateLikelihood(), batch, max_iter=3, bags_per_batch=2, learn_hyperparameters=False, **options)
+
+
+def test_a_tiny_scheduled_step_is_taken_and_max_iter_0_returns_an_empty_fit() -> None:
+    """A schedule of 1e-7 (below the backtracking floor 1e-6) still moves q(v) by that step, and
+    max_iter = 0 returns a FitResult of 0 iterations (as fit_closed_form does). If this fails, a
+    small step size silently freezes the fit, or max_iter = 0 raises an IndexError."""
+    model, x, bag_index, weights = _model_and_bags()
+    batch = BagBatch(x, bag_index, torch.tensor([3.0, 0.0, 7.0, 2.0], dtype=torch.float64), instance_weights=weights)
+    m0 = model.variational_strategy.whitened_posterior().m.clone()
+    result = fit_aggregate(model, PoissonAggregateLikelihood(), batch, max_iter=1, bags_per_batch=4, schedule=lambda t: 1e-7,
+                           learn_hyperparameters=False)
+    assert result.rho == 1e-7
+    assert not torch.equal(model.variational_strategy.whitened_posterior().m, m0)
+    empty = fit_aggregate(model, PoissonAggregateLikelihood(), batch, max_iter=0, learn_hyperparameters=False)
+    assert empty.iterations == 0 and empty.elbo == [] and empty.objective == []

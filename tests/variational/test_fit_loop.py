@@ -104,3 +104,13 @@ def test_stops_after_two_small_changes_and_refuses_a_non_finite_elbo() -> None:
     assert result.converged and result.iterations == 4
     with pytest.raises(FloatingPointError, match="iteration 1"):
         run(RecordingSteps([1, 1], elbos=[-1.0, math.nan]))
+
+
+@pytest.mark.parametrize("rho", [0.0, -0.5, 1.5, math.nan])
+def test_a_schedule_value_outside_0_1_is_refused(rho: float) -> None:
+    """Every family's minibatch steps need ρ in (0, 1]; the loop refuses another schedule value in
+    one line naming the schedule and the step. If this fails, a family may take no step at all (and
+    report convergence) or an overshooting one."""
+    steps = RecordingSteps([2, 3, 1], elbos=[-1.0])
+    with pytest.raises(ValueError, match=r"^schedule\(0\) returned .*rho must be in \(0, 1\]$"):
+        run(steps, bags_per_batch=2, schedule=lambda t: rho)
