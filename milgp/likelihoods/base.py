@@ -15,6 +15,7 @@ Shapes: ``mean``, ``var`` are ``(N,)``; ``bag_labels`` is ``(B,)``; ``bags`` is 
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -136,6 +137,24 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             b = int(bad.nonzero()[0, 0])
             raise ValueError(f"bag {b} has label {float(bag_labels[b]):g}; the MIL likelihoods take bag labels 0 or 1 "
                              "(1 = positive; map -1/+1 labels first)")
+
+    locals_range: tuple[float, float] = (-math.inf, math.inf)
+    """The closed interval the per-instance locals lie in (VGPMIL's ``π``: ``[0, 1]``)."""
+
+    def check_locals(self, locals_: Any, bags: Bags, name: str = "initial_locals") -> None:
+        """Locals given to start from: a tensor of locals holds one finite value per instance, in
+        :attr:`locals_range` (``ValueError`` naming ``name`` and the first bad instance). Locals of
+        another kind (a subclass's own) pass unchecked."""
+        if not isinstance(locals_, Tensor):
+            return
+        if locals_.shape != (bags.num_instances,):
+            raise ValueError(f"{name} has shape {tuple(locals_.shape)}; {type(self).__name__} needs one local per instance, ({bags.num_instances},)")
+        low, high = self.locals_range
+        bad = ~(torch.isfinite(locals_) & (locals_ >= low) & (locals_ <= high))
+        if bool(bad.any()):
+            n = int(bad.nonzero()[0, 0])
+            within = "" if (low, high) == (-math.inf, math.inf) else f" and in [{low:g}, {high:g}]"
+            raise ValueError(f"{name}[{n}] is {float(locals_[n])!r}; {type(self).__name__}'s locals must be finite{within}")
 
     # -- GPyTorch ------------------------------------------------------------------------------
     def optimal_locals(

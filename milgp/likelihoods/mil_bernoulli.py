@@ -78,6 +78,8 @@ class MILBernoulliLikelihood(AugmentedBagLikelihood):
     instance_link = LogisticLink()
     """``p(y = 1 | f) = σ(f)`` and its moments under ``q(f)`` (Castro-Macías et al. 2024, Eqs. 31–33)."""
 
+    locals_range = (0.0, 1.0)  # π_n = q(y_n = 1)
+
     def __init__(
         self,
         psi: str | GSMDensity = "pg",

@@ -43,6 +43,7 @@ def closed_form_elbo(
     built on :class:`~milgp.models.ClosedFormStrategy`: :meth:`ClosedFormSteps.evaluate` at its current q(v).
     ``locals_`` ``None``: the likelihood's initial locals at that q(v) (:meth:`AugmentedBagLikelihood.init_locals`),
     as :func:`fit_closed_form` starts from."""
+    likelihood.check_locals(locals_, batch.bags, "locals_")
     steps = ClosedFormSteps(ClosedFormStrategy.of(model), likelihood, batch, chunk_size=chunk_size, cache_bytes=0, initial_locals=locals_)
     return steps.evaluate(False)[0]
 
@@ -250,7 +251,8 @@ def fit_closed_form(
         cache_bytes: memory budget of the :class:`ProjectionCache` of ``A = L⁻¹K_zx`` (``0``
             disables it); results are the same either way (to rounding).
         initial_locals: the locals to start from (e.g. ``result.locals`` of an earlier fit on the
-            same ``batch``, so that q(y) is not reset); ``None`` initialises them from the
+            same ``batch``, so that q(y) is not reset; checked by
+            :meth:`AugmentedBagLikelihood.check_locals`); ``None`` initialises them from the
             current q(v) with :meth:`AugmentedBagLikelihood.init_locals`.
         projection: ``(L, Projection)`` of ``batch.x`` under the model's current hyperparameters,
             already computed (e.g. by :class:`milgp.models.shared_gram.SharedGram` for a kernel
@@ -267,6 +269,7 @@ def fit_closed_form(
     strategy = ClosedFormStrategy.of(model)
     strategy.check_batch(batch)
     likelihood.check_bag_labels(batch.bag_labels)
+    likelihood.check_locals(initial_locals, batch.bags)
     relax = AdaptiveOverrelaxation(max_overrelaxation) if max_overrelaxation != 1.0 else None
     optimizer = torch.optim.Adam(strategy.hyperparameters(), lr=lr) if learn_hyperparameters else None
     steps = ClosedFormSteps(

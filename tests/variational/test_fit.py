@@ -1,4 +1,6 @@
 """Algorithm 1 (fit_closed_form): monotone ELBO, fixed point, minibatch path."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -242,3 +244,30 @@ def test_a_batch_the_model_cannot_take_is_a_one_line_error():
             fit(random_model().float(), likelihood, BagBatch(x, bag_index, y), max_iter=2, learn_hyperparameters=False)
         with pytest.raises(ValueError, match=r"batch.x has shape \(14, 3\); the model's inducing points have 2 features"):
             fit(random_model(), likelihood, BagBatch(torch.cat([x, x[:, :1]], 1), bag_index, y), max_iter=2, learn_hyperparameters=False)
+
+
+def test_initial_locals_of_the_wrong_length_or_out_of_range_are_refused_in_one_line():
+    """Locals given to start from must be one finite value per instance, VGPMIL's π in [0, 1]
+    (the probit model's ν any finite real). If this fails, π = 2 is fitted as if it were a
+    probability, NaN locals end in advice to lower the learning rate, and a wrong length in a
+    raw RuntimeError from inside the first step."""
+    from milgp.likelihoods.mil_probit import MILProbitLikelihood
+
+    Z, batch = make_problem()
+    N = batch.num_instances
+    half = torch.full((N,), 0.5, dtype=torch.float64)
+    cases = [
+        (half[:5], r"^initial_locals has shape \(5,\); MILBernoulliLikelihood needs one local per instance"),
+        (torch.full((N,), 2.0, dtype=torch.float64), r"^initial_locals\[0\] is 2\.0; .* must be finite and in \[0, 1\]$"),
+        (torch.cat([half[:-1], torch.tensor([float("nan")], dtype=torch.float64)]), rf"^initial_locals\[{N - 1}\] is nan"),
+    ]
+    for locals_, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fit_closed_form(SparseGP(Z), MILBernoulliLikelihood("pg"), batch, max_iter=2, initial_locals=locals_)
+    with pytest.raises(ValueError, match=r"^locals_\[0\] is 2\.0"):
+        closed_form_elbo(SparseGP(Z), MILBernoulliLikelihood("pg"), batch, torch.full((N,), 2.0, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"^initial_locals\[0\] is inf; MILProbitLikelihood's locals must be finite$"):
+        fit_closed_form(SparseGP(Z), MILProbitLikelihood(), batch, max_iter=2, initial_locals=torch.full((N,), math.inf, dtype=torch.float64))
+    result = fit_closed_form(SparseGP(Z), MILProbitLikelihood(), batch, max_iter=2, learn_hyperparameters=False,
+                             initial_locals=torch.full((N,), 3.0, dtype=torch.float64))
+    assert np.isfinite(result.elbo).all()
