@@ -5,7 +5,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from sklearn.cluster import kmeans_plusplus
 
-__all__ = ["bag_mean_inducing", "distinct_rows", "kmeans_pp_inducing", "linear_span_inducing", "median_lengthscale", "mil_inducing"]
+__all__ = ["bag_mean_inducing", "distinct_rows", "kmeans_pp_inducing", "linear_span_inducing", "median_lengthscale", "mil_inducing", "rows_in"]
 
 
 def kmeans_pp_inducing(
@@ -22,7 +22,10 @@ def kmeans_pp_inducing(
 
     ``weights`` ``(N,)`` weight the instances in the seeding and the subsampling (e.g. the bag-size
     cap's ``min(1, n̄/n_b)``, so that one very long bag does not claim most inducing points). At most
-    ``max_points`` instances per group are used for the seeding.
+    ``max_points`` instances per group are used for the seeding. No two points are equal: a group
+    seeds among its instances that equal no point chosen before, a group with too few distinct
+    instances leaves its share to the other instances, and only when ``x`` has fewer than ``M``
+    distinct rows are copies jittered apart.
     """
     rng = np.random.default_rng(seed)
     x = np.asarray(x, dtype=np.float64)
@@ -34,21 +37,22 @@ def kmeans_pp_inducing(
         groups = [np.arange(len(x))]
     counts = [num_inducing // len(groups)] * len(groups)
     counts[0] += num_inducing - sum(counts)
-    chosen = []
     w_all = np.ones(len(x)) if weights is None else np.asarray(weights, dtype=np.float64)
-    for group, count in zip(groups, counts):
+    Z = x[:0]
+    # the groups' shares, then whatever they could not fill from all instances not yet chosen
+    for group, count in [*zip(groups, counts), (np.arange(len(x)), None)]:
+        count = num_inducing - len(Z) if count is None else count
         if count == 0:  # num_inducing = 1: the one point comes from the first group
             continue
+        group = group[~rows_in(x[group], Z)]  # k-means++ never picks a copy within a group (distance 0)
         pts, w = x[group], w_all[group]
         if len(pts) > max_points:
             keep = rng.choice(len(pts), max_points, replace=False, p=w / w.sum())
             pts, w = pts[keep], np.ones(max_points)
-        # k-means++ never picks a copy of a chosen point (its distance is 0), so copies need no
-        # merging; only the count must not exceed the distinct points
         count = min(count, distinct_rows(pts))
-        centers, _ = kmeans_plusplus(pts, count, sample_weight=w, random_state=int(rng.integers(2**31 - 1)))
-        chosen.append(centers)
-    Z = np.concatenate(chosen, 0)
+        if count:
+            centers, _ = kmeans_plusplus(pts, count, sample_weight=w, random_state=int(rng.integers(2**31 - 1)))
+            Z = np.concatenate([Z, centers], 0)
     if len(Z) < num_inducing:  # fewer distinct points than requested: jitter copies apart
         extra = Z[rng.integers(len(Z), size=num_inducing - len(Z))] + 1e-3 * rng.standard_normal((num_inducing - len(Z), x.shape[1]))
         Z = np.concatenate([Z, extra], 0)
@@ -92,8 +96,7 @@ def bag_mean_inducing(
     rng = np.random.default_rng(seed)
     chosen, _ = kmeans_plusplus(means, count, random_state=int(rng.integers(2**31 - 1)))
     if exclude is not None and len(exclude):
-        exclude = np.asarray(exclude, dtype=np.float64)
-        chosen = chosen[[not (exclude == row).all(1).any() for row in chosen]]
+        chosen = chosen[~rows_in(chosen, exclude)]
     return chosen
 
 
@@ -122,20 +125,43 @@ def mil_inducing(
     return np.concatenate([Z, bag_mean_inducing(x, bag_index, at_means, seed=seed, exclude=Z)])
 
 
+def _row_hashes(values: np.ndarray) -> np.ndarray:
+    """``(N,)`` hashes of the rows of ``values`` ``(N, D)`` float64: ``Σ_j bits_j · c_j mod 2⁶⁴`` of
+    their bit patterns (fixed random odd ``c``; ``+ 0.0`` maps ``−0.0`` to ``0.0``: equal values,
+    equal hashes), in chunks of about 2²⁰ entries."""
+    multipliers = np.random.default_rng(0).integers(0, 2**64 - 1, size=values.shape[1], dtype=np.uint64, endpoint=True) | np.uint64(1)
+    chunks = np.array_split(values, max(1, -(-values.size // 2**20)))
+    return np.concatenate([np.einsum("nd,d->n", (c + 0.0).view(np.uint64), multipliers) for c in chunks])
+
+
 def distinct_rows(x: np.ndarray) -> int:
     """The number of distinct rows of ``x`` ``(N, D)`` in ``O(N·D)`` (``np.unique(x, axis=0)`` sorts
-    whole rows). Each row's float64 bit patterns are hashed as ``Σ_j bits_j · c_j mod 2⁶⁴`` (fixed
-    random odd ``c``); rows with equal hashes are compared exactly (a collision of two different
-    rows' hashes, chance about ``N²/2⁶⁵``, could only count one row too many)."""
+    whole rows). Rows with equal hashes (:func:`_row_hashes`) are compared exactly (a collision of
+    two different rows' hashes, chance about ``N²/2⁶⁵``, could only count one row too many)."""
     if len(x) < 2:
         return len(x)
     values = np.asarray(x, dtype=np.float64)
-    multipliers = np.random.default_rng(0).integers(0, 2**64 - 1, size=x.shape[1], dtype=np.uint64, endpoint=True) | np.uint64(1)
-    chunks = np.array_split(values, -(-values.size // 2**20))  # + 0.0 maps -0.0 to 0.0 (equal values, equal bits)
-    hashes = np.concatenate([np.einsum("nd,d->n", (c + 0.0).view(np.uint64), multipliers) for c in chunks])
+    hashes = _row_hashes(values)
     order = np.argsort(hashes)
     pairs = np.nonzero(hashes[order[1:]] == hashes[order[:-1]])[0]  # neighbours to compare exactly
     return len(x) - int((values[order[pairs]] == values[order[pairs + 1]]).all(1).sum())
+
+
+def rows_in(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``(N,)`` whether each row of ``x`` ``(N, D)`` equals a row of ``rows`` ``(K, D)`` (``0.0`` and
+    ``−0.0`` equal) in ``O((N + K)·D)``: a row whose hash (:func:`_row_hashes`) one of ``rows`` has
+    is compared exactly with it (two different ``rows`` of one hash, chance about ``K²/2⁶⁵``, could
+    only miss a copy of one of them)."""
+    x, rows = np.asarray(x, dtype=np.float64), np.asarray(rows, dtype=np.float64)
+    if len(rows) == 0:
+        return np.zeros(len(x), dtype=bool)
+    hashes = _row_hashes(rows)
+    order = np.argsort(hashes)
+    hx = _row_hashes(x)
+    match = order[np.minimum(np.searchsorted(hashes[order], hx), len(rows) - 1)]
+    found = hashes[match] == hx
+    found[found] = (x[found] == rows[match[found]]).all(1)
+    return found
 
 
 def median_lengthscale(x: np.ndarray, seed: int = 0, max_points: int = 2000) -> float:

@@ -3,7 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from milgp.inducing import bag_mean_inducing, distinct_rows, kmeans_pp_inducing, linear_span_inducing, median_lengthscale, mil_inducing
+from milgp.inducing import (
+    bag_mean_inducing, distinct_rows, kmeans_pp_inducing, linear_span_inducing, median_lengthscale, mil_inducing, rows_in,
+)
 from milgp.models.sparse_gp import SparseGP
 
 
@@ -33,6 +35,37 @@ def test_more_inducing_points_than_distinct_instances_are_made_distinct():
     Z = kmeans_pp_inducing(x, np.zeros(12), 6)
     assert Z.shape == (6, 3)
     assert len(np.unique(Z.round(12), axis=0)) == 6
+
+
+def test_no_two_points_are_equal_across_the_positive_and_negative_groups():
+    """An instance value present in positive and in negative bags (a blank slice) is chosen once,
+    and where the data hold at least M distinct instances every point is an instance: a group short
+    of distinct values leaves its share to the others instead of jittered copies. If this fails,
+    both groups seed the same value (two equal inducing points: K_zz singular), or real instances
+    are passed over for jittered copies."""
+    rng = np.random.default_rng(0)
+    blank = np.zeros((30, 4))
+    x = np.r_[blank, rng.normal(size=(10, 4)) + 3, blank, rng.normal(size=(10, 4))]
+    labels = np.r_[np.ones(40), np.zeros(40)]
+    for seed in range(20):
+        Z = kmeans_pp_inducing(x, labels, 8, seed=seed)
+        assert Z.shape == (8, 4) and distinct_rows(Z) == 8 and rows_in(Z, x).all()
+    Z = kmeans_pp_inducing(np.ones((50, 3)), np.r_[np.ones(25), np.zeros(25)], 5)
+    assert distinct_rows(Z) == 5 and rows_in(Z, np.ones((1, 3))).sum() == 1
+    one_valued = np.r_[np.ones((20, 2)), rng.normal(size=(20, 2))]  # positive bags: one value only
+    Z = kmeans_pp_inducing(one_valued, np.r_[np.ones(20), np.zeros(20)], 6)
+    assert distinct_rows(Z) == 6 and rows_in(Z, one_valued).all()
+    wide = mil_inducing(np.ones((40, 30)), np.repeat(np.arange(8), 5), np.repeat(np.arange(8) % 2, 5).astype(float), 10)
+    assert distinct_rows(wide) == len(wide) == 8  # the bag means all equal the one instance value
+
+
+def test_rows_in_finds_exact_copies_only() -> None:
+    """rows_in marks exactly the rows equal to one of the given rows (0.0 equals -0.0; one ulp apart
+    does not). If this fails, copies among inducing points go unnoticed or distinct ones are dropped."""
+    rows = np.array([[1.0, 2.0], [0.0, 1.0]])
+    x = np.array([[0.0, 1.0], [1.0, 2.0], [-0.0, 1.0], [3.0, 3.0], [1.0, np.nextafter(2.0, 3.0)]])
+    assert rows_in(x, rows).tolist() == [True, True, True, False, False]
+    assert rows_in(x, rows[:0]).tolist() == [False] * 5 and rows_in(x[:0], rows).shape == (0,)
 
 
 def test_distinct_rows_counts_exact_copies_only():
