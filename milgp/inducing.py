@@ -166,11 +166,17 @@ def rows_in(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 def median_lengthscale(x: np.ndarray, seed: int = 0, max_points: int = 2000) -> float:
     """Median pairwise Euclidean distance of (a subsample of) ``x`` ``(N, D)``: the usual
-    scale-free initial RBF lengthscale."""
+    scale-free initial RBF lengthscale. The points are centred before ``‖x‖² + ‖y‖² − 2x·y``, which
+    would otherwise lose the distances to rounding under a large common offset; a non-finite
+    feature is refused (``ValueError`` naming its row)."""
     rng = np.random.default_rng(seed)
     x = np.asarray(x, dtype=np.float64)
+    bad = np.flatnonzero(~np.isfinite(x).all(1))
+    if len(bad):
+        raise ValueError(f"x row {int(bad[0])} is not finite ({len(bad)} of {len(x)} rows); median_lengthscale needs finite features")
     if len(x) > max_points:
         x = x[rng.choice(len(x), max_points, replace=False)]
+    x = x - x.mean(0) if len(x) else x
     sq = (x * x).sum(1)
     d2 = np.maximum(sq[:, None] + sq[None, :] - 2 * x @ x.T, 0)
     iu = np.triu_indices(len(x), 1)

@@ -103,6 +103,22 @@ def test_median_lengthscale():
     assert median_lengthscale(3 * x) == pytest.approx(3.0)
 
 
+def test_median_lengthscale_is_translation_invariant_and_refuses_non_finite_features() -> None:
+    """Under a common offset of 1e8 the median distance is the offset-free one (scipy's pdist), and
+    a NaN feature is a one-line ValueError naming its row. If this fails, features far from the
+    origin get a lengthscale made of rounding error (2.83 for a true 2.18), or NaN features are
+    silently given the lengthscale 1."""
+    from scipy.spatial.distance import pdist
+
+    x = np.random.default_rng(0).normal(size=(200, 3))
+    reference = np.sqrt(np.median(pdist(x, "sqeuclidean")))
+    assert median_lengthscale(x) == pytest.approx(reference, rel=1e-12)
+    assert median_lengthscale(x + 1e8) == pytest.approx(reference, rel=1e-6)
+    x[7, 1] = np.nan
+    with pytest.raises(ValueError, match=r"^x row 7 is not finite \(1 of 200 rows\)"):
+        median_lengthscale(x)
+
+
 def test_bag_mean_points_are_bag_means_without_copies():
     """Every returned point is the mean of one bag, no two are equal, and a mean equal to an
     excluded point (a bag of one instance is its own mean) is dropped: a copy among the inducing
