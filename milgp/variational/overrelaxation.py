@@ -1,4 +1,4 @@
-"""Adaptive over-relaxed closed-form steps: faster full-batch CAVI with a monotone-ELBO safeguard.
+"""Adaptive over-relaxed closed-form steps: faster full-batch CAVI with an ELBO safeguard.
 
 When q(v) and the locals are strongly coupled (which instance of a positive bag is the witness),
 plain CAVI creeps along a shared direction and converges linearly and slowly (docs/performance.md).
@@ -8,7 +8,9 @@ An over-relaxed step goes past the optimum ``η̂`` along that direction, in nat
 
 (:meth:`~milgp.models.WhitenedPosterior.try_natural_step` with ``ρ = ω``), and is kept only if the
 ELBO after the local update has not decreased; otherwise (or when the precision is indefinite) the
-plain step is taken and ``ω`` falls back to 1. ``ω`` grows by :data:`GROWTH` after every kept step,
+plain step is taken and ``ω`` falls back to 1. The ELBO is then monotone when the plain steps are
+coordinate ascent (``max_rule="exact"``); with the damped parallel ``"max"`` label update a plain
+step can lower it, as in plain CAVI. ``ω`` grows by :data:`GROWTH` after every kept step,
 up to a cap: the adaptive over-relaxed bound optimisation of Salakhutdinov & Roweis, *Adaptive
 overrelaxed bound optimization methods*, ICML 2003 (§3), on the natural parameters of q(v). The
 fixed points are those of CAVI; :func:`milgp.variational.fit.fit_closed_form` runs it
