@@ -44,6 +44,7 @@ __all__ = [
     "segment_sum",
     "split_by_bag",
     "to_padded",
+    "without_negative_strides",
 ]
 
 
@@ -187,6 +188,12 @@ def segment_logsumexp(values: Tensor, bag_index: Tensor, num_bags: int) -> Tenso
     return top + torch.log(segment_sum(torch.exp(values - top[bag_index]), bag_index, num_bags))
 
 
+def without_negative_strides(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy of it when a stride is negative (a reversed view such as ``x[::-1]`` or
+    ``np.flip``), which ``torch.as_tensor`` refuses."""
+    return a.copy() if any(s < 0 for s in a.strides) else a
+
+
 def flatten_bags(bags: Sequence[Any]) -> tuple[Tensor, Tensor]:
     """Concatenate a sequence of bags ``(n_b, ...)`` into ``(x (N, ...), bag_index (N,))``.
 
@@ -198,10 +205,7 @@ def flatten_bags(bags: Sequence[Any]) -> tuple[Tensor, Tensor]:
     tensors = []
     for b, bag in enumerate(bags):
         try:
-            if not isinstance(bag, Tensor):
-                bag = np.asarray(bag)
-                bag = bag.copy() if any(s < 0 for s in bag.strides) else bag  # torch takes no negative strides
-            t = torch.as_tensor(bag)
+            t = torch.as_tensor(bag if isinstance(bag, Tensor) else without_negative_strides(np.asarray(bag)))
         except (TypeError, ValueError) as err:
             raise ValueError(f"bag {b} is not an array of instances: {err}") from err
         if t.ndim == 0:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from scipy.sparse import issparse
 
+from milgp.data.bags import without_negative_strides
 from milgp.data.standardize import standardization_scale
 
 __all__ = [
@@ -33,7 +34,7 @@ def as_float_array(a: Any, name: str = "X") -> np.ndarray:
         arr = np.asarray(a.toarray() if issparse(a) else a, dtype=np.float64)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{name} is not an array of numbers: {err}") from None
-    return arr.copy() if any(s < 0 for s in arr.strides) else arr  # torch takes no negative strides (X[::-1])
+    return without_negative_strides(arr)
 
 
 def check_bags(bags: Iterable[Any], name: str = "bags", n_features: int | None = None) -> list[np.ndarray]:
