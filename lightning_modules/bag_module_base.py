@@ -211,22 +211,25 @@ class BagModuleBase(pl.LightningModule, ABC):
     def validation_step(self, batch: BagBatch, batch_idx: int) -> None:
         self._val_records.extend(self.predict_records(batch))
 
+    def _end_stage(self, stage: str) -> None:
+        """Gather the records of ``stage`` (``"val"`` or ``"test"``) from all ranks into
+        ``{stage}_records``, check them, and compute and log ``{stage}_metrics``."""
+        records = self.gather_records(getattr(self, f"_{stage}_records"))
+        setattr(self, f"{stage}_records", records)
+        setattr(self, f"_{stage}_records", [])
+        check_records(records, "validation" if stage == "val" else "test")
+        metrics = self.stage_metrics(records, stage)
+        setattr(self, f"{stage}_metrics", metrics)
+        self.log_metrics(stage, metrics, prog_bar=("bag_nll", "bag_auc") if stage == "val" else ())
+
     def on_validation_epoch_end(self) -> None:
-        self.val_records = records = self.gather_records(self._val_records)
-        self._val_records = []
-        check_records(records, "validation")
-        self.val_metrics = self.stage_metrics(records, "val")
-        self.log_metrics("val", self.val_metrics, prog_bar=("bag_nll", "bag_auc"))
+        self._end_stage("val")
 
     def test_step(self, batch: BagBatch, batch_idx: int) -> None:
         self._test_records.extend(self.predict_records(batch))
 
     def on_test_epoch_end(self) -> None:
-        self.test_records = self.gather_records(self._test_records)
-        self._test_records = []
-        check_records(self.test_records, "test")
-        self.test_metrics = self.stage_metrics(self.test_records, "test")
-        self.log_metrics("test", self.test_metrics)
+        self._end_stage("test")
 
     def predict_step(self, batch: BagBatch, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         return self.predict_records(batch)
