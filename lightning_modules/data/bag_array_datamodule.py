@@ -110,7 +110,7 @@ class BagArrayDataModule(SplitDataModule):
             if kind == "binary" and self.instance_labels is not None:
                 check_instance_labels(self.source, self.bag_ids, self.instance_labels)
         if stage != "predict":
-            names = ("train", "val") if stage == "fit" else ("val",) if stage == "validate" else (self.test_split,)
+            names = self.stage_splits(stage)
             keep = [i for i, s in enumerate(self.split_names) if s in names or "all" in names]
             ids, labels = [self.bag_ids[i] for i in keep], [self.labels[i] for i in keep]
             check_bag_labels(self.source, ids, labels, kind)
@@ -121,7 +121,7 @@ class BagArrayDataModule(SplitDataModule):
 
     def describe(self, subcommand: str) -> dict[str, Any]:
         """The data a run used, for its reports."""
-        split = {"fit": "train", "validate": "val", "test": self.test_split, "predict": self.predict_split}.get(subcommand, subcommand)
+        split = next(iter(self.stage_splits(subcommand)), subcommand)
         count = len(self.bag_ids) if split == "all" else sum(s == split for s in self.split_names)
         return {"class": type(self).__qualname__, "source": self.source, "split": split, "bags": count}
 

@@ -126,7 +126,7 @@ class CTCacheDataModule(SplitDataModule):
         source, kind = os.path.join(self.cache_dir, "manifest.json"), label_kind(self.trainer)
         entries = self._cache.entries
         check_bag_labels(source, [e.bag_id for e in entries], [e.bag_label for e in entries], kind, required=False)
-        names = {"fit": (self.train_split, self.val_split), "validate": (self.val_split,), "test": (self.test_split,)}.get(stage, ())
+        names = self.stage_splits(stage) if stage != "predict" else ()
         ids = [b for name in names for b in self.splits.get(name, [])]
         check_bag_labels(source, ids, [self._cache.entry(b).bag_label for b in ids], kind)
 
@@ -143,7 +143,7 @@ class CTCacheDataModule(SplitDataModule):
 
     def describe(self, subcommand: str) -> dict[str, Any]:
         """The data a run used, for its reports."""
-        split = {"fit": self.train_split, "validate": self.val_split, "test": self.test_split, "predict": self.predict_split}.get(subcommand)
+        split = next(iter(self.stage_splits(subcommand)), None)
         return {"class": type(self).__qualname__, "cache_dir": self.cache_dir, "split": split,
                 "bags": len(self.splits.get(split, [])) if split else None, "max_slices": self.max_slices}
 

@@ -39,14 +39,25 @@ def patient_split(
 class SplitDataModule(pl.LightningDataModule, ABC):
     """Base of the data modules of named splits (not used on its own): the loaders of
     ``train_split``, ``val_split``, ``test_split`` and ``predict_split`` (``batch_size`` for
-    training, ``eval_batch_size`` otherwise) from the subclass's :meth:`_loader`, and
-    :meth:`split_of` from its ``_split_by_id`` mapping."""
+    training, ``eval_batch_size`` otherwise) from the subclass's :meth:`_loader`, the splits of each stage
+    (:meth:`stage_splits`), and :meth:`split_of` from its ``_split_by_id`` mapping."""
 
     train_split, val_split, test_split = SPLIT_NAMES
 
     @abstractmethod
     def _loader(self, split: str, batch_size: int | None, train: bool = False) -> torch.utils.data.DataLoader:
         """The loader of the bags of ``split`` (``train``: the shuffled training loader)."""
+
+    def stage_splits(self, stage: str) -> tuple[str, ...]:
+        """The splits a trainer stage runs on, the first the stage's own: ``train_split`` and
+        ``val_split`` for ``"fit"``, ``val_split`` for ``"validate"``, ``test_split`` for
+        ``"test"``, ``predict_split`` for ``"predict"``; ``()`` for any other name."""
+        return {
+            "fit": (self.train_split, self.val_split),
+            "validate": (self.val_split,),
+            "test": (self.test_split,),
+            "predict": (self.predict_split,),
+        }.get(stage, ())
 
     def split_of(self, bag_id: str) -> str:
         """The split (``"train"``, ``"val"``, ``"test"``) of a bag, ``""`` when in none; a dict lookup."""
