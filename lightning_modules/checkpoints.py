@@ -6,7 +6,6 @@ and the configuration of its extractor and likelihood, so the checkpoint alone r
 """
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 from lightning_modules.input_error import InputError
-from lightning_modules.module_config import instantiate
+from lightning_modules.module_config import import_class, instantiate
 
 __all__ = ["CHECKPOINT_KEY", "check_checkpoint_model", "check_state", "extractor_from_checkpoint", "load_module", "read_checkpoint"]
 
@@ -86,9 +85,8 @@ def extractor_from_checkpoint(path: str | os.PathLike[str], extractor: nn.Module
 
 def _class_of(class_path: str) -> Any:
     """The class a ``class_path`` names (the path itself when it does not import)."""
-    module_name, _, class_name = class_path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module_name), class_name)
+        return import_class(class_path)
     except (ImportError, AttributeError, ValueError):
         return class_path
 
@@ -119,6 +117,4 @@ def load_module(path: str | os.PathLike[str], map_location: str = "cpu") -> Any:
     class_path = (ckpt.get(CHECKPOINT_KEY) or {}).get("module")
     if not class_path:
         raise InputError(f"{path}: not a checkpoint of a milgp module (no {CHECKPOINT_KEY!r} entry)")
-    module_name, _, class_name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls.load_from_checkpoint(str(path), map_location=map_location)
+    return import_class(class_path).load_from_checkpoint(str(path), map_location=map_location)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["instantiate", "module_config"]
+__all__ = ["import_class", "instantiate", "module_config"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -53,9 +53,14 @@ def module_config(obj: Any) -> dict[str, Any]:
     return {"class_path": class_path, "init_args": init_args}
 
 
+def import_class(class_path: str) -> Any:
+    """The class a dotted ``class_path`` (``package.module.Name``) names, imported."""
+    module_name, _, class_name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
 def instantiate(config: Mapping[str, Any]) -> Any:
     """Build an object from ``{"class_path", "init_args"}`` (nested configurations too)."""
-    module_name, _, class_name = str(config["class_path"]).rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name)
+    cls = import_class(str(config["class_path"]))
     args = {k: instantiate(v) if isinstance(v, Mapping) and "class_path" in v else v for k, v in dict(config.get("init_args") or {}).items()}
     return cls(**args)
