@@ -322,10 +322,8 @@ class CTCache:
     def __init__(self, cache_dir: str | os.PathLike[str], expected_params: CacheParams | None = None):
         self.root = Path(cache_dir)
         self.params = read_cache_params(self.root)
-        if expected_params is not None and expected_params != self.params:
-            raise CacheParamsMismatch(
-                f"{printable(self.root)} was built with {self.params.to_json_dict()}, not the expected {expected_params.to_json_dict()}"
-            )
+        if expected_params is not None:
+            check_cache_params(self.root, expected_params)
         self.entries: list[CacheEntry] = read_manifest(self.root)
         self._by_id = {e.bag_id: e for e in self.entries}
 
