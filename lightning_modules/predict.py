@@ -63,13 +63,12 @@ def predict(
     Settings out of range are refused (:class:`~lightning_modules.input_error.InputError`) before
     anything is read or written."""
     from lightning_modules.input_error import InputError
+    from lightning_modules.setting_checks import check_at_least
 
     if not 0.0 < threshold < 1.0:
         raise InputError(f"--threshold must lie in (0, 1), got {threshold:g}")
-    if max_slices is not None and max_slices < 1:
-        raise InputError(f"--max-slices must be at least 1 (or left out for every slice), got {max_slices}")
-    if batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {batch_size}")
+    check_at_least("--max-slices", max_slices, 1, " (or left out for every slice)", InputError)
+    check_at_least("--batch-size", batch_size, 1, error=InputError)
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise InputError(f"--out {out}: a file, not a run folder")
     check_accelerator(accelerator)

@@ -8,11 +8,12 @@ import math
 __all__ = ["check_at_least", "check_rate"]
 
 
-def check_at_least(name: str, value: int | None, least: int, none: str = "") -> None:
+def check_at_least(name: str, value: int | None, least: int, none: str = "", error: type[ValueError] = ValueError) -> None:
     """``value`` (a count: batch size, workers, inducing points) is at least ``least``; ``None``
-    passes, ``none`` says what it means in the message (e.g. ``" (or None: every slice)"``)."""
+    passes, ``none`` says what it means in the message (e.g. ``" (or None: every slice)"``);
+    ``error``: the class raised (an entry point's :class:`~lightning_modules.input_error.InputError`)."""
     if value is not None and value < least:
-        raise ValueError(f"{name} must be at least {least}{none}, got {value}")
+        raise error(f"{name} must be at least {least}{none}, got {value}")
 
 
 def check_rate(name: str, value: float, zero: bool = False) -> None:
