@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from lightning_modules.gp_head import GPHead
-from milgp.data.bags import BagBatch, Bags
+from milgp.data.bags import BagBatch, Bags, weights_or_ones
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.variational.aggregate_fit import AggregateSteps, bag_log_predictive, predict_bag_moments
 from milgp.variational.natural_update import NaturalStatistics
@@ -76,7 +76,7 @@ class AggregateGPHead(GPHead):
         x = features.detach().to(torch.float64).cpu()
         super().initialize(features, torch.zeros(x.shape[0], dtype=torch.float64))
         if bag_targets is not None and hasattr(self.gp.mean_module, "constant"):
-            w = torch.ones_like(x[:, 0]) if instance_weights is None else instance_weights.to(x)
+            w = weights_or_ones(instance_weights, x[:, 0])
             self.gp.mean_module.constant.data.fill_(self.likelihood.pooled_latent(torch.as_tensor(bag_targets).to(x), w))
 
     def check_data(self, bag_targets: Tensor, instance_weights: Tensor, bags: Bags) -> None:

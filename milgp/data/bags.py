@@ -44,6 +44,7 @@ __all__ = [
     "segment_sum",
     "split_by_bag",
     "to_padded",
+    "weights_or_ones",
     "without_negative_strides",
 ]
 
@@ -166,6 +167,12 @@ class Bags:
         if key not in self._groups:
             self._groups[key] = make_bag_groups(self, chunk_instances, block_budget)
         return self._groups[key]
+
+
+def weights_or_ones(weights: Tensor | None, like: Tensor) -> Tensor:
+    """Instance weights (populations) ``weights`` in the dtype and device of ``like``; ones shaped
+    like ``like`` when ``None`` (the default of every aggregate likelihood and fit)."""
+    return torch.ones_like(like) if weights is None else weights.to(like)
 
 
 def segment_sum(values: Tensor, bag_index: Tensor, num_bags: int) -> Tensor:

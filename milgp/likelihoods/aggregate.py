@@ -31,7 +31,7 @@ from linear_operator.operators import DiagLinearOperator, SumLinearOperator
 from scipy import stats
 from torch import Tensor
 
-from milgp.data.bags import Bags, identity_padded, to_padded
+from milgp.data.bags import Bags, identity_padded, to_padded, weights_or_ones
 from milgp.likelihoods.base import bag_share, bags_from_keywords, refuse_empty_bags
 
 __all__ = [
@@ -392,8 +392,7 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         """
         bags, y = bags_from_keywords(self, kwargs, "bag_targets", "mll(output, y[bag_index], bag_index=bag_index)")
         mean, var = function_dist.mean, function_dist.variance
-        weights = kwargs.get("weights")
-        weights = torch.ones_like(mean) if weights is None else weights.to(mean)
+        weights = weights_or_ones(kwargs.get("weights"), mean)
         check = kwargs.get("check", True)
         if check:
             self._check_layout(target, weights, bags, targets_given=y is not None)

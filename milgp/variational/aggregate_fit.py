@@ -35,7 +35,7 @@ import torch
 from gpytorch.models import ApproximateGP
 from torch import Tensor
 
-from milgp.data.bags import BagBatch, BagGroup, Bags, make_bag_groups, segment_sum
+from milgp.data.bags import BagBatch, BagGroup, Bags, make_bag_groups, segment_sum, weights_or_ones
 from milgp.likelihoods.aggregate import AggregateLikelihood, BlockBase, bag_blocks, block_base, blocks_from_base, whitened_marginals
 from milgp.linalg import robust_cholesky
 from milgp.models.closed_form_strategy import ClosedFormStrategy, Projection, WhitenedPosterior
@@ -48,7 +48,7 @@ __all__ = ["AggregateSteps", "bag_log_predictive", "fit_aggregate", "predict_bag
 
 
 def _weights(batch: BagBatch) -> Tensor:
-    return batch.instance_weights if batch.instance_weights is not None else torch.ones_like(batch.x[:, 0])
+    return weights_or_ones(batch.instance_weights, batch.x[:, 0])
 
 
 class _Cached(NamedTuple):
@@ -399,7 +399,7 @@ def predict_bag_moments(
     Bags are taken in groups within ``chunk_instances`` and ``block_budget``; a bag whose ``n²``
     exceeds ``block_budget`` is summed tile by tile, never as one ``n × n`` block.
     """
-    weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
+    weights = weights_or_ones(weights, x[:, 0])
     bag_index, num_bags = bags.index, bags.num_bags
     rate_mean = x.new_zeros(num_bags)
     rate_var = x.new_zeros(num_bags)
@@ -439,7 +439,7 @@ def bag_log_predictive(
     Monte-Carlo average of :meth:`AggregateLikelihood.log_prob_given_rate` over ``samples`` draws
     of the joint ``q(f_b)`` of each bag (in log space), drawn from ``generator``.
     """
-    weights = torch.ones_like(x[:, 0]) if weights is None else weights.to(x)
+    weights = weights_or_ones(weights, x[:, 0])
     y = y.to(x)
     if likelihood.conjugate:
         moments = moments or predict_bag_moments(model, likelihood, x, bags, weights, chunk_instances, block_budget)
