@@ -26,7 +26,7 @@ from lightning_modules.gp_head import GPHead
 from lightning_modules.input_error import InputError
 from lightning_modules.module_config import module_config
 from lightning_modules.setting_checks import check_at_least, check_rate
-from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, split_by_bag
+from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes
 from milgp.likelihoods.aggregate import AggregateLikelihood
 from milgp.likelihoods.base import AugmentedBagLikelihood
 from milgp.variational.bag_locals import BagLocals
@@ -259,28 +259,18 @@ class GPMILModule(BagModuleBase):
         was_training = self.extractor.training if self.extractor is not None else False
         if self.extractor is not None:
             self.extractor.eval()
-        per_bag: dict[str, tuple[Tensor, float, Tensor | None]] = {}
+        store = BagStore(torch.float64)
         for batch in loader:
             batch = batch.to(self.device)
             x, w = self.split_inputs(batch)
-            h = self.features(x).to(torch.float64).cpu()
-            ids = batch.bag_ids or [str(len(per_bag) + i) for i in range(batch.num_bags)]
-            index = batch.bag_index.cpu()
-            w_parts = [None] * batch.num_bags if w is None else split_by_bag(w.to(torch.float64).cpu(), index, batch.num_bags)
-            for b, part in enumerate(split_by_bag(h, index, batch.num_bags)):
-                per_bag[ids[b]] = (part, float(batch.bag_labels[b]), w_parts[b])
-            if self.init_max_bags is not None and len(per_bag) >= self.init_max_bags:
+            ids = batch.bag_ids or [str(len(store) + i) for i in range(batch.num_bags)]
+            store.add(batch, self.features(x), w, ids)
+            if self.init_max_bags is not None and len(store) >= self.init_max_bags:
                 break
         if self.extractor is not None and self.mode == "end_to_end":
             self.extractor.train(was_training)
         # a loader with a distributed sampler gives each rank a shard
-        per_bag = {k: v for part in all_gather_objects(per_bag) for k, v in part.items()}
-        keys = sorted(per_bag)
-        parts = [per_bag[k] for k in keys]
-        feats = torch.cat([h for h, _, _ in parts])
-        targets = torch.tensor([y for _, y, _ in parts], dtype=torch.float64)
-        weights = torch.cat([torch.ones(len(h), dtype=torch.float64) if w is None else w for h, _, w in parts])
-        bag_index = bag_index_from_sizes([len(h) for h, _, _ in parts])
+        keys, feats, bag_index, targets, weights = store.take()
         self._check_targets("the training bags", keys, targets, weights, Bags(bag_index, len(keys)))
         self.gp.initialize(feats, targets[bag_index], bag_targets=targets, instance_weights=weights)
 
@@ -371,7 +361,7 @@ class GPMILModule(BagModuleBase):
     def _fit_decision_on_training_bags(self) -> None:
         """The decision on the leave-one-bag-out cavities of this epoch's training bags (at the end
         of the epoch's last step, so validation and both checkpoints see it)."""
-        ids, h, bag_index, labels = self._decision_store.take()
+        ids, h, bag_index, labels, _ = self._decision_store.take()
         h, bags = h.to(self.device), Bags(bag_index.to(self.device), len(ids))
         locals_ = self.bag_locals.cat(ids).to(self.device)
         posterior = self.gp.leave_bag_out(self.gp.standardize(h), bags, labels.to(self.device), locals_)
@@ -455,7 +445,7 @@ class GPMILModule(BagModuleBase):
         """Refit the decision on this epoch's validation bags, rewrite the records' bag
         probabilities with it, and return the cross-fitted validation NLL (``None`` when a class has
         fewer than two validation bags: the NLL is then the in-sample one, and a warning says so)."""
-        ids, h, bag_index, labels = self._decision_store.take()
+        ids, h, bag_index, labels, _ = self._decision_store.take()
         z, bags = self.gp.standardize(h.to(self.device)), Bags(bag_index.to(self.device), len(ids))
         posterior = self.gp.bag_posterior(z, bags)
         if not self._adopt_decision(posterior, labels, "validation"):
