@@ -33,6 +33,7 @@ __all__ = [
     "CachedBagState",
     "array_file_problem",
     "bag_file_stem",
+    "cached_bag_label",
     "cached_bag_problem",
     "process_bag",
     "process_bag_isolated",
@@ -179,17 +180,46 @@ class BagResult:
 
 
 def _index_fields(record: BagRecord) -> dict:
-    """What the marker records of the index row the bag was made from."""
+    """What the marker records of the index row the bag was made from (the cached bag's own label,
+    ``bag_label``, is :func:`cached_bag_label`'s)."""
     return {
         "bag_id": record.bag_id,
         "patient_id": record.patient_id,
-        "bag_label": record.bag_label,
+        "index_bag_label": record.bag_label,
+        "label_from_slices": record.label_from_slices,
         "index_slice_paths": list(record.slice_paths),
         "index_slice_labels": None if record.slice_labels is None else list(record.slice_labels),
         "series_uid": record.series_uid,
         "ordering": record.ordering,
         "modality": record.modality,
     }
+
+
+def cached_bag_label(record: BagRecord, kept_labels: list[int] | None) -> tuple[float, str]:
+    """``(label, note)``: the label of the cached bag, whose kept slices have ``kept_labels``.
+
+    A label the index took as the maximum of the slice labels (``record.label_from_slices``, RSNA)
+    is taken again over the kept slices: a bag whose only positive slices were left out (unreadable
+    pixels) is negative, as its slices are. A label given on its own (CQ500, generic) is kept. The
+    note (``""`` when there is nothing to say) reports a changed label, or a given label that the
+    kept slices' labels contradict.
+    """
+    if kept_labels is None or record.slice_labels is None:
+        return record.bag_label, ""
+    dropped_positive = sum(record.slice_labels) - sum(kept_labels)
+    if record.label_from_slices:
+        label = float(max(kept_labels))
+        if label != record.bag_label:
+            return label, (f"bag label {record.bag_label:g} -> {label:g}: the {dropped_positive} slices labelled 1 were left "
+                           "out (see the skipped files), and the bag label is the maximum of the kept slices' labels")
+        return label, ""
+    if record.bag_label == 0 and max(kept_labels) > 0:
+        return record.bag_label, (f"bag label 0 given in the index, but {sum(kept_labels)} kept slices are labelled 1; "
+                                  "the label is kept as given")
+    if record.bag_label > 0 and dropped_positive and max(kept_labels) == 0:
+        return record.bag_label, (f"every slice labelled 1 ({dropped_positive}) was left out; the bag label "
+                                  f"{record.bag_label:g} is kept as given, with no positive slice left")
+    return record.bag_label, ""
 
 
 def cached_bag_problem(bags_dir: Path, record: BagRecord, params: CacheParams, checksum: bool = True) -> CachedBagState:
@@ -224,8 +254,15 @@ def cached_bag_problem(bags_dir: Path, record: BagRecord, params: CacheParams, c
         )
         if changed_params:
             return CachedBagState(None, str(marker_path), f"cached with other preprocessing parameters ({changed_params})")
-        if any(meta.get(k) != v for k, v in _index_fields(record).items()):
+        # markers of an older milgp hold only the served "bag_label", which was the index's label
+        older = {"index_bag_label": meta.get("bag_label"), "label_from_slices": record.label_from_slices}
+        if any({**older, **meta}.get(k) != v for k, v in _index_fields(record).items()):
             return CachedBagState(None, str(marker_path), "the bag's slices, labels or patient changed in the index")
+        kept_labels = meta["slice_labels"]
+        served = cached_bag_label(record, None if kept_labels is None else [int(v) for v in kept_labels])[0]
+        if float(meta["bag_label"]) != served:
+            return CachedBagState(None, str(marker_path), f"cached with bag label {meta['bag_label']}, but the maximum of its "
+                                                          f"kept slices' labels is {served:g} (cached by an older milgp)")
         changed_path, changed, note = _changed_source(meta["sources"])
         if changed:
             return CachedBagState(None, changed_path, changed)
@@ -275,16 +312,23 @@ def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: Ca
     stem = bag_file_stem(record.bag_id)
     npy_path, marker_path = bags_dir / f"{stem}.npy", bags_dir / f"{stem}.json"
     stored = params.encode(channels)
+    kept_labels = None if record.slice_labels is None else [int(record.slice_labels[i]) for i in kept]
+    bag_label, label_note = cached_bag_label(record, kept_labels)
+    if label_note:
+        kept_set = set(kept)  # name a positive slice that was left out, when one was
+        left_out = [i for i, v in enumerate(record.slice_labels or ()) if v and i not in kept_set]
+        found.append(ReportEntry(record.bag_id, record.slice_paths[left_out[0] if left_out else kept[0]], label_note))
     atomic_save_npy(npy_path, stored)
     meta = {
         **_index_fields(record),
+        "bag_label": bag_label,
         "file": npy_path.name,
         "num_slices": len(kept),
         "shape": list(stored.shape),
         "dtype": str(stored.dtype),
         "sha256": file_sha256(npy_path),
         "file_size": npy_path.stat().st_size,
-        "slice_labels": None if record.slice_labels is None else [int(record.slice_labels[i]) for i in kept],
+        "slice_labels": kept_labels,
         "slice_paths": [record.slice_paths[i] for i in kept],
         "units": units.pop(),
         "sources": sources,

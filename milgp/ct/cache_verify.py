@@ -75,7 +75,8 @@ def _recorded_index(root: Path, entries: list[CacheEntry] | None) -> tuple[BagIn
     for e in entries:
         try:
             marker = json.loads((root / "bags" / e.file).with_suffix(".json").read_text(encoding="utf-8"))
-            slices = {"slice_paths": marker["index_slice_paths"], "slice_labels": marker["index_slice_labels"]}
+            slices = {"slice_paths": marker["index_slice_paths"], "slice_labels": marker["index_slice_labels"],
+                      "bag_label": marker.get("index_bag_label", marker["bag_label"])}  # older markers: one label
             if missing := {"series_uid", "ordering", "modality"} - marker.keys():  # every marker writes them
                 raise KeyError(f"the marker lacks {sorted(missing)}")
             records.append(BagRecord.from_json_dict({**marker, **slices}))

@@ -28,8 +28,21 @@ __all__ = ["BagIndex", "BagRecord", "INDEX_FORMAT_VERSION", "bag_from_headers", 
 
 #: Version of the JSON index format written by :meth:`BagIndex.save`.
 INDEX_FORMAT_VERSION = 1
-_CSV_COLUMNS = ["bag_id", "patient_id", "bag_label", "slice_index", "path", "slice_label", "series_uid", "ordering", "modality"]
-_CSV_REQUIRED = _CSV_COLUMNS[:-1]  # indexes saved before "modality" existed are CT
+_CSV_COLUMNS = ["bag_id", "patient_id", "bag_label", "slice_index", "path", "slice_label", "series_uid", "ordering", "modality",
+                "label_from_slices"]
+_CSV_REQUIRED = _CSV_COLUMNS[:-2]  # indexes saved before "modality" existed are CT; before "label_from_slices", labels were given
+
+
+def _flag(value: object) -> bool:
+    """A saved boolean (JSON ``true``/``false``, CSV ``1``/``0``, empty: ``False``); anything else is a ``ValueError``."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true"):
+        return True
+    if text in ("0", "false", ""):
+        return False
+    raise ValueError(f"label_from_slices {value!r} is not true or false")
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,9 @@ class BagRecord:
         ordering: ``"geometry"`` or ``"instance_number"`` (see :func:`milgp.ct.series_check.order_slices`).
         modality: the slices' Modality; anything but ``"CT"`` was accepted explicitly
             (``allow_non_ct``) and its values are not Hounsfield units.
+        label_from_slices: ``bag_label`` is the maximum of ``slice_labels`` (RSNA), so the cache
+            takes it again over the slices it keeps; ``False``: the bag label was given on its own
+            (CQ500 reads, a generic ``labels.csv``) and is kept as given.
     """
 
     bag_id: str
@@ -57,6 +73,7 @@ class BagRecord:
     series_uid: str = ""
     ordering: str = "geometry"
     modality: str = "CT"
+    label_from_slices: bool = False
 
     def __post_init__(self) -> None:
         if not self.slice_paths:
@@ -71,6 +88,9 @@ class BagRecord:
             bad = next((v for v in self.slice_labels if v not in (0, 1)), None)
             if bad is not None:
                 raise ValueError(f"bag {self.bag_id!r}: slice label {bad!r} is not 0 or 1")
+        if self.label_from_slices and (self.slice_labels is None or self.bag_label != max(self.slice_labels)):
+            raise ValueError(f"bag {self.bag_id!r}: bag label {self.bag_label:g} is said to be the maximum of its slice labels, "
+                             f"which are {'unknown' if self.slice_labels is None else max(self.slice_labels)}")
 
     @property
     def num_slices(self) -> int:
@@ -97,6 +117,7 @@ class BagRecord:
             series_uid=str(obj.get("series_uid", "")),
             ordering=str(obj.get("ordering", "geometry")),
             modality=str(obj.get("modality", "CT")),
+            label_from_slices=_flag(obj.get("label_from_slices", False)),
         )
 
 
@@ -222,7 +243,7 @@ class BagIndex:
         """Save atomically; the format follows the suffix: ``.json`` (lossless) or ``.csv``.
 
         The CSV has one row per slice (columns ``bag_id, patient_id, bag_label, slice_index, path,
-        slice_label, series_uid, ordering, modality``; ``slice_label`` empty when unknown) and does
+        slice_label, series_uid, ordering, modality, label_from_slices``; ``slice_label`` empty when unknown) and does
         not keep the report lists (skipped, refused, warnings).
         """
         suffix = Path(path).suffix.lower()
@@ -236,7 +257,7 @@ class BagIndex:
                     for i, p in enumerate(b.slice_paths):
                         label = "" if b.slice_labels is None else b.slice_labels[i]
                         writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering,
-                                         b.modality])
+                                         b.modality, int(b.label_from_slices)])
         else:
             raise ValueError(f"{path}: bag index files must end in .json or .csv")
 
@@ -322,7 +343,8 @@ def bag_from_headers(
                 f"({len(missing)} of {len(paths)} slices lack one)"
             )
         labels = tuple(int(slice_labels_by_path[p]) for p in paths)
-    if bag_label is None:
+    derived = bag_label is None
+    if derived:
         if labels is None:
             raise ValueError(f"bag {printable(bag_id)}: no bag label and no slice labels to take the maximum of")
         bag_label = float(max(labels))
@@ -336,6 +358,7 @@ def bag_from_headers(
         series_uid=first.series_uid,
         ordering=checked.ordering,
         modality=first.modality or "CT",
+        label_from_slices=derived,
     )
     return record, checked.skipped, checked.warnings
 
