@@ -149,6 +149,23 @@ def repair_hint(root: Path) -> str:
     return f"check and repair the cache with: milgp-cache verify {printable(root)} --repair"
 
 
+def _refuse_empty_index(index: BagIndex, root: Path, wait_s: float) -> None:
+    """Raise the one-line ``ValueError`` of an index without bags: how many bags were refused and
+    why the first one was, with the whole list in ``root/skipped.json`` where no cache is there yet."""
+    report = CacheReport(cache_dir=str(root), refused=list(index.refused), skipped_files=list(index.skipped),
+                         warnings=list(index.warnings))
+    if (root / "manifest.json").exists():
+        where = f"; {printable(root)} keeps its earlier cache and report"
+    else:
+        with CacheLock(root, wait_s=wait_s):
+            atomic_write_json(report.report_path, report.to_json_dict())
+        where = f"; all listed in {printable(report.report_path)}"
+    first = next(iter(index.refused or index.skipped), None)
+    example = "" if first is None else f" (first: {first})"
+    raise ValueError(f"the bag index is empty: nothing to cache; {len(index.refused)} bags refused at indexing, "
+                     f"{len(index.skipped)} files skipped{example}{where}")
+
+
 def build_cache(
     index: BagIndex,
     cache_dir: str | os.PathLike[str],
@@ -179,12 +196,14 @@ def build_cache(
     Raises:
         CacheParamsMismatch: when ``cache_dir`` holds a cache made with other parameters.
         CacheLockedError: when another process writes into ``cache_dir``.
-        ValueError: for an empty index.
+        ValueError: for an empty index, with the number of bags the indexer refused and the first
+            reason; the refusals are written to ``skipped.json`` unless the folder already holds
+            a cache (whose report then stays that of its last build).
     """
-    if len(index) == 0:
-        raise ValueError("the bag index is empty: nothing to cache")
     start = time.perf_counter()
     root = Path(cache_dir)
+    if len(index) == 0:
+        _refuse_empty_index(index, root, wait_s)
     check_cache_params(root, params)  # before anything is written, the lock file included
     with CacheLock(root, wait_s=wait_s) as lock:
         (root / "bags").mkdir(parents=True, exist_ok=True)

@@ -213,3 +213,26 @@ def test_split_fractions_are_checked_before_any_work(tmp_path):
     )
     assert out.returncode != 0 and "sum to 1.2" in out.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_every_bag_refused_says_why_and_writes_the_report(rsna_copy: SyntheticDataset, tmp_path: Path, capsys) -> None:
+    """When the indexer refuses every bag, the one-line error must give the count and the first reason
+    (file and line), and skipped.json must list every refusal; a folder that already holds a cache
+    keeps its report. Before, the error was only 'the bag index is empty: nothing to cache'."""
+    labels = Path(rsna_copy.labels_csv)
+    labels.write_text(labels.read_text().replace(",1\n", ",True\n").replace(",0\n", ",False\n"))
+    out = tmp_path / "cache"
+    args = ["rsna", "--images", rsna_copy.image_dir, "--labels", str(labels), "--out", str(out), "--size", "16", "--no-progress"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"{len(rsna_copy.scans)} bags refused at indexing" in err and "label 'False' is not a number" in err
+    assert "stage_2_train.csv, line" in err and "skipped.json" in err
+    report = json.loads((out / "skipped.json").read_text())
+    assert len(report["refused_bags"]) == len(rsna_copy.scans)
+    cache = tmp_path / "built"
+    build_cache(BagIndex([BagRecord("a", "p", 0.0, (rsna_copy.scans[0].paths[0],))]), cache, PARAMS, progress=False)
+    before = (cache / "skipped.json").read_bytes()
+    with pytest.raises(ValueError, match="keeps its earlier cache and report"):
+        build_cache(index_rsna(rsna_copy.image_dir, str(labels)), cache, PARAMS, progress=False)
+    assert (cache / "skipped.json").read_bytes() == before
