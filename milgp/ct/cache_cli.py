@@ -40,6 +40,8 @@ def _window(text: str) -> tuple[float, float]:
         center, width = (float(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"window {text!r} is not CENTER,WIDTH (e.g. 40,80)") from None
+    if not (math.isfinite(center) and math.isfinite(width)):
+        raise argparse.ArgumentTypeError(f"window {text!r}: centre and width must be finite numbers of HU")
     if width <= 0:
         raise argparse.ArgumentTypeError(f"window {text!r} has a non-positive width")
     return center, width

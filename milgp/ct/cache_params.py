@@ -10,6 +10,7 @@ raises :class:`CacheParamsMismatch`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,8 @@ class CacheParams:
             object.__setattr__(self, "size", size)
         if self.dtype not in _DTYPES:
             raise ValueError(f"cache dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if not self.windows or any(w <= 0 for _, w in self.windows):
-            raise ValueError(f"cache windows must be non-empty (center, width > 0) pairs, got {self.windows}")
+        if not self.windows or any(not (math.isfinite(c) and math.isfinite(w)) or w <= 0 for c, w in self.windows):
+            raise ValueError(f"cache windows must be non-empty (center, width > 0) pairs of finite numbers, got {self.windows}")
 
     def to_json_dict(self) -> dict:
         return {"windows": [list(w) for w in self.windows], "size": None if self.size is None else list(self.size),

@@ -23,3 +23,28 @@ def test_help_and_usage_errors_do_not_import_torch(argv: list[str], tmp_path: Pa
     assert proc.returncode == 0, proc.stderr
     assert "IMPORTED []" in proc.stdout
     assert "usage: milgp-cache" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("window", ["40,nan", "40,inf", "inf,80", "nan,80"])
+def test_non_finite_window_is_an_argument_error(window: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A NaN or infinite window centre or width must be refused while the arguments are parsed,
+    naming the window, with nothing written. Before, it was accepted: every image cached as zeros
+    and params.json held NaN/Infinity (not JSON)."""
+    from milgp.ct.cache_cli import main
+
+    out = tmp_path / "cache"
+    with pytest.raises(SystemExit) as exc:
+        main(["rsna", "--images", str(tmp_path), "--labels", str(tmp_path / "l.csv"), "--out", str(out), "--windows", window])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--windows" in last and repr(window) in last and "finite" in last
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("window", [(40.0, float("nan")), (float("inf"), 80.0), (40.0, float("inf"))])
+def test_cache_params_refuse_non_finite_windows(window: tuple[float, float]) -> None:
+    """CacheParams is what params.json records: it must never hold NaN or Infinity."""
+    from milgp.ct.cache_params import CacheParams
+
+    with pytest.raises(ValueError, match="finite"):
+        CacheParams(windows=(window,))
