@@ -64,6 +64,16 @@ def _fractions(text: str) -> tuple[float, float, float]:
     return values  # type: ignore[return-value]
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the seed must be an integer >= 0")
+    return value
+
+
 def _label_map(text: str) -> dict[str, float]:
     try:
         return parse_label_map(text)
@@ -102,7 +112,7 @@ def _add_cache_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--splits", type=_fractions, default=None, metavar="TRAIN,VAL,TEST",
                    help="also write OUT/splits.json: patient-grouped stratified split of the cached bags with these fractions")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the split, an integer >= 0 (default 0)")
     _add_run_options(p, "header reading and caching")
 
 
@@ -141,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, nargs=2, default=(10, 14), metavar=("MIN", "MAX"), help="slices per scan (default 10 14)")
     p.add_argument("--size", type=int, default=64, help="image size in pixels (default 64)")
     p.add_argument("--prevalence", type=float, default=0.5, help="fraction of positive scans (default 0.5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="an integer >= 0 (default 0)")
     return parser
 
 

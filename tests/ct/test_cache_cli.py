@@ -48,3 +48,19 @@ def test_cache_params_refuse_non_finite_windows(window: tuple[float, float]) -> 
 
     with pytest.raises(ValueError, match="finite"):
         CacheParams(windows=(window,))
+
+
+@pytest.mark.parametrize("command", ["rsna", "synthetic"])
+def test_negative_seed_is_an_argument_error(command: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--seed -1 must be refused while the arguments are parsed, naming --seed, before any work.
+    Before, the whole cache was built and then 'expected non-negative integer' named no option."""
+    from milgp.ct.cache_cli import main
+
+    out = tmp_path / "out"
+    inputs = ["--images", str(tmp_path), "--labels", str(tmp_path / "l.csv"), "--splits", "0.5,0.25,0.25"] if command == "rsna" else []
+    with pytest.raises(SystemExit) as exc:
+        main([command, *inputs, "--out", str(out), "--seed", "-1"])
+    assert exc.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--seed" in last and ">= 0" in last
+    assert not out.exists()
