@@ -285,9 +285,12 @@ class BagIndex:
     @classmethod
     def _load_csv(cls, path: str | os.PathLike[str]) -> "BagIndex":
         rows: dict[str, list[dict[str, str]]] = {}
-        for _, row in read_csv_rows(path, _CSV_REQUIRED, errors="surrogateescape"):
+        first_line: dict[str, int] = {}
+        for line, row in read_csv_rows(path, _CSV_REQUIRED, errors="surrogateescape"):
             rows.setdefault(row["bag_id"], []).append(row)
+            first_line.setdefault(row["bag_id"], line)
         bags = []
+        refused = []
         for bag_id, bag_rows in rows.items():
             try:
                 bag_rows.sort(key=lambda r: int(r["slice_index"]))
@@ -300,9 +303,10 @@ class BagIndex:
                     **first, "slice_paths": [r["path"] for r in bag_rows],
                     "slice_labels": labels if has_labels else None, "modality": first.get("modality") or "CT",
                 }))
-            except ValueError as err:
-                raise ValueError(f"{printable(path)}: bag {bag_id!r}: {err}") from err
-        return cls(bags)
+            except (KeyError, TypeError, ValueError) as err:  # as from_json_dict: that bag is refused, the others kept
+                refused.append(ReportEntry(bag_id, printable(path), f"the {len(bag_rows)} rows of this bag in the saved index "
+                                                                    f"(from line {first_line[bag_id]}) are malformed ({err}); left out"))
+        return cls(bags, refused=refused)
 
 
 def bag_from_headers(

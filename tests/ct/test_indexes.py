@@ -243,3 +243,28 @@ def test_cq500_series_rule_uses_the_same_tilt_limit_and_option_as_every_layout(t
     assert choose_series([sagittal, bone], allow_non_axial=True) == bone
     assert choose_series([sagittal], allow_non_axial=False) is None
     assert SeriesPolicy().max_tilt_deg >= 30
+
+
+def test_csv_index_refuses_a_damaged_bag_and_keeps_the_others(rsna_synth: SyntheticDataset, tmp_path: Path) -> None:
+    """A damaged bag in a saved CSV index (a slice label edited to 2, a slice_index that is not a number)
+    must be refused with the file, the line and the reason, and every other bag loaded unchanged, as
+    a JSON index does (docs: 'a damaged bag entry is left out'). Before, one damaged bag failed the
+    whole load."""
+    index = index_rsna(rsna_synth.image_dir, rsna_synth.labels_csv)
+    path = tmp_path / "index.csv"
+    index.save(path)
+    lines = path.read_text().splitlines()
+    header = lines[0].split(",")
+    damaged = {index.bags[0].bag_id: ("slice_label", "2"), index.bags[1].bag_id: ("slice_index", "x")}
+    for k, line in enumerate(lines[1:], start=1):
+        cells = line.split(",")
+        if cells[0] in damaged:
+            column, value = damaged.pop(cells[0])
+            cells[header.index(column)] = value
+            lines[k] = ",".join(cells)
+    path.write_text("\n".join(lines) + "\n")
+    loaded = BagIndex.load(path)
+    assert loaded.bags == index.bags[2:]  # label_from_slices and the rest round-trip
+    assert [e.bag_id for e in loaded.refused] == index.bag_ids[:2]
+    assert all(e.path == str(path) and "left out" in e.reason and "from line" in e.reason for e in loaded.refused)
+    assert "slice label 2 is not 0 or 1" in loaded.refused[0].reason
