@@ -39,6 +39,7 @@ def _folder_bytes(folder: Path, pattern: str) -> int:
 
 def run(scans: int, slices: tuple[int, int], source_size: int, cache_size: int, workers: Sequence[int], workdir: Path) -> dict:
     """Write the dataset into ``workdir``, cache it once per worker count, and return the results dict."""
+    shutil.rmtree(workdir / "dicom", ignore_errors=True)  # the writer refuses a non-empty folder
     t0 = time.perf_counter()
     ds = write_rsna_dataset(workdir / "dicom", n_scans=scans, slices=slices, size=source_size, seed=0)
     synth_s = time.perf_counter() - t0

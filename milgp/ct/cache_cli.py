@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rebuild corrupt or stale bags from the recorded sources, drop what cannot be rebuilt from the manifest and splits")
     _add_run_options(p, "rebuilding")
     p = sub.add_parser("synthetic", help="write a synthetic head-CT dataset as real DICOM files")
-    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--out", required=True, type=Path, help="output folder (new or empty: an existing dataset is never written into)")
     p.add_argument("--layout", choices=("rsna", "cq500", "generic"), default="rsna")
     p.add_argument("--scans", type=int, default=20, help="number of scans/studies/bags (default 20)")
     p.add_argument("--slices", type=int, nargs=2, default=(10, 14), metavar=("MIN", "MAX"), help="slices per scan (default 10 14)")

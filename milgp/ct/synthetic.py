@@ -20,6 +20,7 @@ from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, PYDICOM_IMPLEMENTATION_UID, generate_uid
 
 from milgp.data.atomic import atomic_write_text
+from milgp.ct.report_entry import printable
 from milgp.ct.rsna import RSNA_SUBTYPES
 
 __all__ = [
@@ -291,10 +292,18 @@ def _random_names(rng: np.random.Generator, count: int, prefix: str, used: set[s
 
 
 def _start(
-    n: int, slices: tuple[int, int], size: int, prevalence: float, seed: int
+    root: str | os.PathLike[str], n: int, slices: tuple[int, int], size: int, prevalence: float, seed: int
 ) -> tuple[np.random.Generator, np.ndarray]:
     """Check the arguments every writer takes; ``(rng, positive (n,) bool)``: the seeded generator
-    and which scans get a lesion (``prevalence · n`` of them, rounded)."""
+    and which scans get a lesion (``prevalence · n`` of them, rounded).
+
+    ``root`` must be new or an empty folder: written into an existing dataset, the new series
+    would mix with its series and the label files would be replaced, silently."""
+    path = Path(root)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        what = "is not a folder" if not path.is_dir() else "is not empty"
+        raise ValueError(f"{printable(path)}: {what}; a synthetic dataset is written into a new or empty folder only "
+                         "(writing into an existing dataset would mix its series and replace its label files)")
     if n < 1:
         raise ValueError(f"need at least one scan, got {n}")
     if not 1 <= slices[0] <= slices[1]:
@@ -331,7 +340,7 @@ def write_rsna_dataset(
     """Write an RSNA-style dataset: ``root/stage_2_train/ID_<hex>.dcm`` + ``root/stage_2_train.csv``.
 
     Args:
-        root: output folder (created).
+        root: output folder (created; must be new or empty).
         n_scans: number of series.
         slices: ``(min, max)`` slices per scan at the standard 5 mm spacing, inclusive.
         size: image height = width in pixels.
@@ -350,7 +359,7 @@ def write_rsna_dataset(
     """
     if slice_factor < 1:
         raise ValueError(f"slice_factor must be a positive integer, got {slice_factor}")
-    rng, positive = _start(n_scans, slices, size, prevalence, seed)
+    rng, positive = _start(root, n_scans, slices, size, prevalence, seed)
     n_patients = n_scans if n_patients is None else n_patients
     root_path = Path(root)
     image_dir = root_path / "stage_2_train"
@@ -404,7 +413,7 @@ def write_cq500_dataset(
     Returns:
         The ground truth of the ``CT 5mm`` series; ``bag_id`` = ``CQ500-CT-<n>``.
     """
-    rng, positive = _start(n_studies, slices, size, prevalence, seed)
+    rng, positive = _start(root, n_studies, slices, size, prevalence, seed)
     root_path = Path(root)
     scans: list[SyntheticScan] = []
     reads = io.StringIO()
@@ -457,7 +466,7 @@ def write_generic_dataset(
     Returns:
         The ground truth; ``bag_id`` = the folder name ``scan_<i>``.
     """
-    rng, positive = _start(n_bags, slices, size, prevalence, seed)
+    rng, positive = _start(root, n_bags, slices, size, prevalence, seed)
     n_patients = n_bags if n_patients is None else n_patients
     root_path = Path(root)
     bags_dir = root_path / "bags"

@@ -11,7 +11,7 @@ import pytest
 from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian
 
 from milgp.ct.hounsfield import read_hu
-from milgp.ct.synthetic import SyntheticDataset, write_rsna_dataset
+from milgp.ct.synthetic import SyntheticDataset, write_cq500_dataset, write_generic_dataset, write_rsna_dataset
 
 
 def test_files_are_valid_ct_image_storage(rsna_synth: SyntheticDataset) -> None:
@@ -109,3 +109,27 @@ def test_slice_factor_samples_the_same_head_and_lesion_more_finely(tmp_path: Pat
     assert abs(np.mean(t.slice_labels) - np.mean(c.slice_labels)) <= 1.0 / 8
     with pytest.raises(ValueError, match="slice_factor"):
         write_rsna_dataset(tmp_path / "bad", n_scans=1, slices=(2, 2), size=16, slice_factor=0)
+
+
+@pytest.mark.parametrize("layout", ["rsna", "cq500", "generic"])
+def test_writer_refuses_a_folder_that_is_not_empty(layout: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Writing a synthetic dataset into a folder that already holds one must be refused in one line,
+    leaving every file as it was (the library writers and `milgp-cache synthetic`); a new or empty
+    folder is written. Before, the second write mixed its series into the first and replaced the
+    label files."""
+    from milgp.ct.cache_cli import main
+
+    root = tmp_path / "data"
+    args = ["synthetic", "--layout", layout, "--out", str(root), "--scans", "2", "--slices", "2", "2", "--size", "16"]
+    assert main(args) == 0
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*args, "--seed", "9"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not empty" in err and str(root) in err
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+    writer = {"rsna": write_rsna_dataset, "cq500": write_cq500_dataset, "generic": write_generic_dataset}[layout]
+    with pytest.raises(ValueError, match="is not empty"):
+        writer(root, 2, slices=(2, 2), size=16, seed=9)
+    (tmp_path / "empty").mkdir()
+    assert len(writer(tmp_path / "empty", 2, slices=(2, 2), size=16).scans) == 2
