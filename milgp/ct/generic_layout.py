@@ -64,11 +64,17 @@ def read_bag_labels(
     return {k: v for k, v in out.items() if k not in invalid}, invalid, unattributed
 
 
-def read_slice_labels(slice_labels_csv: str | os.PathLike[str]) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
+def read_slice_labels(
+    slice_labels_csv: str | os.PathLike[str], rule: LabelRule = LabelRule()
+) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
     """Slice labels from a ``bag_id,file,label`` CSV (``file`` relative to the bag folder).
 
+    Slice labels are MIL instance labels: read by a binary :class:`LabelRule` with the entries of
+    ``rule.mapping`` that map to 0 or 1 (so ``--label-map yes=1,no=0`` and ``1.0`` read as they
+    do for bag labels, with any ``--target``).
+
     Returns:
-        ``({bag_id: {file: 0/1}}, {bag_id: reason})``: a bag with a label other than 0/1 or
+        ``({bag_id: {file: 0/1}}, {bag_id: reason})``: a bag with a label the rule refuses or
         conflicting duplicate rows is invalid (the reason names the file and line).
 
     Raises:
@@ -77,15 +83,18 @@ def read_slice_labels(slice_labels_csv: str | os.PathLike[str]) -> tuple[dict[st
     name = printable(slice_labels_csv)
     out: dict[str, dict[str, int]] = {}
     invalid: dict[str, str] = {}
+    binary = LabelRule("binary", {k: v for k, v in rule.mapping.items() if v in (0.0, 1.0)})
     for line, row in read_csv_rows(slice_labels_csv, ("bag_id", "file", "label")):
-        bag_id, file, value = row["bag_id"], Path(row["file"]).as_posix(), row["label"]
-        if value not in ("0", "1"):
-            invalid.setdefault(bag_id, f"{name}, line {line}: slice label {value!r} of {bag_id}/{file} is not 0 or 1")
+        bag_id, file = row["bag_id"], Path(row["file"]).as_posix()
+        try:
+            value = int(binary.parse(row["label"]))
+        except ValueError as err:
+            invalid.setdefault(bag_id, f"{name}, line {line}: slice {bag_id}/{file}: {err}")
             continue
         per_bag = out.setdefault(bag_id, {})
-        if file in per_bag and per_bag[file] != int(value):
+        if file in per_bag and per_bag[file] != value:
             invalid.setdefault(bag_id, f"{name}, line {line}: conflicting labels for slice {bag_id}/{file}")
-        per_bag[file] = int(value)
+        per_bag[file] = value
     return out, invalid
 
 
@@ -106,7 +115,8 @@ def index_generic(
         slice_labels_csv: optional slice labels (:func:`read_slice_labels`); when given, every
             kept slice of a bag needs a row.
         workers, progress: header-reading processes and progress bar (:func:`milgp.ct.dicom.read_headers`).
-        rule: bag-label validation (``LabelRule("aggregate")`` for aggregate targets).
+        rule: bag-label validation (``LabelRule("aggregate")`` for aggregate targets); its
+            mapping reads slice labels too (:func:`read_slice_labels`).
         policy: what a series may contain.
 
     Returns:
@@ -121,7 +131,7 @@ def index_generic(
     if not root_path.is_dir():
         raise ValueError(f"{printable(root)}: not a folder")
     bag_labels, invalid, unattributed = read_bag_labels(labels_csv, rule)
-    slice_labels, invalid_slices = read_slice_labels(slice_labels_csv) if slice_labels_csv is not None else (None, {})
+    slice_labels, invalid_slices = read_slice_labels(slice_labels_csv, rule) if slice_labels_csv is not None else (None, {})
     listed = set(bag_labels) | set(invalid)
     skipped = [ReportEntry("", str(labels_csv), r) for r in unattributed]
     skipped += [

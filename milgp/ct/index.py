@@ -334,7 +334,8 @@ def bag_from_headers(
 
     Raises:
         ValueError: naming the bag and files when the series is refused
-            (:class:`~milgp.ct.series_check.SeriesRefused`) or a kept slice has no label.
+            (:class:`~milgp.ct.series_check.SeriesRefused`), a kept slice has no label, or a
+            given bag label 0 contradicts a kept slice labelled 1.
     """
     checked = check_series(headers, bag_id, policy)
     paths = tuple(h.path for h in checked.headers)
@@ -347,6 +348,12 @@ def bag_from_headers(
                 f"({len(missing)} of {len(paths)} slices lack one)"
             )
         labels = tuple(int(slice_labels_by_path[p]) for p in paths)
+        positive = [p for p, v in zip(paths, labels) if v]
+        if bag_label is not None and bag_label == 0 and positive:
+            raise ValueError(
+                f"bag {printable(bag_id)}: bag label 0 contradicts its slice labels: {len(positive)} of its {len(paths)} "
+                f"slices are labelled 1 (e.g. {printable(positive[0])}); a bag with a positive slice is positive"
+            )
     derived = bag_label is None
     if derived:
         if labels is None:

@@ -268,3 +268,46 @@ def test_csv_index_refuses_a_damaged_bag_and_keeps_the_others(rsna_synth: Synthe
     assert [e.bag_id for e in loaded.refused] == index.bag_ids[:2]
     assert all(e.path == str(path) and "left out" in e.reason and "from line" in e.reason for e in loaded.refused)
     assert "slice label 2 is not 0 or 1" in loaded.refused[0].reason
+
+
+def test_generic_slice_labels_follow_the_label_rule(tmp_path: Path) -> None:
+    """Slice labels must be read by the same rule as bag labels: with --label-map yes=1,no=0 'yes'/'no'
+    slice labels index (and '1.0' reads as 1). Before, only the text '0'/'1' was accepted for slices,
+    so every bag was refused while its bag label was accepted."""
+    from milgp.ct.label_rule import LabelRule
+
+    ds = write_generic_dataset(tmp_path / "gen", n_bags=2, slices=(3, 4), size=16, seed=4)
+    truth = {s.bag_id: s for s in ds.scans}
+    words = {"1": "YES", "0": "no"}
+    bags = tmp_path / "labels_yes.csv"
+    bags.write_text("".join(l[:-1] + words[l[-1]] + "\n" if l[-1] in words else l + "\n" for l in Path(ds.labels_csv).read_text().splitlines()))
+    rows = Path(ds.slice_labels_csv).read_text().splitlines()
+    slices = tmp_path / "slices_yes.csv"
+    slices.write_text(rows[0] + "\n" + "".join(r[:-1] + words[r[-1]] + "\n" for r in rows[1:]))
+    index = index_generic(ds.image_dir, bags, slices, rule=LabelRule("binary", {"yes": 1, "no": 0}))
+    assert not index.refused and len(index) == 2
+    for bag in index.bags:
+        assert bag.slice_labels == truth[bag.bag_id].slice_labels and bag.bag_label == truth[bag.bag_id].bag_label
+    floats = tmp_path / "slices_float.csv"
+    floats.write_text(rows[0] + "\n" + "".join(r + ".0\n" for r in rows[1:]))
+    assert len(index_generic(ds.image_dir, ds.labels_csv, floats)) == 2
+    bad = tmp_path / "slices_bad.csv"
+    bad.write_text(rows[0] + "\n" + "".join(r[:-1] + "2\n" for r in rows[1:]))
+    refused = index_generic(ds.image_dir, ds.labels_csv, bad).refused
+    assert len(refused) == 2 and all("slices_bad.csv, line" in e.reason and "'2'" in e.reason for e in refused)
+
+
+def test_generic_bag_label_0_with_a_positive_slice_is_refused(tmp_path: Path) -> None:
+    """A bag labelled 0 whose slice labels hold a 1 contradicts itself (MIL: a bag with a positive
+    instance is positive): it must be refused with one line naming the bag and a positive slice,
+    the other bags indexed. Before, it was cached as a negative bag with positive slices."""
+    ds = write_generic_dataset(tmp_path / "gen", n_bags=3, slices=(3, 4), size=16, seed=4, prevalence=0.4)
+    positive = next(s for s in ds.scans if s.bag_label == 1)
+    labels = tmp_path / "contra.csv"
+    labels.write_text(Path(ds.labels_csv).read_text().replace(f"{positive.bag_id},1,", f"{positive.bag_id},0,"))
+    index = index_generic(ds.image_dir, labels, ds.slice_labels_csv)
+    assert positive.bag_id not in index.bag_ids and len(index) == 2
+    (entry,) = index.refused
+    assert entry.bag_id == positive.bag_id and "bag label 0 contradicts its slice labels" in entry.reason
+    first = next(p for p, v in zip(positive.paths, positive.slice_labels) if v)
+    assert os.path.basename(first) in entry.reason and "\n" not in entry.reason
