@@ -9,7 +9,6 @@ acquisitions; duplicates at one position; alternating spacing and gaps) are list
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -79,8 +78,8 @@ def order_slices(headers: Sequence[SliceHeader], series_name: str = "") -> tuple
 
     With geometry on every slice: position ``= ImagePositionPatient · n`` where ``n`` is the slice
     normal (:func:`slice_normal`) of the first slice, sorted ascending (ties broken by
-    InstanceNumber). Otherwise, InstanceNumber ascending, with a ``UserWarning`` naming the
-    series.
+    InstanceNumber). Otherwise, InstanceNumber ascending (:func:`check_series` reports it as a
+    warning of the series).
 
     Args:
         headers: the slices of one series.
@@ -120,12 +119,6 @@ def order_slices(headers: Sequence[SliceHeader], series_name: str = "") -> tuple
             f"series {series_name!r} cannot be ordered: geometry (ImagePositionPatient/"
             f"ImageOrientationPatient) and InstanceNumber are both missing, e.g. in {printable(missing)}"
         )
-    warnings.warn(
-        f"series {series_name!r}: ImagePositionPatient/ImageOrientationPatient missing on some slices; "
-        "ordering by InstanceNumber instead of geometry",
-        UserWarning,
-        stacklevel=2,
-    )
     order = np.argsort(inst, kind="stable")
     return [int(i) for i in order], inst[order], "instance_number"
 
@@ -259,6 +252,13 @@ def check_series(headers: Sequence[SliceHeader], bag_id: str, policy: SeriesPoli
         _check_acquisitions(ordered, positions, name, policy)
     ordered, positions, copies = _deduplicate(ordered, positions, name, bag_id, policy)
     found = _check_spacing(ordered, positions, name, bag_id, policy) if ordering == "geometry" else []
+    if ordering == "instance_number":  # a report warning, as every finding of the check (a UserWarning from load_series)
+        flat = [h for h in ordered if h.position is None or h.orientation is None]
+        found.insert(0, ReportEntry(
+            bag_id, flat[0].path,
+            f"ImagePositionPatient/ImageOrientationPatient missing on {len(flat)} of {len(ordered)} slices (e.g. this one): "
+            "ordered by InstanceNumber instead of geometry",
+        ))
     anonymous = [h for h in ordered if not h.series_uid]
     if anonymous:  # a required tag: without it two series in one folder cannot be told apart
         found.insert(0, ReportEntry(
