@@ -66,7 +66,7 @@ def read_cq500_labels(
         ``(labels, invalid, unattributed)``: ``{study number: (name as in the file, label
         0.0/1.0)}`` with label = 1 when at least two of :data:`CQ500_READERS` say 1; ``{study
         number: reason}`` for studies whose reads ``rule`` refuses or that are listed twice with
-        different reads; reasons for rows whose name is not a CQ500 study. Reasons name the file
+        different reads (any of the three, even when the majority agrees); reasons for rows whose name is not a CQ500 study. Reasons name the file
         and line.
 
     Raises:
@@ -76,6 +76,7 @@ def read_cq500_labels(
         raise ValueError(f"CQ500 reads are binary, not {rule.target!r} targets")
     name = printable(reads_csv)
     out: dict[int, tuple[str, float]] = {}
+    reads_of: dict[int, list[float]] = {}
     line_of: dict[int, int] = {}
     invalid: dict[int, str] = {}
     unattributed: list[str] = []
@@ -90,11 +91,12 @@ def read_cq500_labels(
         except ValueError as err:
             invalid.setdefault(number, f"{name}, line {line}: study {row['name']}: {err}")
             continue
-        entry = (row["name"], float(sum(votes) >= 2))
-        if number in out and out[number][1] != entry[1]:
-            invalid.setdefault(number, f"{name}: study {row['name']} is listed twice with different reads (lines {line_of[number]} and {line})")
+        if number in out and reads_of[number] != votes:  # the reads, not only their majority: one of the rows is wrong
+            invalid.setdefault(number, f"{name}: study {row['name']} is listed twice with different reads (lines {line_of[number]} "
+                                       f"and {line}: {'/'.join(f'{v:g}' for v in reads_of[number])} vs {'/'.join(f'{v:g}' for v in votes)})")
         line_of.setdefault(number, line)
-        out.setdefault(number, entry)
+        reads_of.setdefault(number, votes)
+        out.setdefault(number, (row["name"], float(sum(votes) >= 2)))
     return {k: v for k, v in out.items() if k not in invalid}, invalid, unattributed
 
 

@@ -311,3 +311,18 @@ def test_generic_bag_label_0_with_a_positive_slice_is_refused(tmp_path: Path) ->
     assert entry.bag_id == positive.bag_id and "bag label 0 contradicts its slice labels" in entry.reason
     first = next(p for p, v in zip(positive.paths, positive.slice_labels) if v)
     assert os.path.basename(first) in entry.reason and "\n" not in entry.reason
+
+
+def test_cq500_study_listed_twice_with_different_reads_is_refused(tmp_path: Path) -> None:
+    """A study listed twice with different reads must be refused even when both rows give the same
+    majority (docs: 'study listed twice with different reads: that study refused'); an identical
+    repeated row is merged. Before, only a different majority was refused."""
+    from milgp.ct.cq500 import read_cq500_labels
+
+    reads = tmp_path / "reads.csv"
+    reads.write_text("name,Category,R1:ICH,R2:ICH,R3:ICH\n"
+                     "CQ500-CT-0,x,1,0,1\nCQ500-CT-0,x,1,1,1\n"      # same majority, different reads
+                     "CQ500-CT-1,x,0,0,1\nCQ500-CT-1,x,0,0,1\n")     # identical rows
+    labels, invalid, _ = read_cq500_labels(reads)
+    assert labels == {1: ("CQ500-CT-1", 0.0)}
+    assert set(invalid) == {0} and "listed twice with different reads (lines 2 and 3" in invalid[0]
