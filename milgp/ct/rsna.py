@@ -103,7 +103,8 @@ def index_rsna(
     Returns:
         A :class:`BagIndex`: ``bag_id`` = SeriesInstanceUID, ``patient_id`` = PatientID, slices
         ordered along the scan axis, slice labels = ``any``, bag label = max of slice labels.
-        Unreadable files are listed in ``skipped``; a series with an image whose label is invalid
+        Unreadable files are listed in ``skipped``; label rows of images that have no file, one
+        warning (their count and a few image ids); a series with an image whose label is invalid
         or missing, or that :func:`milgp.ct.series_check.check_series` refuses, is left out whole
         and listed in ``refused``, so that no bag is ever half present.
 
@@ -125,6 +126,14 @@ def index_rsna(
             continue
         by_series.setdefault(h.series_uid, []).append(h)
     index = BagIndex([], skipped)
+    found = {f.stem for f in files}
+    orphans = sorted(image_id for image_id in (*labels, *invalid) if image_id not in found)
+    if orphans:  # nothing is left out for them, but a label file for other images, or lost files, should be seen
+        shown = ", ".join(orphans[:3]) + (f" and {len(orphans) - 3} more" if len(orphans) > 3 else "")
+        index.warnings.append(ReportEntry(
+            "", str(labels_csv), f"{len(orphans)} images have rows in the label file but no file {printable(image_dir)}/<image>.dcm "
+                                 f"({printable(shown)}); their rows are not used",
+        ))
     for series_uid in sorted(by_series):
         series = by_series[series_uid]
         unlabelled = [h for h in series if Path(h.path).stem not in labels]

@@ -326,3 +326,16 @@ def test_cq500_study_listed_twice_with_different_reads_is_refused(tmp_path: Path
     labels, invalid, _ = read_cq500_labels(reads)
     assert labels == {1: ("CQ500-CT-1", 0.0)}
     assert set(invalid) == {0} and "listed twice with different reads (lines 2 and 3" in invalid[0]
+
+
+def test_rsna_label_rows_without_an_image_are_reported(rsna_copy: SyntheticDataset) -> None:
+    """Label rows whose ID names an image with no file must be reported (docs: 'a row whose ID names no
+    image is reported'): one warning with their count and examples, nothing refused, every series
+    indexed as before. Before, they were ignored without a word."""
+    with open(rsna_copy.labels_csv, "a") as fh:
+        fh.write("".join(f"ID_deadbeef{k}_any,1\nID_deadbeef{k}_epidural,1\n" for k in range(5)))
+    index = index_rsna(rsna_copy.image_dir, rsna_copy.labels_csv)
+    assert len(index) == len(rsna_copy.scans) and not index.refused and not index.skipped
+    (entry,) = index.warnings
+    assert entry.path == rsna_copy.labels_csv and entry.reason.startswith("5 images have rows in the label file but no file")
+    assert "ID_deadbeef0, ID_deadbeef1, ID_deadbeef2 and 2 more" in entry.reason
