@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 import os
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -15,11 +16,11 @@ import torch
 from torch import Tensor
 
 from milgp.ct.augment import BagAugment
-from milgp.ct.cache import CacheCorruptError, CTCache, repair_hint
+from milgp.ct.cache import CacheCorruptError, CTCache, read_manifest, repair_hint
 from milgp.ct.index import read_splits
 from milgp.ct.report_entry import printable
 
-__all__ = ["CTBagDataset", "uniform_subsample"]
+__all__ = ["CTBagDataset", "SplitNotCachedError", "uniform_subsample"]
 
 
 def uniform_subsample(num_slices: int, max_slices: int | None) -> np.ndarray:
@@ -39,6 +40,13 @@ def uniform_subsample(num_slices: int, max_slices: int | None) -> np.ndarray:
         return np.array([num_slices // 2], dtype=np.int64)
     # floor(x + 0.5) (not banker's rounding) keeps indices distinct when the spacing is >= 1
     return np.floor(np.linspace(0, num_slices - 1, max_slices) + 0.5).astype(np.int64)
+
+
+class SplitNotCachedError(CacheCorruptError, KeyError):
+    """``splits.json`` lists bags of a split that the cache's manifest lacks (a ``KeyError`` too, as
+    the error was before); its message is one line, not a quoted ``KeyError`` text."""
+
+    __str__ = BaseException.__str__
 
 
 class CTBagDataset(torch.utils.data.Dataset):
@@ -75,11 +83,26 @@ class CTBagDataset(torch.utils.data.Dataset):
 
     @classmethod
     def from_split(cls, cache_dir: str | os.PathLike[str], split: str, **kwargs) -> "CTBagDataset":
-        """The bags of one split from ``cache_dir/splits.json`` (written by ``milgp-cache --splits``)."""
+        """The bags of one split from ``cache_dir/splits.json`` (written by ``milgp-cache --splits``).
+
+        Raises:
+            KeyError: naming the file when it has no such split.
+            SplitNotCachedError: one line naming the split, the count and a bag, when the split
+                lists bags the manifest lacks.
+        """
         path = os.path.join(cache_dir, "splits.json")
         splits = read_splits(path)
         if split not in splits:
             raise KeyError(f"{printable(path)} has no split {split!r} (it has {sorted(splits)})")
+        cached = {e.bag_id for e in read_manifest(cache_dir)}
+        missing = [b for b in splits[split] if b not in cached]
+        if missing:
+            raise SplitNotCachedError(
+                f"{printable(path)}: split {split!r} lists {len(missing)} of its {len(splits[split])} bags that "
+                f"{printable(os.path.join(cache_dir, 'manifest.json'))} lacks (e.g. {printable(missing[0])!r}; an interrupted "
+                f"or failed run cut the manifest): rerun the milgp-cache command to finish the build, or "
+                f"{repair_hint(Path(cache_dir))} (which also takes them out of splits.json)"
+            )
         return cls(cache_dir, bag_ids=splits[split], **kwargs)
 
     def __len__(self) -> int:

@@ -158,3 +158,37 @@ def test_set_epoch_reaches_persistent_dataloader_workers(rsna_cache: str) -> Non
     second = next(iter(loader)).x
     assert not torch.equal(first, second)
     torch.testing.assert_close(second, ds[0][0])
+
+
+def test_split_with_bags_the_manifest_lacks_is_one_line(rsna_synth, tmp_path: Path) -> None:
+    """After an interrupted rerun cut the manifest, from_split must say in one line which split lists
+    bags the manifest lacks, how many, one of them, and how to repair (a ValueError, and still a
+    KeyError). Before, it was a bare KeyError from the first missing bag, quoted, naming no split."""
+    import shutil
+
+    from milgp.ct.cache import CacheCorruptError
+    from milgp.ct.dataset import SplitNotCachedError
+
+    cache = tmp_path / "cache"
+    shutil.copytree(_rsna_cache_dir(rsna_synth, tmp_path), cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    ids = [b["bag_id"] for b in manifest["bags"]]
+    (cache / "splits.json").write_text(json.dumps({"train": ids[:4], "val": ids[4:6], "test": ids[6:]}))
+    manifest["bags"] = manifest["bags"][:5]  # the rerun was interrupted before it listed the others
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert CTBagDataset.from_split(cache, "train").bag_ids == ids[:4]
+    with pytest.raises(SplitNotCachedError) as exc:
+        CTBagDataset.from_split(cache, "val")
+    assert isinstance(exc.value, CacheCorruptError) and isinstance(exc.value, KeyError)
+    text = str(exc.value)
+    assert "\n" not in text and not text.startswith(("'", '"'))
+    assert "split 'val' lists 1 of its 2 bags" in text and repr(ids[5]) in text and "verify" in text
+
+
+def _rsna_cache_dir(rsna_synth, tmp_path: Path) -> Path:
+    from milgp.ct.cache import CacheParams, build_cache
+    from milgp.ct.rsna import index_rsna
+
+    out = tmp_path / "built"
+    build_cache(index_rsna(rsna_synth.image_dir, rsna_synth.labels_csv), out, CacheParams(size=8), progress=False)
+    return out
