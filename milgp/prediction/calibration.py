@@ -25,9 +25,18 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["BagCalibrator", "cross_fitted_calibration", "stratified_folds"]
+__all__ = ["BagCalibrator", "cap_probability_std", "cross_fitted_calibration", "stratified_folds"]
 
 _EPS = 1e-9
+
+
+def cap_probability_std(p: Tensor, std: Tensor) -> Tensor:
+    """``std`` capped at ``sqrt(p(1 − p))``, the largest standard deviation of any quantity in
+    ``[0, 1]`` with mean ``p`` (its variance is at most ``E[q] − E[q]² = p(1 − p)``, as ``q² ≤ q``
+    there). A std carried through a probability map by a linearisation (the delta method of
+    :class:`BagCalibrator`) or a finite difference (:class:`~milgp.prediction.InstanceCalibrator`)
+    can overshoot it where the map is steep or the input std wide."""
+    return torch.minimum(std, (p * (1 - p)).clamp_min(0).sqrt())
 
 
 def _logit(p: Tensor) -> Tensor:
@@ -93,8 +102,7 @@ class BagCalibrator(torch.nn.Module):
         if std is None:
             return p_cal.to(p.dtype), None
         sc = s.clamp(_EPS, 1 - _EPS)
-        bound = (p_cal * (1 - p_cal)).sqrt()  # the largest std of any probability with mean p_cal
-        std_cal = torch.minimum(a * p_cal * (1 - p_cal) / (sc * (1 - sc)) * std.to(torch.float64), bound)
+        std_cal = cap_probability_std(p_cal, a * p_cal * (1 - p_cal) / (sc * (1 - sc)) * std.to(torch.float64))
         return p_cal.to(p.dtype), std_cal.to(std.dtype)
 
     def extra_repr(self) -> str:

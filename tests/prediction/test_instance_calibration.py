@@ -76,3 +76,20 @@ def test_a_negative_or_nan_std_is_refused_by_instance():
     for bad in (-0.3, float("nan")):
         with pytest.raises(ValueError, match=r"^instance 1 has std .*; a standard deviation must be >= 0"):
             cal(score, torch.tensor([0.1, bad], dtype=torch.float64))
+
+
+def test_std_is_at_most_the_largest_std_of_a_probability():
+    """A probability with mean p has std at most sqrt(p(1 − p)). The map 0 up to score 0.2, 1 from
+    0.8, linear between: a score 0.25 ± 0.6 maps to p̃ = 1/12 while its half spread
+    (p̃(0.85) − p̃(0)) / 2 is 0.5, above sqrt(p̃(1 − p̃)) ≈ 0.276. If this fails, the half spread was
+    returned uncapped (G-VGPMIL on notebook 01's digits bags showed p = 0.11 ± 0.40). A std within the
+    bound must come back as the half spread, unchanged."""
+    cal = InstanceCalibrator().fit(torch.tensor([0.1, 0.2, 0.8, 0.9], dtype=torch.float64),
+                                   torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=torch.float64))
+    p, sd = cal(torch.tensor([0.25, 0.5], dtype=torch.float64), torch.tensor([0.6, 0.05], dtype=torch.float64))
+    torch.testing.assert_close(p, torch.tensor([1 / 12, 0.5], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(sd, torch.tensor([(1 / 12 * 11 / 12) ** 0.5, 0.05 / 0.6], dtype=torch.float64), rtol=0, atol=1e-12)
+    rng = np.random.default_rng(0)
+    score, std = torch.tensor(rng.random(2000)), torch.tensor(rng.random(2000) * 0.5)
+    p, sd = cal(score, std)
+    assert (sd <= (p * (1 - p)).sqrt() + 1e-15).all() and (sd >= 0).all()
