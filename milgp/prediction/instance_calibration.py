@@ -21,8 +21,7 @@ like the score) is carried through the map as its half spread over ``s ± σ``,
 quantity in ``[0, 1]`` with mean ``p̃(s)`` (:func:`~milgp.prediction.calibration.cap_probability_std`,
 the cap of the bag calibration too). The half spread is a finite difference, not a std of a
 probability with mean ``p̃(s)``: where ``p̃`` rises steeply between ``s − σ`` and ``s + σ`` away
-from ``s`` it exceeds that bound (G-VGPMIL on notebook 01's digits bags: 384 of 500 test
-instances, e.g. ``p̃ = 0.11 ± 0.40``).
+from ``s`` it exceeds that bound.
 """
 from __future__ import annotations
 
