@@ -115,7 +115,8 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     Raises a ``ValueError`` naming the file (and the bag) when its bags cannot be told apart — a bag
     id given twice, a CSV bag whose rows are not together, a slice index repeated within a bag, rows
     of no bag or a bag without rows — when a CSV's feature columns are not ``f0 … f{D−1}`` (they are
-    read by name, in any order), or when a CSV value is beyond float32, in which features are kept.
+    read by name, in any order), or when a feature value is beyond float32, in which features are
+    kept (an ``.npz`` may store them as float64: they are returned as float32).
     """
     path = Path(path)
     if path.suffix == ".npz":
@@ -131,6 +132,13 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
                 splits=[str(s) for s in z["splits"]],
             )
         _check_bags(path, table)
+        beyond = np.argwhere(_beyond_float32(table.features))
+        if len(beyond):
+            r, j = (int(i) for i in beyond[0])
+            b = int(table.bag_index[r])
+            raise ValueError(f"{path}: bag {table.bag_ids[b]!r}, slice_index {int(table.slice_index[r])}, field f{j} = "
+                             f"{table.features[r, j]:.3g} is beyond float32, in which features are kept")
+        table.features = table.features.astype(np.float32)
         return table
     if path.suffix != ".csv":
         raise ValueError(f"{path}: feature files must end in .npz or .csv")
@@ -148,8 +156,8 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
         lab = row.get("instance_label", "")
         k = int(row["slice_index"]) if "slice_index" in row else len(bag["rows"])
         values = np.array([float(row[c]) for c in fcols])
-        if (np.abs(values) > np.finfo(np.float32).max).any():
-            j = int(np.argmax(np.abs(values) > np.finfo(np.float32).max))
+        if _beyond_float32(values).any():
+            j = int(np.argmax(_beyond_float32(values)))
             raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} field f{j} = {values[j]:.3g} is beyond float32, in which features are kept")
         bag["rows"].append((k, np.nan if lab == "" else float(lab), values))
     ids = list(per_bag)
@@ -164,6 +172,15 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     # checked with the file's own slice indices (the table renumbers each bag's rows 0..n_b-1)
     _check_bags(path, dataclasses.replace(table, slice_index=np.concatenate([sorted(r[0] for r in per_bag[b]["rows"]) for b in ids])))
     return table
+
+
+def _beyond_float32(values: np.ndarray) -> np.ndarray:
+    """Where ``values`` are finite but too large for float32, in which features are kept (they
+    would become ±inf; a non-finite value is left to the data module's finiteness check)."""
+    values = np.asarray(values)
+    if values.dtype.kind != "f" or values.dtype.itemsize <= 4:
+        return np.zeros(values.shape, bool)
+    return np.isfinite(values) & (np.abs(values) > np.finfo(np.float32).max)
 
 
 def _feature_columns(path: Path, columns: list[str]) -> list[str]:

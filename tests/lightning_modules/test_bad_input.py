@@ -42,6 +42,20 @@ def test_nan_feature_is_one_line_naming_file_bag_and_field_before_kmeans(tmp_pat
     assert str(tmp_path / "f.npz") in err and "'b05'" in err and "f3" in err
 
 
+def test_a_float64_feature_beyond_float32_is_one_line_naming_file_bag_and_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`milgp-train fit` on a float64 .npz holding 1e40 stops with exit status 2 and one line naming
+    the file, the bag and the field. It ended in a CholeskyError traceback."""
+    bags = feature_bags(num_bags=12)
+    _save(tmp_path, "f.npz", bags)
+    arrays = dict(np.load(tmp_path / "f.npz"))
+    arrays["features"] = arrays["features"].astype(np.float64)
+    arrays["features"][7, 1] = 1e40
+    np.savez(tmp_path / "f.npz", **arrays)
+    status, err = _fit_status(tmp_path, "f.npz", capsys)
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert str(tmp_path / "f.npz") in err and "bag 'b" in err and "f1 = 1e+40 is beyond float32" in err
+
+
 def test_bag_label_outside_zero_one_is_refused_naming_bag_and_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A MIL bag label 2.0 is refused with the bag and the file named (it trained silently)."""
     bags = feature_bags(num_bags=12)

@@ -90,6 +90,28 @@ def test_a_csv_value_beyond_float32_is_named_not_called_infinite(tmp_path: Path)
         load_features(_write(tmp_path / "big.csv", rows))
 
 
+def test_an_npz_value_beyond_float32_is_named_and_features_come_back_float32(tmp_path: Path) -> None:
+    """An ``.npz`` may hold float64 features; a finite 1e40 there must stop the load naming the file,
+    bag, slice and field, as in a CSV. Before, it passed every check: `milgp-train fit` ended in a
+    CholeskyError traceback and `milgp-predict` gave the scan p = 0.5 without a word."""
+    table = _table()
+    table.features = table.features.astype(np.float64)
+    save = dict(np.load(_npz(tmp_path / "ok.npz", table)))
+    save["features"] = table.features
+    np.savez(tmp_path / "f64.npz", **save)
+    assert load_features(tmp_path / "f64.npz").features.dtype == np.float32
+    save["features"] = table.features.copy()
+    save["features"][4, 2] = 1e40
+    np.savez(tmp_path / "big.npz", **save)
+    with pytest.raises(ValueError, match=r"big\.npz: bag 'b', slice_index 1, field f2 = 1e\+40 is beyond float32"):
+        load_features(tmp_path / "big.npz")
+
+
+def _npz(path: Path, table: FeatureTable) -> Path:
+    save_features(path, table)
+    return path
+
+
 def test_an_external_feature_file_is_tested_whole_with_test_split_all(tmp_path: Path) -> None:
     """A file without split names is split like a development set; ``test_split="all"`` scores
     every bag (before, ``milgp-train test`` on 20 external scans scored the 4 of its own split)."""
