@@ -10,6 +10,8 @@ import csv
 import dataclasses
 import io
 import os
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -116,21 +118,19 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     id given twice, a CSV bag whose rows are not together, a slice index repeated within a bag, rows
     of no bag or a bag without rows — when a CSV's feature columns are not ``f0 … f{D−1}`` (they are
     read by name, in any order), or when a feature value is beyond float32, in which features are
-    kept (an ``.npz`` may store them as float64: they are returned as float32).
+    kept (an ``.npz`` may store them as float64: they are returned as float32); and, naming the
+    array, when an ``.npz`` cannot be read (empty, truncated) or an array is missing or not of the
+    format's kind and dimensions.
     """
     path = Path(path)
     if path.suffix == ".npz":
-        with np.load(path, allow_pickle=False) as z:
-            if str(z["format"]) != FORMAT:
-                raise ValueError(f"{path}: not a milgp feature file (format {z['format']!r})")
-            if int(z["version"]) != VERSION:
-                raise ValueError(f"{path}: feature file version {int(z['version'])}, this milgp reads {VERSION}")
-            table = FeatureTable(
-                features=z["features"], bag_index=z["bag_index"], slice_index=z["slice_index"],
-                instance_labels=z["instance_labels"], bag_ids=[str(s) for s in z["bag_ids"]],
-                bag_labels=z["bag_labels"], patient_ids=[str(s) for s in z["patient_ids"]],
-                splits=[str(s) for s in z["splits"]],
-            )
+        z = _read_npz(path)
+        table = FeatureTable(
+            features=z["features"], bag_index=z["bag_index"].astype(np.int64), slice_index=z["slice_index"].astype(np.int64),
+            instance_labels=z["instance_labels"], bag_ids=[str(s) for s in z["bag_ids"]],
+            bag_labels=z["bag_labels"], patient_ids=[str(s) for s in z["patient_ids"]],
+            splits=[str(s) for s in z["splits"]],
+        )
         _check_bags(path, table)
         beyond = np.argwhere(_beyond_float32(table.features))
         if len(beyond):
@@ -172,6 +172,50 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     # checked with the file's own slice indices (the table renumbers each bag's rows 0..n_b-1)
     _check_bags(path, dataclasses.replace(table, slice_index=np.concatenate([sorted(r[0] for r in per_bag[b]["rows"]) for b in ids])))
     return table
+
+
+_NPZ_ARRAYS = {  # key: (dtype kinds accepted, ndim, as the README's table says it)
+    "format": ("U", 0, "str"), "version": ("iu", 0, "int"),
+    "features": ("fiu", 2, "float32 (N, D)"), "bag_index": ("iu", 1, "int64 (N,)"), "slice_index": ("iu", 1, "int64 (N,)"),
+    "instance_labels": ("fiu", 1, "float32 (N,)"), "bag_ids": ("U", 1, "str (B,)"), "bag_labels": ("fiu", 1, "float64 (B,)"),
+    "patient_ids": ("U", 1, "str (B,)"), "splits": ("U", 1, "str (B,)"),
+}
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` feature file, each of the kind and number of dimensions of the
+    format; ``ValueError`` naming the file (and the array) when it cannot be read or an array is
+    missing or of another kind (e.g. a float ``bag_index``, 1-d ``features``)."""
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: empty file (0 bytes), not an .npz feature file")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{path}: not an .npz feature file (not a zip archive of numpy arrays: truncated, or another kind of file)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            missing = [k for k in _NPZ_ARRAYS if k not in z.files]
+            if "format" not in missing and str(z["format"]) != FORMAT:
+                raise ValueError(f"{path}: not a milgp feature file (format {z['format']!r})")
+            if missing:
+                raise ValueError(f"{path}: array {missing[0]!r} is missing (a feature file holds {', '.join(_NPZ_ARRAYS)})")
+            arrays = {}
+            for key in _NPZ_ARRAYS:
+                try:
+                    arrays[key] = z[key]
+                except (OSError, EOFError, ValueError, zipfile.BadZipFile, zlib.error) as err:
+                    raise ValueError(f"{path}: array {key!r} cannot be read ({type(err).__name__}: {err})") from None
+    except (OSError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        raise ValueError(f"{path}: not a readable .npz feature file ({type(err).__name__}: {err})") from None
+    except ValueError as err:
+        if str(err).startswith(str(path)):
+            raise
+        raise ValueError(f"{path}: not a readable .npz feature file ({err})") from None
+    for key, (kinds, ndim, described) in _NPZ_ARRAYS.items():
+        a = arrays[key]
+        if a.dtype.kind not in kinds or a.ndim != ndim:
+            raise ValueError(f"{path}: array {key!r} is {a.dtype} of shape {a.shape}; the format has {described}")
+    if int(arrays["version"]) != VERSION:
+        raise ValueError(f"{path}: feature file version {int(arrays['version'])}, this milgp reads {VERSION}")
+    return arrays
 
 
 def _beyond_float32(values: np.ndarray) -> np.ndarray:

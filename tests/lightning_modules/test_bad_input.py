@@ -56,6 +56,24 @@ def test_a_float64_feature_beyond_float32_is_one_line_naming_file_bag_and_field(
     assert str(tmp_path / "f.npz") in err and "bag 'b" in err and "f1 = 1e+40 is beyond float32" in err
 
 
+@pytest.mark.parametrize("fault", ["empty file", "float bag_index", "1-d features"])
+def test_a_malformed_npz_is_one_line_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str], fault: str) -> None:
+    """`milgp-train fit` on an empty .npz, one with a float bag_index or 1-d features stops with exit
+    status 2 and one line naming the file and the array; each was a traceback (EOFError, TypeError,
+    and for 1-d features a ValueError only once training had begun)."""
+    _save(tmp_path, "f.npz", feature_bags(num_bags=12))
+    arrays = dict(np.load(tmp_path / "f.npz"))
+    if fault == "empty file":
+        (tmp_path / "f.npz").write_bytes(b"")
+    else:
+        key = "bag_index" if fault == "float bag_index" else "features"
+        arrays[key] = arrays[key].astype(np.float64) if key == "bag_index" else arrays[key].reshape(-1)
+        np.savez(tmp_path / "f.npz", **arrays)
+    status, err = _fit_status(tmp_path, "f.npz", capsys)
+    assert status == 2 and len(err.splitlines()) == 1, err
+    assert str(tmp_path / "f.npz") in err and ("empty file" if fault == "empty file" else f"array '{key}'") in err
+
+
 def test_bag_label_outside_zero_one_is_refused_naming_bag_and_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A MIL bag label 2.0 is refused with the bag and the file named (it trained silently)."""
     bags = feature_bags(num_bags=12)

@@ -107,6 +107,46 @@ def test_an_npz_value_beyond_float32_is_named_and_features_come_back_float32(tmp
         load_features(tmp_path / "big.npz")
 
 
+@pytest.mark.parametrize("fault, message", [
+    ("empty", r"empty file \(0 bytes\)"),
+    ("truncated", r"not an \.npz feature file \(not a zip archive"),
+    ("corrupt member", r"array 'features' cannot be read \(BadZipFile: Bad CRC-32"),
+    ("float bag_index", r"array 'bag_index' is float64 of shape \(9,\); the format has int64 \(N,\)"),
+    ("1-d features", r"array 'features' is float32 of shape \(27,\); the format has float32 \(N, D\)"),
+    ("missing array", r"array 'splits' is missing"),
+    ("2-d bag_ids", r"array 'bag_ids' is <U1 of shape \(3, 1\)"),
+])
+def test_a_malformed_npz_is_one_error_naming_the_file_and_the_array(tmp_path: Path, fault: str, message: str) -> None:
+    """Each of these was a traceback of another kind (EOFError, BadZipFile, a TypeError in
+    ``bag_rows``, a ValueError of the dataset once training had begun); each must be a
+    ``ValueError`` naming the file and, where one is at fault, the array."""
+    good = _npz(tmp_path / "good.npz", _table())
+    arrays = dict(np.load(good))
+    path = tmp_path / "bad.npz"
+    if fault == "empty":
+        path.write_bytes(b"")
+    elif fault == "truncated":
+        path.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    elif fault == "corrupt member":
+        data = bytearray(good.read_bytes())
+        at = data.index(arrays["features"].tobytes()[:16])
+        data[at: at + 8] = bytes(8)
+        path.write_bytes(bytes(data))
+    else:
+        if fault == "float bag_index":
+            arrays["bag_index"] = arrays["bag_index"].astype(np.float64)
+        elif fault == "1-d features":
+            arrays["features"] = arrays["features"].reshape(-1)
+        elif fault == "missing array":
+            del arrays["splits"]
+        else:
+            arrays["bag_ids"] = arrays["bag_ids"].reshape(-1, 1)
+        np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=r"^" + str(tmp_path / "bad.npz").replace(".", r"\.") + ": " + message) as err:
+        load_features(path)
+    assert "\n" not in str(err.value)
+
+
 def _npz(path: Path, table: FeatureTable) -> Path:
     save_features(path, table)
     return path
