@@ -123,7 +123,7 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     format's kind and dimensions.
     """
     path = Path(path)
-    if path.suffix == ".npz":
+    if path.suffix.lower() == ".npz":  # X.NPZ too
         z = _read_npz(path)
         table = FeatureTable(
             features=z["features"], bag_index=z["bag_index"].astype(np.int64), slice_index=z["slice_index"].astype(np.int64),
@@ -140,7 +140,7 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
                              f"{table.features[r, j]:.3g} is beyond float32, in which features are kept")
         table.features = table.features.astype(np.float32)
         return table
-    if path.suffix != ".csv":
+    if path.suffix.lower() != ".csv":
         raise ValueError(f"{path}: feature files must end in .npz or .csv")
     per_bag: dict[str, dict] = {}
     fcols: list[str] = []

@@ -1,7 +1,7 @@
 """``milgp-predict CHECKPOINT INPUT...``: predictions for new scans from a checkpoint alone.
 
 INPUT is one or more DICOM folders (every CT series found under them is one scan), one CT cache
-(a ``milgp-cache`` folder: all its scans) or one feature file (``.npz``/``.csv``: all its bags).
+(a ``milgp-cache`` folder: all its scans) or one feature file (``.npz``/``.csv`` in any case: all its bags).
 The checkpoint brings everything else: the model and its extractor, the CT windows and slice size
 of its training data, the feature standardisation, the bag rule and its calibration. The outputs
 (:class:`lightning_modules.callbacks.PredictionWriter`) go to a new ``predict/version_<n>`` folder of
@@ -37,10 +37,13 @@ def data_module_for(inputs: Sequence[str], max_slices: int | None = None, batch_
     from lightning_modules.input_error import InputError
 
     paths = [Path(p) for p in inputs]
-    if any(p.suffix in (".npz", ".csv") for p in paths):
+    if any(p.suffix.lower() in (".npz", ".csv") for p in paths):  # X.NPZ too
         if len(paths) > 1:
             raise InputError(f"give one feature file, not {len(paths)} inputs")
         return FeatureDataModule(str(paths[0]), predict_split="all", eval_batch_size=batch_size)
+    files = [p for p in paths if p.exists() and not p.is_dir()]
+    if files:
+        raise InputError(f"{files[0]}: not a feature file (.npz or .csv) or a DICOM folder")
     if any((p / "params.json").is_file() for p in paths):
         if len(paths) > 1:
             raise InputError(f"give one CT cache folder, not {len(paths)} inputs")

@@ -53,7 +53,7 @@ class DicomDataModule(pl.LightningDataModule):
             raise InputError("DicomDataModule needs at least one DICOM folder")
         missing = [p for p in inputs if not Path(p).is_dir()]
         if missing:
-            raise InputError(f"{missing[0]}: no such folder")
+            raise InputError(f"{missing[0]}: {'a file, not a DICOM folder' if Path(missing[0]).exists() else 'no such folder'}")
         self.inputs = [str(p) for p in inputs]
         self.windows, self.size, self.max_slices = windows, size, max_slices
         self.eval_batch_size, self.num_workers = eval_batch_size, num_workers

@@ -164,6 +164,30 @@ def test_milgp_predict_on_a_cache_and_on_a_feature_file(gp_run: Path, tiny_cache
     assert "wide.npz: the inputs have 5 features per instance, the GP head expects 4" in capsys.readouterr().err
 
 
+def test_milgp_predict_reads_feature_suffixes_in_any_case_and_names_other_files(gp_run: Path, tmp_path: Path,
+                                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``X.NPZ`` / ``X.CSV`` are feature files; any other existing file is named as neither a feature
+    file nor a DICOM folder. Before, both were reported as "no such folder" (the file was there)."""
+    from lightning_modules.data import FeatureDataModule
+    from lightning_modules.features import FeatureTable, save_features
+    from lightning_modules.input_error import InputError
+    from lightning_modules.predict import data_module_for
+
+    table = FeatureTable.from_bags([np.ones((2, 3), np.float32)], ["s0"], [float("nan")])
+    for name in ("X.NPZ", "Y.Csv"):
+        Path(save_features(tmp_path / f"f{Path(name).suffix.lower()}", table)).rename(tmp_path / name)
+        data = data_module_for([str(tmp_path / name)])
+        assert isinstance(data, FeatureDataModule)
+        data.setup("predict")
+        assert data.bag_ids == ["s0"]
+    (tmp_path / "notes.txt").write_text("not features")
+    with pytest.raises(InputError, match=r"notes\.txt: not a feature file \(\.npz or \.csv\) or a DICOM folder"):
+        data_module_for([str(tmp_path / "notes.txt")])
+    capsys.readouterr()
+    assert predict_main([str(gp_run / "checkpoints" / "best.ckpt"), str(tmp_path / "notes.txt"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == f"milgp-predict: error: {tmp_path / 'notes.txt'}: not a feature file (.npz or .csv) or a DICOM folder"
+
+
 def test_a_scan_predicted_from_dicom_equals_the_same_scan_predicted_from_its_cache(gp_run: Path, tiny_cache: str, tmp_path: Path) -> None:
     """The DICOM path must serve the model exactly what the cache served it in training: the same
     windows and size and the same storage quantisation (uint8 steps of 1/255 of the window width).
