@@ -90,7 +90,17 @@ class MilgpCLI(LightningCLI):
         """The trainer with the run folder's logger first (extra configured loggers after it)."""
         configured = self._get(self.config_init, "trainer", default={}).get("logger")
         extra = [] if configured in (None, True, False) else list(configured) if isinstance(configured, (list, tuple)) else [configured]
-        return super().instantiate_trainer(logger=[self.run_folder.logger(self.subcommand, *self._history), *extra], **kwargs)
+        self.run_logger = self.run_folder.logger(self.subcommand, *self._history)
+        return super().instantiate_trainer(logger=[self.run_logger, *extra], **kwargs)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run it; a command that fails before writing any output (bad data found in ``setup``)
+        leaves no version folder behind (:meth:`RunLogger.discard_unwritten`)."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            self.run_logger.discard_unwritten()
+            raise
 
 
 def make_cli(args: list[str] | None) -> MilgpCLI:

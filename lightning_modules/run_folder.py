@@ -34,6 +34,7 @@ class RunFolder:
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
+        self.created: list[Path] = []
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -88,15 +89,21 @@ class RunFolder:
     def claim_version(self, subcommand: str) -> int:
         """Create ``<subcommand>/version_<n>`` for the next free ``n`` and return ``n``. The folder is
         made with ``os.mkdir``, which fails when it exists, so two commands running at once into
-        this folder never get the same version (the later one takes the next number)."""
-        (self.root / subcommand).mkdir(parents=True, exist_ok=True)
+        this folder never get the same version (the later one takes the next number). The folders
+        above it that this call creates (``<subcommand>``, the run folder) are in :attr:`created`,
+        deepest first, for :meth:`RunLogger.discard_unwritten`."""
+        parent = self.root / subcommand
+        self.created = [p for p in (parent, *parent.parents) if not p.exists()]
         version = max(self.versions(subcommand), default=-1) + 1
         while True:
             try:
-                os.mkdir(self.root / subcommand / f"version_{version}")
+                parent.mkdir(parents=True, exist_ok=True)
+                os.mkdir(parent / f"version_{version}")
                 return version
             except FileExistsError:
                 version += 1
+            except FileNotFoundError:  # another command's discard removed the empty parent just now
+                continue
 
     def logger(self, subcommand: str, history: Path | None = None, until_epoch: int | None = None) -> "RunLogger":
         """The CSV logger of a new version of ``subcommand`` (continuing ``history``), claimed when
@@ -154,13 +161,26 @@ class RunLogger(CSVLogger):
         self._claimed = Path(self.root_dir) / f"version_{version}"
         return version
 
+    UNWRITTEN = ("hparams.yaml", "config.yaml")
+    """What a version folder holds before a command has written any output: the logger's
+    hyperparameters and the CLI's copy of the config."""
+
     def discard_unwritten(self) -> None:
-        """Remove the version folder this logger claimed when it holds nothing but the logger's own
-        ``hparams.yaml`` (a command refused before it wrote anything); a folder with any other file stays."""
-        if self._claimed is None or not self._claimed.is_dir() or any(p.name != "hparams.yaml" for p in self._claimed.iterdir()):
+        """Remove the version folder this logger claimed when it holds nothing but :attr:`UNWRITTEN`
+        (a command refused before it wrote anything), then the folders above it that the claim
+        created (``<subcommand>/``, a new run folder) when they are empty; a folder with any other
+        file stays."""
+        if self._claimed is None or not self._claimed.is_dir() or any(p.name not in self.UNWRITTEN for p in self._claimed.iterdir()):
             return
-        (self._claimed / "hparams.yaml").unlink(missing_ok=True)
+        for name in self.UNWRITTEN:
+            (self._claimed / name).unlink(missing_ok=True)
         self._claimed.rmdir()
+        self._claimed = None
+        for folder in self._folder.created:  # deepest first; rmdir refuses a folder that is not empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
     @property
     @rank_zero_experiment

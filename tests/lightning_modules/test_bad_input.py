@@ -74,6 +74,34 @@ def test_a_malformed_npz_is_one_line_before_training(tmp_path: Path, capsys: pyt
     assert str(tmp_path / "f.npz") in err and ("empty file" if fault == "empty file" else f"array '{key}'") in err
 
 
+def test_a_refused_command_leaves_no_new_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad data found once the command runs leave the run folder as it was: a refused fit into a new
+    folder leaves no folder, a refused `test` no `test/version_0` (the next real test is version_0),
+    a refused `milgp-predict` no `predict/` nor a new `--out` folder. Before, the fit left
+    `fit/version_0`, the test an empty `test/version_0` (the real one became version_1), the
+    prediction an empty `predict/` or `--out DIR/predict/`."""
+    from lightning_modules.predict import main as predict_main
+
+    _save(tmp_path, "good.npz", feature_bags(num_bags=12))
+    (tmp_path / "bad.npz").write_bytes(b"")
+    assert _fit_status(tmp_path, "bad.npz", capsys, run="refused")[0] == 2
+    assert not (tmp_path / "refused").exists()
+    assert _fit_status(tmp_path, "good.npz", capsys)[0] == 0
+    run = tmp_path / "run"
+    before = sorted(run.rglob("*"))
+
+    def test_status(data: str) -> int:
+        cfg = {"trainer": trainer_cfg(tmp_path, "run"), "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 4}},
+               "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / data)}}}
+        return main(["test", "--config", write_config(tmp_path / "t.yaml", cfg), "--ckpt_path", "best"])
+
+    assert test_status("bad.npz") == 2
+    assert predict_main([str(run / "checkpoints" / "best.ckpt"), str(tmp_path / "bad.npz"), "--no-plots"]) == 2
+    assert predict_main([str(run / "checkpoints" / "best.ckpt"), str(tmp_path / "bad.npz"), "--no-plots", "--out", str(tmp_path / "out")]) == 2
+    assert sorted(run.rglob("*")) == before and not (tmp_path / "out").exists()
+    assert test_status("good.npz") == 0 and (run / "test" / "version_0" / "metrics.json").is_file()
+
+
 def test_bag_label_outside_zero_one_is_refused_naming_bag_and_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A MIL bag label 2.0 is refused with the bag and the file named (it trained silently)."""
     bags = feature_bags(num_bags=12)
