@@ -150,16 +150,21 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
         if row["bag_id"] != previous and row["bag_id"] in per_bag:
             raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} again after other bags; a bag's rows must be together (two scans with one id?)")
         previous = row["bag_id"]
-        bag = per_bag.setdefault(row["bag_id"], {
-            "label": float(row["bag_label"]), "patient": row.get("patient_id", ""),
-            "split": row.get("split", ""), "rows": []})
+        label = _csv_number(path, line, row, "bag_label")  # on every row: each must agree with the bag's first
+        bag = per_bag.setdefault(row["bag_id"], {"label": label, "line": line, "patient": row.get("patient_id", ""),
+                                                 "split": row.get("split", ""), "rows": []})
+        if label != bag["label"] and not (np.isnan(label) and np.isnan(bag["label"])):
+            raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} column bag_label = {label:g}, "
+                             f"but {bag['label']:g} on line {bag['line']}; a bag has one label")
         lab = row.get("instance_label", "")
-        k = int(row["slice_index"]) if "slice_index" in row else len(bag["rows"])
-        values = np.array([float(row[c]) for c in fcols])
+        k = int(_csv_number(path, line, row, "slice_index", whole=True)) if "slice_index" in row else len(bag["rows"])
+        values = np.array([_csv_number(path, line, row, c) for c in fcols])
         if _beyond_float32(values).any():
             j = int(np.argmax(_beyond_float32(values)))
             raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} field f{j} = {values[j]:.3g} is beyond float32, in which features are kept")
-        bag["rows"].append((k, np.nan if lab == "" else float(lab), values))
+        bag["rows"].append((k, np.nan if lab == "" else _csv_number(path, line, row, "instance_label"), values))
+    if not per_bag:
+        raise ValueError(f"{path}: no data rows (a header only); a feature file needs one row per slice")
     ids = list(per_bag)
     bags, inst = [], []
     for b in ids:
@@ -225,6 +230,26 @@ def _beyond_float32(values: np.ndarray) -> np.ndarray:
     if values.dtype.kind != "f" or values.dtype.itemsize <= 4:
         return np.zeros(values.shape, bool)
     return np.isfinite(values) & (np.abs(values) > np.finfo(np.float32).max)
+
+
+def _csv_number(path: Path, line: int, row: dict[str, str], column: str, whole: bool = False) -> float:
+    """The CSV value of ``column`` on ``line`` as a number (a whole one for ``whole``);
+    ``ValueError`` naming the file, line, bag and column when it is empty (a short row: every
+    column from there on empty) or not a number."""
+    text = row[column]
+    where = f"{path}: line {line}: bag {row['bag_id']!r} column {column}"
+    if text == "":
+        columns = list(row)
+        if all(row[c] == "" for c in columns[columns.index(column):]):
+            raise ValueError(f"{where} is missing: the row ends before it (the header has {len(columns)} columns)")
+        raise ValueError(f"{where} is empty; it needs a number{' (nan: an unlabelled bag)' if column == 'bag_label' else ''}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{where} = {text!r} is not a number") from None
+    if whole and not value.is_integer():
+        raise ValueError(f"{where} = {text!r} is not a whole number")
+    return value
 
 
 def _feature_columns(path: Path, columns: list[str]) -> list[str]:

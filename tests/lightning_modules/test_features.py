@@ -152,6 +152,37 @@ def _npz(path: Path, table: FeatureTable) -> Path:
     return path
 
 
+@pytest.mark.parametrize("fault, message", [
+    ("empty cell", r"line 3: bag 'a' column f1 is empty; it needs a number"),
+    ("short row", r"line 3: bag 'a' column f1 is missing: the row ends before it \(the header has 9 columns\)"),
+    ("label yes", r"line 3: bag 'a' column bag_label = 'yes' is not a number"),
+    ("other label", r"line 3: bag 'a' column bag_label = 1, but 0 on line 2; a bag has one label"),
+    ("slice 1.5", r"line 3: bag 'a' column slice_index = '1\.5' is not a whole number"),
+    ("instance label x", r"line 3: bag 'a' column instance_label = 'x' is not a number"),
+    ("header only", r"no data rows \(a header only\)"),
+])
+def test_a_bad_csv_value_is_one_error_naming_the_file_line_and_column(tmp_path: Path, fault: str, message: str) -> None:
+    """Each of these named the file alone with Python's own words ("could not convert string to
+    float: ''", "invalid literal for int()", "need at least one array to concatenate"); a later
+    row's bag label was not read at all."""
+    rows = _csv_rows(tmp_path)
+    if fault == "empty cell":
+        rows[2][7] = ""
+    elif fault == "short row":
+        rows[2] = rows[2][:7]
+    elif fault in ("label yes", "other label"):
+        rows[2][3] = "yes" if fault == "label yes" else "1.0"
+    elif fault == "slice 1.5":
+        rows[2][4] = "1.5"
+    elif fault == "instance label x":
+        rows[2][5] = "x"
+    else:
+        rows = rows[:1]
+    with pytest.raises(ValueError, match=r"^" + str(tmp_path / "bad.csv").replace(".", r"\.") + ": " + message) as err:
+        load_features(_write(tmp_path / "bad.csv", rows))
+    assert "\n" not in str(err.value)
+
+
 def test_an_external_feature_file_is_tested_whole_with_test_split_all(tmp_path: Path) -> None:
     """A file without split names is split like a development set; ``test_split="all"`` scores
     every bag (before, ``milgp-train test`` on 20 external scans scored the 4 of its own split)."""
