@@ -6,7 +6,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_objects", "all_reduce_sum", "is_distributed", "rank", "world_size"]
+__all__ = ["all_gather_objects", "all_reduce_sum", "end_process_group", "is_distributed", "rank", "world_size"]
 
 
 def is_distributed() -> bool:
@@ -35,3 +35,14 @@ def all_gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def end_process_group() -> None:
+    """Wait for every rank, then destroy the default process group (no-op without one).
+
+    Lightning destroys only NCCL groups at exit; a process that exits with a Gloo group alive can be
+    aborted at interpreter shutdown by Gloo's worker threads ("terminate called without an active
+    exception"), typically the rank that finished first while rank 0 still writes its outputs."""
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -12,6 +12,7 @@ from lightning_modules.bag_module_base import BagModuleBase
 from lightning_modules.callbacks import BestAndLastCheckpoint, FeatureWriter, PredictionWriter, ReportWriter  # noqa: F401
 from lightning_modules.checkpoints import check_checkpoint_model
 from lightning_modules.data import BagArrayDataModule, CTCacheDataModule, DicomDataModule, FeatureDataModule  # noqa: F401
+from lightning_modules.distributed import end_process_group
 from lightning_modules.gp_mil import GPMILModule  # noqa: F401
 from lightning_modules.input_error import InputError
 from lightning_modules.run_folder import RunFolder
@@ -95,12 +96,14 @@ class MilgpCLI(LightningCLI):
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Run it; a command that fails before writing any output (bad data found in ``setup``)
-        leaves no version folder behind (:meth:`RunLogger.discard_unwritten`)."""
+        leaves no version folder behind (:meth:`RunLogger.discard_unwritten`). Under DDP the ranks
+        end together and the process group is destroyed (:func:`end_process_group`)."""
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
             self.run_logger.discard_unwritten()
             raise
+        end_process_group()
 
 
 def make_cli(args: list[str] | None) -> MilgpCLI:

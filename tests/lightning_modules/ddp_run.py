@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from lm_helpers import image_bags  # noqa: E402
 
 from lightning_modules import BagArrayDataModule, GPMILModule, SmallCNN  # noqa: E402
+from lightning_modules.distributed import end_process_group  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -48,6 +49,7 @@ def main(out: str, devices: int, shuffle: bool) -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveState(out, f"devices{devices}" + ("_shuffle" if shuffle else ""))],
     )
     trainer.fit(model, dm)
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -81,3 +81,29 @@ def test_milgp_train_runs_ddp_from_the_command_line(tmp_path: Path) -> None:
     with open(tmp_path / "run" / "predict" / "version_0" / "slices.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert sorted({r["bag_id"] for r in rows}) == sorted(ids) and len(rows) == sum(len(b) for b in bags["bags"])
+
+
+def test_the_cli_ends_the_process_group_it_ran_in(tmp_path: Path) -> None:
+    """After a subcommand under DDP the CLI waits for the ranks and destroys the process group.
+
+    If this fails, a Gloo group is left alive at exit, where its worker threads can abort the rank
+    that finished first ("terminate called without an active exception", exit code -6: `predict`
+    on two CPU ranks, while rank 0 still wrote its plots); Lightning destroys only NCCL groups."""
+    import torch.distributed as dist
+    from lightning_modules.cli import run_cli
+    from lightning_modules.features import FeatureTable, save_features
+    from lm_helpers import feature_bags, trainer_cfg, write_config
+
+    bags = feature_bags(num_bags=8, dim=3)
+    save_features(tmp_path / "f.npz", FeatureTable.from_bags(bags["bags"], [f"b{i}" for i in range(8)], bags["bag_labels"]))
+    cfg = {"seed_everything": 0, "trainer": trainer_cfg(tmp_path, "run", max_epochs=1),
+           "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 3, "num_inducing": 4}},
+           "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "f.npz"), "batch_size": 4}}}
+    config = write_config(tmp_path / "gp.yaml", cfg)
+    os.environ.setdefault("MASTER_PORT", "29517")
+    try:
+        run_cli(["fit", "--config", config, "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.accelerator", "cpu"])
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -291,7 +291,7 @@ _DDP_WORKER = textwrap.dedent('''
     sys.path.insert(0, {here!r})
     from test_gp_aggregate import aggregate_bags
     from lightning_modules import GPMILModule
-    from lightning_modules.distributed import is_distributed
+    from lightning_modules.distributed import end_process_group, is_distributed
     from milgp.data.bags import collate_bags
     from milgp.likelihoods import PoissonAggregateLikelihood
     warnings.filterwarnings("ignore")
@@ -320,6 +320,7 @@ _DDP_WORKER = textwrap.dedent('''
                          limit_val_batches=0, use_distributed_sampler=False, num_sanity_val_steps=0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Save()])
     trainer.fit(model, DM())
+    end_process_group()
 ''')
 
 
