@@ -118,7 +118,8 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     id given twice, a CSV bag whose rows are not together, a slice index repeated within a bag, rows
     of no bag or a bag without rows — when a CSV's feature columns are not ``f0 … f{D−1}`` (they are
     read by name, in any order), or when a feature value is beyond float32, in which features are
-    kept (an ``.npz`` may store them as float64: they are returned as float32); and, naming the
+    kept (an ``.npz`` may store them as float64, and they stay float64: rounding them would change
+    what a model trained on them sees); and, naming the
     array, when an ``.npz`` cannot be read (empty, truncated) or an array is missing or not of the
     format's kind and dimensions.
     """
@@ -138,7 +139,6 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
             b = int(table.bag_index[r])
             raise ValueError(f"{path}: bag {table.bag_ids[b]!r}, slice_index {int(table.slice_index[r])}, field f{j} = "
                              f"{table.features[r, j]:.3g} is beyond float32, in which features are kept")
-        table.features = table.features.astype(np.float32)
         return table
     if path.suffix.lower() != ".csv":
         raise ValueError(f"{path}: feature files must end in .npz or .csv")

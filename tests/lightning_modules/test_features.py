@@ -90,16 +90,19 @@ def test_a_csv_value_beyond_float32_is_named_not_called_infinite(tmp_path: Path)
         load_features(_write(tmp_path / "big.csv", rows))
 
 
-def test_an_npz_value_beyond_float32_is_named_and_features_come_back_float32(tmp_path: Path) -> None:
+def test_an_npz_value_beyond_float32_is_named_and_float64_features_are_kept_exactly(tmp_path: Path) -> None:
     """An ``.npz`` may hold float64 features; a finite 1e40 there must stop the load naming the file,
     bag, slice and field, as in a CSV. Before, it passed every check: `milgp-train fit` ended in a
-    CholeskyError traceback and `milgp-predict` gave the scan p = 0.5 without a word."""
+    CholeskyError traceback and `milgp-predict` gave the scan p = 0.5 without a word. Valid float64
+    features come back as stored: rounded to float32, a model trained on them (or its checkpoint's
+    standardisation) would see other values than before."""
     table = _table()
     table.features = table.features.astype(np.float64)
     save = dict(np.load(_npz(tmp_path / "ok.npz", table)))
     save["features"] = table.features
     np.savez(tmp_path / "f64.npz", **save)
-    assert load_features(tmp_path / "f64.npz").features.dtype == np.float32
+    loaded = load_features(tmp_path / "f64.npz").features
+    assert loaded.dtype == np.float64 and np.array_equal(loaded, table.features)
     save["features"] = table.features.copy()
     save["features"][4, 2] = 1e40
     np.savez(tmp_path / "big.npz", **save)
