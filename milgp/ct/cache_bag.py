@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -254,15 +254,22 @@ def cached_bag_problem(bags_dir: Path, record: BagRecord, params: CacheParams, c
         )
         if changed_params:
             return CachedBagState(None, str(marker_path), f"cached with other preprocessing parameters ({changed_params})")
-        # markers of an older milgp hold only the served "bag_label", which was the index's label
-        older = {"index_bag_label": meta.get("bag_label"), "label_from_slices": record.label_from_slices}
+        # markers of an older milgp hold only the served "bag_label", which was the index's label; an
+        # index of an older milgp does not know how its label was made: the marker may say it
+        known = record.label_from_slices if record.label_from_slices is not None else meta.get("label_from_slices")
+        record = replace(record, label_from_slices=known)
+        older = {"index_bag_label": meta.get("bag_label"), "label_from_slices": known}
         if any({**older, **meta}.get(k) != v for k, v in _index_fields(record).items()):
             return CachedBagState(None, str(marker_path), "the bag's slices, labels or patient changed in the index")
         kept_labels = meta["slice_labels"]
-        served = cached_bag_label(record, None if kept_labels is None else [int(v) for v in kept_labels])[0]
+        served, label_note = cached_bag_label(record, None if kept_labels is None else [int(v) for v in kept_labels])
         if float(meta["bag_label"]) != served:
             return CachedBagState(None, str(marker_path), f"cached with bag label {meta['bag_label']}, but the maximum of its "
                                                           f"kept slices' labels is {served:g} (cached by an older milgp)")
+        if label_note and "index_bag_label" not in meta:  # an older milgp reused it without a word: rebuild, and report
+            return CachedBagState(None, str(marker_path), f"cached by an older milgp, which did not check the bag label against "
+                                                          f"the kept slices: {label_note}; if the label was the maximum of the "
+                                                          "slice labels (RSNA), index the source again to take it anew")
         changed_path, changed, note = _changed_source(meta["sources"])
         if changed:
             return CachedBagState(None, changed_path, changed)
@@ -314,10 +321,10 @@ def process_bag(record: BagRecord, cache_dir: str | os.PathLike[str], params: Ca
     stored = params.encode(channels)
     kept_labels = None if record.slice_labels is None else [int(record.slice_labels[i]) for i in kept]
     bag_label, label_note = cached_bag_label(record, kept_labels)
-    if label_note:
-        kept_set = set(kept)  # name a positive slice that was left out, when one was
-        left_out = [i for i, v in enumerate(record.slice_labels or ()) if v and i not in kept_set]
-        found.append(ReportEntry(record.bag_id, record.slice_paths[left_out[0] if left_out else kept[0]], label_note))
+    if label_note:  # name the slice the note is about: a kept positive one for a bag labelled 0, else a left-out one
+        kept_set = set(kept)
+        positive = [i for i, v in enumerate(record.slice_labels or ()) if v and (i in kept_set) == (record.bag_label == 0)]
+        found.append(ReportEntry(record.bag_id, record.slice_paths[positive[0] if positive else kept[0]], label_note))
     atomic_save_npy(npy_path, stored)
     meta = {
         **_index_fields(record),

@@ -33,15 +33,18 @@ _CSV_COLUMNS = ["bag_id", "patient_id", "bag_label", "slice_index", "path", "sli
 _CSV_REQUIRED = _CSV_COLUMNS[:-2]  # indexes saved before "modality" existed are CT; before "label_from_slices", labels were given
 
 
-def _flag(value: object) -> bool:
-    """A saved boolean (JSON ``true``/``false``, CSV ``1``/``0``, empty: ``False``); anything else is a ``ValueError``."""
-    if isinstance(value, bool):
+def _flag(value: object) -> bool | None:
+    """A saved ``label_from_slices`` (JSON ``true``/``false``/``null``, CSV ``1``/``0``/empty; ``null``
+    and empty: not known, as in an index saved by an older milgp); anything else is a ``ValueError``."""
+    if value is None or isinstance(value, bool):
         return value
     text = str(value).strip().lower()
     if text in ("1", "true"):
         return True
-    if text in ("0", "false", ""):
+    if text in ("0", "false"):
         return False
+    if text == "":
+        return None
     raise ValueError(f"label_from_slices {value!r} is not true or false")
 
 
@@ -62,7 +65,8 @@ class BagRecord:
             (``allow_non_ct``) and its values are not Hounsfield units.
         label_from_slices: ``bag_label`` is the maximum of ``slice_labels`` (RSNA), so the cache
             takes it again over the slices it keeps; ``False``: the bag label was given on its own
-            (CQ500 reads, a generic ``labels.csv``) and is kept as given.
+            (CQ500 reads, a generic ``labels.csv``) and is kept as given; ``None``: not known (an
+            index saved by an older milgp), kept as given and checked against the kept slices.
     """
 
     bag_id: str
@@ -73,7 +77,7 @@ class BagRecord:
     series_uid: str = ""
     ordering: str = "geometry"
     modality: str = "CT"
-    label_from_slices: bool = False
+    label_from_slices: bool | None = False
 
     def __post_init__(self) -> None:
         if not self.slice_paths:
@@ -117,7 +121,7 @@ class BagRecord:
             series_uid=str(obj.get("series_uid", "")),
             ordering=str(obj.get("ordering", "geometry")),
             modality=str(obj.get("modality", "CT")),
-            label_from_slices=_flag(obj.get("label_from_slices", False)),
+            label_from_slices=_flag(obj.get("label_from_slices")),
         )
 
 
@@ -257,7 +261,7 @@ class BagIndex:
                     for i, p in enumerate(b.slice_paths):
                         label = "" if b.slice_labels is None else b.slice_labels[i]
                         writer.writerow([b.bag_id, b.patient_id, b.bag_label, i, p, label, b.series_uid, b.ordering,
-                                         b.modality, int(b.label_from_slices)])
+                                         b.modality, "" if b.label_from_slices is None else int(b.label_from_slices)])
         else:
             raise ValueError(f"{path}: bag index files must end in .json or .csv")
 
