@@ -84,13 +84,12 @@ def test_milgp_train_runs_ddp_from_the_command_line(tmp_path: Path) -> None:
 
 
 def test_the_cli_ends_the_process_group_it_ran_in(tmp_path: Path) -> None:
-    """After a subcommand under DDP the CLI waits for the ranks and destroys the process group.
+    """After a subcommand under DDP the CLI waits for the ranks and destroys the process group
+    (checked in a child process: Lightning's launcher writes the DDP variables into os.environ).
 
     If this fails, a Gloo group is left alive at exit, where its worker threads can abort the rank
     that finished first ("terminate called without an active exception", exit code -6: `predict`
     on two CPU ranks, while rank 0 still wrote its plots); Lightning destroys only NCCL groups."""
-    import torch.distributed as dist
-    from lightning_modules.cli import run_cli
     from lightning_modules.features import FeatureTable, save_features
     from lm_helpers import feature_bags, trainer_cfg, write_config
 
@@ -100,10 +99,13 @@ def test_the_cli_ends_the_process_group_it_ran_in(tmp_path: Path) -> None:
            "model": {"class_path": "lightning_modules.GPMILModule", "init_args": {"feature_dim": 3, "num_inducing": 4}},
            "data": {"class_path": "lightning_modules.FeatureDataModule", "init_args": {"path": str(tmp_path / "f.npz"), "batch_size": 4}}}
     config = write_config(tmp_path / "gp.yaml", cfg)
-    os.environ.setdefault("MASTER_PORT", "29517")
-    try:
-        run_cli(["fit", "--config", config, "--trainer.strategy", "ddp", "--trainer.devices", "1", "--trainer.accelerator", "cpu"])
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    child = (
+        "import torch.distributed as dist\n"
+        "from lightning_modules.cli import run_cli\n"
+        f"run_cli(['fit', '--config', {config!r}, '--trainer.strategy', 'ddp', '--trainer.devices', '1', '--trainer.accelerator', 'cpu'])\n"
+        "print('process group alive:', dist.is_initialized())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", child], cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "process group alive: False" in proc.stdout, proc.stdout[-3000:]
