@@ -315,7 +315,8 @@ class BagBatch:
         """This batch, or a one-line ``ValueError`` naming the field unless ``bag_index`` is a
         long ``(N,)`` tensor for the ``N`` instances of ``x`` whose values are the bags
         ``0..B-1`` of the ``B`` bag labels, each at least once (a batch built by hand with 1-based
-        bag ids, or with labels of bags that lost their instances). One device synchronisation:
+        bag ids, or with labels of bags that lost their instances), and ``x`` is finite (a NaN ended
+        in a Cholesky error naming no instance). One device synchronisation:
         the fits call it once, not per step."""
         index, n, num_bags = self.bag_index, self.num_instances, self.num_bags
         check_bag_index_dtype(index)
@@ -326,7 +327,13 @@ class BagBatch:
         if self.bag_labels.dim() != 1 or num_bags == 0 or n == 0:
             raise ValueError(f"a batch needs bag_labels (B,) with B >= 1 and instances, got bag_labels of shape {tuple(self.bag_labels.shape)} and {n} instances")
         sizes = bag_sizes(index.clamp(0, num_bags - 1), num_bags)  # clamped: an out-of-range id is reported below
-        low, high, num_empty = torch.stack([index.min(), index.max(), (sizes == 0).sum()]).tolist()  # the one synchronisation
+        finite = torch.isfinite(self.x).reshape(n, -1).all(dim=1)
+        low, high, num_empty, num_bad = torch.stack(
+            [index.min(), index.max(), (sizes == 0).sum(), (~finite).sum()]
+        ).tolist()  # the one synchronisation
+        if num_bad:
+            first = int(torch.nonzero(~finite)[0])
+            raise ValueError(f"x has NaN or inf features in instance {first} (bag {int(index[first])}; {num_bad} such instance(s) in all)")
         if low < 0 or high >= num_bags:
             raise ValueError(f"bag_index holds bag {low if low < 0 else high}, but the {num_bags} bag labels name bags 0..{num_bags - 1}")
         if num_empty:

@@ -39,7 +39,8 @@ from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, flatten_bags, split_by_bag
 from milgp.estimators._validation import (
-    FeatureScaler, check_bags, check_binary_bag_labels, check_positive, check_seed, check_settings, torch_dtype,
+    FeatureScaler, check_bags, check_binary_bag_labels, check_positive, check_seed, check_settings, keeps_state_on_error,
+    torch_dtype,
 )
 from milgp.inducing import linear_span_inducing, mil_inducing
 from milgp.likelihoods.base import AugmentedBagLikelihood
@@ -201,6 +202,7 @@ class MILClassifierBase(ClassifierMixin, BaseEstimator, ABC):
         """Whether the candidates are averaged (``average``) rather than the best one kept."""
         return bool(self.average)
 
+    @keeps_state_on_error
     def fit(self, bags: Sequence[Any], y: Any) -> "MILClassifierBase":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays) with bag labels ``y`` ``(B,)``: 0/1, −1/1 or booleans (1 = positive)."""
         check_settings(self, FLAGS, {"num_inducing": 1, "max_iter": 1, "search_iter": 1, "hyper_steps": 0})

@@ -4,10 +4,11 @@ Every check raises a one-line ``ValueError`` naming the bag, instance or feature
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -18,8 +19,30 @@ from milgp.data.standardize import standardization_scale
 
 __all__ = [
     "FeatureScaler", "as_float_array", "check_bag_weights", "check_bags", "check_binary_bag_labels", "check_positive", "check_seed",
-    "check_settings", "torch_dtype",
+    "check_settings", "keeps_state_on_error", "torch_dtype",
 ]
+
+
+_Fit = TypeVar("_Fit", bound=Callable[..., Any])
+
+
+def keeps_state_on_error(fit: _Fit) -> _Fit:
+    """Decorator of an estimator's ``fit``: when it raises (input or settings refused, a failed or
+    interrupted fit), the estimator's attributes are restored as they were, so a refused re-fit
+    leaves the earlier fit whole (its ``dtype_``, ``device_``, model and scaler), as predictions
+    after it assume."""
+
+    @functools.wraps(fit)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = dict(vars(self))
+        try:
+            return fit(self, *args, **kwargs)
+        except BaseException:
+            vars(self).clear()
+            vars(self).update(saved)
+            raise
+
+    return wrapper  # type: ignore[return-value]
 
 
 def as_float_array(a: Any, name: str = "X") -> np.ndarray:

@@ -14,7 +14,8 @@ from sklearn.utils.validation import check_is_fitted
 
 from milgp.data.bags import BagBatch, Bags, bag_index_from_sizes, flatten_bags
 from milgp.estimators._validation import (
-    FeatureScaler, as_float_array, check_bag_weights, check_bags, check_positive, check_seed, check_settings, torch_dtype,
+    FeatureScaler, as_float_array, check_bag_weights, check_bags, check_positive, check_seed, check_settings, keeps_state_on_error,
+    torch_dtype,
 )
 from milgp.inducing import kmeans_pp_inducing, median_lengthscale
 from milgp.likelihoods.aggregate_exponential import ExponentialAggregateLikelihood
@@ -132,6 +133,7 @@ class VBAggRegressor(RegressorMixin, BaseEstimator):
         (an instance that overflows is named by its bag, given ``bag_index`` ``(n,)``)."""
         return self.scaler_.transform(torch.as_tensor(x, dtype=torch.float64).to(self.device_), bag_index, self.dtype_)
 
+    @keeps_state_on_error
     def fit(self, bags: Sequence[Any], y: Any, weights: Sequence[Any] | None = None) -> "VBAggRegressor":
         """Fit on ``bags`` (sequence of ``(n_b, d)`` arrays), aggregate targets ``y`` ``(B,)`` and
         optional per-bag populations ``weights`` (sequence of ``(n_b,)``, default ones)."""

@@ -353,19 +353,17 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
             )
 
     def _check_layout(self, target: Tensor, weights: Tensor, bags: Bags, targets_given: bool) -> None:
-        """``expected_log_prob``'s inputs against ``bag_index`` (long: :func:`bags_from_keywords`):
-        one weight per instance, every bag with instances (a minibatch that kept its global bag ids
-        gave a finite loss and NaN gradients) and, read from ``target``, one value per bag (individual observations would be
-        replaced by one instance's); one-line ``ValueError``s."""
+        """``expected_log_prob``'s inputs against ``bag_index`` (its shape, ids and ``target``'s shape:
+        :func:`bags_from_keywords`): one weight per instance, every bag with instances (a minibatch
+        that kept its global bag ids gave a finite loss and NaN gradients) and, read from ``target``,
+        one value per bag (individual observations would be replaced by one instance's); one-line
+        ``ValueError``s."""
         index, n = bags.index, bags.num_instances
         if tuple(weights.shape) != (n,):
             raise ValueError(f"weights has shape {tuple(weights.shape)}; it must be ({n},), one population per instance")
         refuse_empty_bags(bags)
         if targets_given:
             return
-        if tuple(target.shape) != (n,):
-            raise ValueError(f"target has shape {tuple(target.shape)}; it must be ({n},), each bag's target on its "
-                             "instances (y[bag_index]), or pass bag_targets=(B,)")
         per_bag = target.new_zeros(bags.num_bags).scatter(0, index, target)
         differ = torch.nonzero(per_bag[index] != target).flatten()
         if len(differ):
@@ -390,8 +388,10 @@ class AggregateLikelihood(gpytorch.likelihoods.Likelihood, ABC):
                 must carry a full covariance: ``model(x, diag=False)`` or eval mode.
             check: validate targets and weights (default ``True``).
         """
-        bags, y = bags_from_keywords(self, kwargs, "bag_targets", "mll(output, y[bag_index], bag_index=bag_index)")
         mean, var = function_dist.mean, function_dist.variance
+        bags, y = bags_from_keywords(
+            self, kwargs, "bag_targets", "mll(output, y[bag_index], bag_index=bag_index)", target, int(mean.shape[-1])
+        )
         weights = weights_or_ones(kwargs.get("weights"), mean)
         check = kwargs.get("check", True)
         if check:

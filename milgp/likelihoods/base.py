@@ -38,11 +38,16 @@ def check_bag_size_cap(cap: float | None) -> float | None:
 
 
 def bags_from_keywords(
-    likelihood: Any, kwargs: dict[str, Any], labels_key: str, example: str
+    likelihood: Any, kwargs: dict[str, Any], labels_key: str, example: str, target: Tensor, num_instances: int
 ) -> tuple[Bags, Tensor | None]:
     """The :class:`Bags` of ``expected_log_prob``'s keyword ``bag_index`` ``(N,)`` (required:
     ``ValueError`` citing the call ``example``) and its keyword ``labels_key`` ``(B,)``, whose length,
-    when given, is the number of bags (no device synchronisation on ``bag_index.max()``)."""
+    when given, is the number of bags (no device synchronisation on ``bag_index.max()``).
+
+    One-line ``ValueError``s unless ``bag_index`` has one entry per instance of the ``num_instances``
+    of ``function_dist``, and, without ``labels_key``, ``target`` is ``(N,)`` (each bag's value
+    repeated on its instances); with ``check`` (default), also unless the ids lie in ``0..B-1``
+    (one synchronisation)."""
     bag_index = kwargs.get("bag_index")
     if bag_index is None:
         raise ValueError(
@@ -50,8 +55,21 @@ def bags_from_keywords(
             f"e.g. {example}"
         )
     check_bag_index_dtype(bag_index)
+    if tuple(bag_index.shape) != (num_instances,):
+        raise ValueError(f"bag_index has shape {tuple(bag_index.shape)}; it must be ({num_instances},), the bag of each instance")
     labels = kwargs.get(labels_key)
-    return Bags.from_index(bag_index, None if labels is None else int(labels.shape[0])), labels
+    if labels is not None and labels.dim() != 1:
+        raise ValueError(f"{labels_key} has shape {tuple(labels.shape)}; it must be (B,), one value per bag")
+    if labels is None and tuple(target.shape) != (num_instances,):
+        raise ValueError(f"target has shape {tuple(target.shape)}; it must be ({num_instances},), each bag's value on its "
+                         f"instances (y[bag_index]), or pass {labels_key}=(B,)")
+    bags = Bags.from_index(bag_index, None if labels is None else int(labels.shape[0]))
+    if kwargs.get("check", True) and num_instances:
+        low, high = torch.stack([bag_index.min(), bag_index.max()]).tolist()
+        if low < 0 or high >= bags.num_bags:
+            raise ValueError(f"bag_index holds bag {low if low < 0 else high}, but the {bags.num_bags} bags of {labels_key} "
+                             f"are 0..{bags.num_bags - 1}" if labels is not None else f"bag_index holds bag {low}; bag ids start at 0")
+    return bags, labels
 
 
 def refuse_empty_bags(bags: Bags, of: str = "a minibatch") -> None:
@@ -190,8 +208,10 @@ class AugmentedBagLikelihood(gpytorch.likelihoods.Likelihood, ABC):
         respect to q(f) is that of the augmented (quadratic) bound, so one ``NGD(lr=1)`` step is the
         closed-form natural update.
         """
-        bags, bag_labels = bags_from_keywords(self, kwargs, "bag_labels", "mll(output, target, bag_index=bag_index)")
         mean, var = function_dist.mean, function_dist.variance
+        bags, bag_labels = bags_from_keywords(
+            self, kwargs, "bag_labels", "mll(output, target, bag_index=bag_index)", target, int(mean.shape[-1])
+        )
         if kwargs.get("check", True):
             refuse_empty_bags(bags)
         if bag_labels is None:

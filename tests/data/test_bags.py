@@ -314,3 +314,13 @@ def test_collate_in_a_loader_worker_writes_the_batch_into_shared_memory_once() -
     torch.testing.assert_close(batch.x, expected.x)
     torch.testing.assert_close(batch.bag_index, expected.bag_index)
     assert batch.bag_ids == expected.bag_ids
+
+
+def test_check_refuses_a_nan_or_inf_feature_naming_the_instance():
+    """If this failed, fit_closed_form on a batch with a NaN would end ten frames deep in a Cholesky
+    error ("q(v) precision contains NaN or inf entries") naming no instance."""
+    x = torch.randn(5, 2)
+    x[3, 1] = float("inf")
+    batch = BagBatch(x, torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match=r"^x has NaN or inf features in instance 3 \(bag 1; 1 such instance\(s\) in all\)$"):
+        batch.check()

@@ -332,3 +332,30 @@ def test_complex_features_are_refused():
         check_bags([np.ones((2, 2)), np.ones((2, 2)) + 1j])
     with pytest.raises(ValueError, match=r"bags\[0\] has complex values"):
         check_bags([torch.ones(2, 2, dtype=torch.complex64)])
+
+
+def test_a_refused_refit_leaves_the_earlier_fit_whole():
+    """A re-fit refused for bad input (a NaN bag; populations of the wrong length) after
+    ``set_params(dtype="float32")`` must leave the fitted estimator as it was. Before, ``fit`` set
+    ``dtype_`` (and VBAgg's ``fitted_with_weights_``) before checking the input: the classifier's
+    next ``predict_proba`` failed with torch's dtype mismatch, the regressor's predictions changed."""
+    from milgp.estimators import VBAggRegressor, ProbitMILClassifier
+
+    bags, y = _small_problem()
+    bad = [b.copy() for b in bags]
+    bad[3][0, 0] = np.nan
+    for est in (VGPMILClassifier(num_inducing=8), ProbitMILClassifier(num_inducing=8)):
+        before = est.fit(bags, y).predict_proba(bags)
+        state = set(vars(est))
+        est.set_params(dtype="float32")
+        with pytest.raises(ValueError, match=r"bags\[3\] has NaN or inf"):
+            est.fit(bad, y)
+        assert est.dtype_ == torch.float64 and set(vars(est)) == state
+        np.testing.assert_array_equal(est.predict_proba(bags), before)
+    reg = VBAggRegressor(num_inducing=8, max_iter=3).fit(bags, np.full(12, 3.0))
+    before = reg.predict_bags(bags)["y_mean"]
+    reg.set_params(dtype="float32")
+    with pytest.raises(ValueError, match="weights"):
+        reg.fit(bags, np.full(12, 3.0), weights=[np.ones(len(b) + 1) for b in bags])
+    assert reg.dtype_ == torch.float64 and not reg.fitted_with_weights_
+    np.testing.assert_array_equal(reg.predict_bags(bags)["y_mean"], before)

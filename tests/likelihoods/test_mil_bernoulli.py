@@ -212,3 +212,25 @@ def test_a_minibatch_that_kept_global_bag_ids_is_named_as_such():
     mll = gpytorch.mlls.VariationalELBO(MILBernoulliLikelihood(), model, num_data=int(keep.sum()))
     with pytest.raises(ValueError, match=r"bag 0 has no instances \(2 such bag\(s\)\): number the bags of a minibatch"):
         mll(model(batch.x[keep]), batch.bag_labels[batch.bag_index][keep], bag_index=batch.bag_index[keep])
+
+
+@pytest.mark.parametrize("case", ["bag target", "short index", "negative id", "short labels"])
+def test_a_call_that_does_not_fit_bag_index_is_one_line(case):
+    """The README's ``mll(model(x), target, bag_index=...)`` with the bag labels (B,) as the target
+    (an easy slip), a bag_index shorter than x, a negative id, or bag_labels= for fewer bags than
+    bag_index names: each was a torch RuntimeError or IndexError from deep in a scatter."""
+    Z, batch = small_problem()
+    model = SparseGP(Z, lengthscale=1.0, outputscale=1.5)
+    mll = gpytorch.mlls.VariationalELBO(MILBernoulliLikelihood(), model, num_data=batch.num_instances)
+    target, index, kw = batch.bag_labels[batch.bag_index], batch.bag_index, {}
+    if case == "bag target":
+        target, message = batch.bag_labels, r"^target has shape \(10,\); it must be \(\d+,\), each bag's value on its instances"
+    elif case == "short index":
+        index, message = index[:-3], r"^bag_index has shape \(\d+,\); it must be \(\d+,\), the bag of each instance$"
+    elif case == "negative id":
+        index, message = index.clone(), r"^bag_index holds bag -1; bag ids start at 0$"
+        index[0] = -1
+    else:
+        kw, message = {"bag_labels": batch.bag_labels[:4]}, r"^bag_index holds bag 9, but the 4 bags of bag_labels are 0\.\.3$"
+    with pytest.raises(ValueError, match=message):
+        mll(model(batch.x), target, bag_index=index, **kw)
