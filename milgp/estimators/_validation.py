@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Sequence, TypeVar
 
@@ -19,7 +21,7 @@ from milgp.data.standardize import standardization_scale
 
 __all__ = [
     "FeatureScaler", "as_float_array", "check_bag_weights", "check_bags", "check_binary_bag_labels", "check_positive", "check_seed",
-    "check_settings", "keeps_state_on_error", "torch_dtype",
+    "check_settings", "keeps_state_on_error", "torch_dtype", "user_stacklevel",
 ]
 
 
@@ -43,6 +45,16 @@ def keeps_state_on_error(fit: _Fit) -> _Fit:
             raise
 
     return wrapper  # type: ignore[return-value]
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of a ``warnings.warn`` call that points the warning at the first frame
+    outside milgp (the user's line), however deep in the estimators' calls it is made."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def as_float_array(a: Any, name: str = "X") -> np.ndarray:
@@ -227,7 +239,7 @@ class FeatureScaler:
                 f"most a millionth of their mean; first: feature {int(constant[0])}); they are ignored (a feature that "
                 "varies on a large common offset: subtract the offset first)"
                 + (" — every feature is constant, so only the base rate can be learned" if len(constant) == D else ""),
-                UserWarning, stacklevel=3,
+                UserWarning, stacklevel=user_stacklevel(),
             )
         self.mean_, self.scale_ = mean, scale
         return self

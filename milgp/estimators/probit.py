@@ -10,6 +10,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from milgp.data.bags import BagBatch, Bags
 from milgp.estimators._mil_base import KERNEL_GRID, CandidateFit, MILClassifierBase
+from milgp.estimators._validation import user_stacklevel
 from milgp.likelihoods.mil_probit import MILProbitLikelihood
 from milgp.prediction import BagRule, InstanceCalibrator, MarginalBagRule, OrthantRule, make_bag_rule
 from milgp.sampling.probit_gibbs import sample_probit_posterior
@@ -109,7 +110,7 @@ class ProbitMILClassifier(MILClassifierBase):
             self.gibbs_summary_ = self.gibbs_.summary()
             problem = self.gibbs_.convergence_problem()
             if problem is not None:
-                warnings.warn(f"the Gibbs chains have not converged: {problem}; raise num_samples and burn_in", ConvergenceWarning, stacklevel=3)
+                warnings.warn(f"the Gibbs chains have not converged: {problem}; raise num_samples and burn_in", ConvergenceWarning, stacklevel=user_stacklevel())
 
     def _averages(self) -> bool:
         """The Gibbs sampler runs at one kernel: ``inference="gibbs"`` keeps the best candidate."""

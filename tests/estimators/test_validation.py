@@ -359,3 +359,19 @@ def test_a_refused_refit_leaves_the_earlier_fit_whole():
         reg.fit(bags, np.full(12, 3.0), weights=[np.ones(len(b) + 1) for b in bags])
     assert reg.dtype_ == torch.float64 and not reg.fitted_with_weights_
     np.testing.assert_array_equal(reg.predict_bags(bags)["y_mean"], before)
+
+
+def test_the_constant_feature_warning_points_at_the_callers_line():
+    """The warning of constant features is about the user's data: it must name the line that called
+    ``fit`` for every estimator. Before, a fixed stacklevel named milgp's own _mil_base.py for the
+    classifiers (one frame deeper than VBAgg's)."""
+    from pathlib import Path
+
+    from milgp.estimators import VBAggRegressor
+
+    bags, y = _small_problem()
+    bags = [np.c_[b, np.full(len(b), 3.0)] for b in bags]
+    for est, target in ((VGPMILClassifier(num_inducing=8), y), (VBAggRegressor(num_inducing=8, max_iter=2), np.full(12, 3.0))):
+        with pytest.warns(UserWarning, match="constant in the training bags") as record:
+            est.fit(bags, target)
+        assert {Path(w.filename).name for w in record if "constant" in str(w.message)} == {Path(__file__).name}, type(est)
