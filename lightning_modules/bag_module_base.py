@@ -122,18 +122,39 @@ class BagModuleBase(pl.LightningModule, ABC):
         with torch.set_grad_enabled(torch.is_grad_enabled() if grad is None else grad):
             return self.extractor(x)
 
-    def on_fit_start(self) -> None:
-        """Record the CT preprocessing of the training data (checked against the extractor's)."""
+    def _check_preprocessing(self, which: str) -> dict | None:
+        """The data module's CT preprocessing (``None`` for features), or a one-line
+        :class:`InputError` when its windows or size differ from those the extractor was trained on;
+        ``which`` names the data in the message."""
         data = getattr(getattr(self.trainer, "datamodule", None), "preprocessing", None)
-        if data is None:
-            return
         geometry = ("windows", "size")  # the storage dtype may differ (a rounding of 1/255 of a window at most)
-        if self.input_preprocessing is not None and any(self.input_preprocessing.get(k) != data.get(k) for k in geometry):
+        if data is not None and self.input_preprocessing is not None and any(self.input_preprocessing.get(k) != data.get(k) for k in geometry):
             raise InputError(
                 f"the extractor was trained on CT slices preprocessed as {self.input_preprocessing}, "
-                f"but the training data are {data}: rebuild the cache with the same windows and size"
+                f"but the {which} data are {data}: rebuild the cache with the same windows and size"
             )
-        self.input_preprocessing = dict(data)
+        return data
+
+    def on_fit_start(self) -> None:
+        """Record the CT preprocessing of the training data (checked against the extractor's)."""
+        data = self._check_preprocessing("training")
+        if data is not None:
+            self.input_preprocessing = dict(data)
+
+    def on_validation_start(self) -> None:
+        """A ``validate`` run checks its data's CT preprocessing against the model's (during ``fit``
+        :meth:`on_fit_start` did)."""
+        if self.trainer.state.fn == "validate":
+            self._check_preprocessing("validation")
+
+    def on_test_start(self) -> None:
+        """The test data's CT preprocessing must be the model's (a cache built with other windows
+        was scored without a word)."""
+        self._check_preprocessing("test")
+
+    def on_predict_start(self) -> None:
+        """The CT preprocessing of the scans to predict must be the model's."""
+        self._check_preprocessing("prediction")
 
     def describe(self) -> dict[str, Any]:
         """What the model is, for reports: class, extractor, and the subclass's own details."""

@@ -98,6 +98,12 @@ class RunFolder:
         while True:
             try:
                 parent.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):  # a file where a folder of the path must be
+                file = next(p for p in (parent, *parent.parents) if p.exists() and not p.is_dir())
+                raise InputError(f"{file} is a file, not a folder: the run's outputs go into {parent}/version_<n>") from None
+            except FileNotFoundError:  # another command's discard removed an empty folder above it just now
+                continue
+            try:
                 os.mkdir(parent / f"version_{version}")
                 return version
             except FileExistsError:

@@ -71,3 +71,27 @@ def test_a_checkpoint_without_a_calibration_loads_as_uncalibrated() -> None:
     assert torch.equal(fresh.calibrator(p)[0], p)
     with pytest.raises(InputError, match="'classifier.bias' is missing there"):
         fresh.load_state_dict({k: v for k, v in old.items() if k != "classifier.bias"})
+
+
+@pytest.mark.parametrize("hook", ["on_test_start", "on_predict_start", "on_validation_start"])
+def test_scoring_data_of_other_ct_preprocessing_is_refused(hook: str) -> None:
+    """`test`, `validate` and `predict` on a cache built with other windows than the model's were
+    scored without a word (only `fit` checked): the model must refuse in one line naming both
+    preprocessings, and accept its own (feature inputs have none to check)."""
+    from types import SimpleNamespace
+
+    from lightning_modules.input_error import InputError
+
+    module = AttentionMILModule(attention_dim=8)
+    module.input_preprocessing = {"windows": [[40.0, 80.0]], "size": [32, 32], "dtype": "uint8"}
+    state = SimpleNamespace(fn="validate" if hook == "on_validation_start" else "test")
+
+    def attach(preprocessing):
+        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(preprocessing=preprocessing), state=state)
+
+    attach({"windows": [[50.0, 100.0]], "size": [32, 32], "dtype": "uint8"})
+    with pytest.raises(InputError, match=r"trained on CT slices preprocessed as .*windows.*40\.0.*but the \w+ data are .*50\.0"):
+        getattr(module, hook)()
+    for same in ({"windows": [[40.0, 80.0]], "size": [32, 32], "dtype": "float16"}, None):
+        attach(same)
+        getattr(module, hook)()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,21 @@ def test_commands_running_at_once_get_their_own_version(tmp_path: Path, monkeypa
     assert Path(first.log_dir).is_dir() and Path(second.log_dir).is_dir()
     monkeypatch.setattr(RunFolder, "versions", lambda self, subcommand: [])  # a listing made before the others claimed
     assert Path(folder.logger("predict").log_dir).name == "version_2"
+
+
+@pytest.mark.parametrize("where", ["predict", "run"])
+def test_a_file_where_the_run_needs_a_folder_is_one_line(tmp_path: Path, where: str) -> None:
+    """A file named like the subcommand's folder (`<run>/predict`), or a run folder that is a file
+    below `--out`: one InputError naming the file. Before, `claim_version` took mkdir's
+    FileExistsError for a taken version and counted up for ever at 100 % CPU (milgp-predict and
+    milgp-train test hung), and a file higher up gave a NotADirectoryError traceback."""
+    from lightning_modules.input_error import InputError
+    from lightning_modules.run_folder import RunFolder
+
+    (tmp_path / "run").mkdir()
+    blocker = tmp_path / "run" / "predict" if where == "predict" else tmp_path / "run" / "sub"
+    blocker.write_text("not a folder")
+    root = tmp_path / "run" if where == "predict" else blocker / "deeper"
+    with pytest.raises(InputError, match=rf"^{re.escape(str(blocker))} is a file, not a folder"):
+        RunFolder(root).claim_version("predict")
+    assert blocker.read_text() == "not a folder"
