@@ -122,6 +122,7 @@ class _RunExperimentWriter(ExperimentWriter):
 
     def __init__(self, log_dir: str, history: Path | None, until_epoch: int | None):
         super().__init__(log_dir)
+        self.copied_size: int | None = None  # the size of the history copy, until a row is written
         if history is None:
             return
         with open(history, newline="", encoding="utf-8") as fh:
@@ -133,6 +134,7 @@ class _RunExperimentWriter(ExperimentWriter):
             writer.writeheader()
             writer.writerows(rows)
         self.metrics_keys = sorted(header)
+        self.copied_size = os.path.getsize(self.metrics_file_path)
 
     def _check_log_dir_exists(self) -> None:
         """Lightning deletes an existing ``metrics.csv`` here; a run folder's versions are new, and
@@ -171,15 +173,21 @@ class RunLogger(CSVLogger):
     """What a version folder holds before a command has written any output: the logger's
     hyperparameters and the CLI's copy of the config."""
 
+    def _unwritten(self, path: Path) -> bool:
+        """Whether ``path`` in the claimed folder is no output of this command: :attr:`UNWRITTEN`, or
+        the copy of a resumed fit's history (``metrics.csv``) that no row has been added to."""
+        copied = getattr(self._experiment, "copied_size", None)
+        return path.name in self.UNWRITTEN or (path.name == "metrics.csv" and copied is not None and path.stat().st_size == copied)
+
     def discard_unwritten(self) -> None:
-        """Remove the version folder this logger claimed when it holds nothing but :attr:`UNWRITTEN`
-        (a command refused before it wrote anything), then the folders above it that the claim
-        created (``<subcommand>/``, a new run folder) when they are empty; a folder with any other
-        file stays."""
-        if self._claimed is None or not self._claimed.is_dir() or any(p.name not in self.UNWRITTEN for p in self._claimed.iterdir()):
+        """Remove the version folder this logger claimed when it holds nothing but what
+        :meth:`_unwritten` allows (a command refused before it wrote anything, a resume refused over
+        its data), then the folders above it that the claim created (``<subcommand>/``, a new run
+        folder) when they are empty; a folder with any other file stays."""
+        if self._claimed is None or not self._claimed.is_dir() or not all(self._unwritten(p) for p in self._claimed.iterdir()):
             return
-        for name in self.UNWRITTEN:
-            (self._claimed / name).unlink(missing_ok=True)
+        for path in list(self._claimed.iterdir()):
+            path.unlink()
         self._claimed.rmdir()
         self._claimed = None
         for folder in self._folder.created:  # deepest first; rmdir refuses a folder that is not empty

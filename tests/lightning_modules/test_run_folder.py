@@ -165,3 +165,24 @@ def test_a_file_where_the_run_needs_a_folder_is_one_line(tmp_path: Path, where: 
     with pytest.raises(InputError, match=rf"^{re.escape(str(blocker))} is a file, not a folder"):
         RunFolder(root).claim_version("predict")
     assert blocker.read_text() == "not a folder"
+
+
+def test_a_refused_resume_leaves_no_version_with_its_copied_history(tmp_path: Path) -> None:
+    """A resume refused over its data (a cache with other windows) fails after the logger copied the
+    earlier metrics.csv into the new version: that version must go, as a refused fit's does, so
+    the next resume is not `version_2` continuing a copy. A version with a row of its own stays."""
+    from lightning_modules.run_folder import RunFolder
+
+    folder = RunFolder(tmp_path / "run")
+    history = tmp_path / "metrics.csv"
+    history.write_text("epoch,step,train/loss\n0,3,0.5\n1,7,0.4\n")
+    logger = folder.logger("fit", history, until_epoch=1)
+    (Path(logger.log_dir) / "config.yaml").write_text("model: {}\n")
+    assert (Path(logger.experiment.metrics_file_path)).read_text().count("\n") == 3
+    logger.discard_unwritten()
+    assert not (tmp_path / "run").exists()
+    kept = folder.logger("fit", history, until_epoch=1)
+    kept.log_metrics({"train/loss": 0.3}, step=11)
+    kept.save()
+    kept.discard_unwritten()
+    assert (Path(kept.log_dir) / "metrics.csv").is_file()
