@@ -156,6 +156,10 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
         if label != bag["label"] and not (np.isnan(label) and np.isnan(bag["label"])):
             raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} column bag_label = {label:g}, "
                              f"but {bag['label']:g} on line {bag['line']}; a bag has one label")
+        for key, column in (("patient", "patient_id"), ("split", "split")):  # bag-level too: the first row's was taken silently
+            if row.get(column, "") != bag[key]:
+                raise ValueError(f"{path}: line {line}: bag {row['bag_id']!r} column {column} = {row.get(column, '')!r}, "
+                                 f"but {bag[key]!r} on line {bag['line']}; a bag has one {column}")
         lab = row.get("instance_label", "")
         k = int(_csv_number(path, line, row, "slice_index", whole=True)) if "slice_index" in row else len(bag["rows"])
         values = np.array([_csv_number(path, line, row, c) for c in fcols])

@@ -163,6 +163,8 @@ def _npz(path: Path, table: FeatureTable) -> Path:
     ("slice 1.5", r"line 3: bag 'a' column slice_index = '1\.5' is not a whole number"),
     ("instance label x", r"line 3: bag 'a' column instance_label = 'x' is not a number"),
     ("header only", r"no data rows \(a header only\)"),
+    ("other split", r"line 3: bag 'a' column split = 'test', but '' on line 2; a bag has one split"),
+    ("other patient", r"line 3: bag 'a' column patient_id = 'p2', but '' on line 2; a bag has one patient_id"),
 ])
 def test_a_bad_csv_value_is_one_error_naming_the_file_line_and_column(tmp_path: Path, fault: str, message: str) -> None:
     """Each of these named the file alone with Python's own words ("could not convert string to
@@ -179,6 +181,8 @@ def test_a_bad_csv_value_is_one_error_naming_the_file_line_and_column(tmp_path: 
         rows[2][4] = "1.5"
     elif fault == "instance label x":
         rows[2][5] = "x"
+    elif fault in ("other split", "other patient"):  # the first row's value was taken silently
+        rows[2][2 if fault == "other split" else 1] = "test" if fault == "other split" else "p2"
     else:
         rows = rows[:1]
     with pytest.raises(ValueError, match=r"^" + str(tmp_path / "bad.csv").replace(".", r"\.") + ": " + message) as err:
