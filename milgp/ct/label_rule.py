@@ -107,8 +107,8 @@ def read_csv_rows(
     :meth:`milgp.ct.index.BagIndex.save`.
 
     Raises:
-        ValueError: naming the file when it cannot be read, is not UTF-8, is empty, or lacks a
-            ``required`` column.
+        ValueError: naming the file when it cannot be read, is not UTF-8, is empty, lacks a
+            ``required`` column, or names a column twice.
     """
     name = printable(path)
     try:
@@ -121,6 +121,10 @@ def read_csv_rows(
             missing = [c for c in required if c not in columns]
             if missing:
                 raise ValueError(f"{name}: missing columns {missing} (the header is {columns})")
+            twice = sorted({c for c in columns if c and columns.count(c) > 1})
+            if twice:  # one of them would be read silently
+                raise ValueError(f"{name}: column {twice[0]!r} appears {columns.count(twice[0])} times in the header {columns}; "
+                                 "which one is meant cannot be told")
             for values in reader:
                 if not any(v.strip() for v in values):
                     continue

@@ -339,3 +339,11 @@ def test_rsna_label_rows_without_an_image_are_reported(rsna_copy: SyntheticDatas
     (entry,) = index.warnings
     assert entry.path == rsna_copy.labels_csv and entry.reason.startswith("5 images have rows in the label file but no file")
     assert "ID_deadbeef0, ID_deadbeef1, ID_deadbeef2 and 2 more" in entry.reason
+
+
+def test_a_label_file_naming_a_column_twice_is_refused(tmp_path: Path) -> None:
+    """`ID,Label,Label`: one of the two columns was read silently (the last), whichever the user meant."""
+    path = tmp_path / "twice.csv"
+    path.write_text("ID,Label,Label\nID_a_any,0,1\n")
+    with pytest.raises(ValueError, match=r"twice\.csv: column 'Label' appears 2 times in the header"):
+        read_rsna_labels(path)
