@@ -117,8 +117,8 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
     Raises a ``ValueError`` naming the file (and the bag) when its bags cannot be told apart — a bag
     id given twice, a CSV bag whose rows are not together, a slice index repeated within a bag, rows
     of no bag or a bag without rows — when a CSV's feature columns are not ``f0 … f{D−1}`` (they are
-    read by name, in any order), or when a feature value is beyond float32, in which features are
-    kept (an ``.npz`` may store them as float64, and they stay float64: rounding them would change
+    read by name, in any order), or when a feature value is beyond float32, the format's feature
+    type (an ``.npz`` may store them as float64, and they stay float64: rounding them would change
     what a model trained on them sees); and, naming the
     array, when an ``.npz`` cannot be read (empty, truncated) or an array is missing or not of the
     format's kind and dimensions.
@@ -138,7 +138,7 @@ def load_features(path: str | os.PathLike[str]) -> FeatureTable:
             r, j = (int(i) for i in beyond[0])
             b = int(table.bag_index[r])
             raise ValueError(f"{path}: bag {table.bag_ids[b]!r}, slice_index {int(table.slice_index[r])}, field f{j} = "
-                             f"{table.features[r, j]:.3g} is beyond float32, in which features are kept")
+                             f"{table.features[r, j]:.3g} is beyond float32, the format's feature type")
         return table
     if path.suffix.lower() != ".csv":
         raise ValueError(f"{path}: feature files must end in .npz or .csv")
@@ -228,8 +228,8 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def _beyond_float32(values: np.ndarray) -> np.ndarray:
-    """Where ``values`` are finite but too large for float32, in which features are kept (they
-    would become ±inf; a non-finite value is left to the data module's finiteness check)."""
+    """Where ``values`` are finite but too large for float32, the format's feature type (rounded to
+    it they would become ±inf; a non-finite value is left to the data module's finiteness check)."""
     values = np.asarray(values)
     if values.dtype.kind != "f" or values.dtype.itemsize <= 4:
         return np.zeros(values.shape, bool)
