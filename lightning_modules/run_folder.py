@@ -98,17 +98,15 @@ class RunFolder:
         while True:
             try:
                 parent.mkdir(parents=True, exist_ok=True)
-            except (FileExistsError, NotADirectoryError):  # a file where a folder of the path must be
+                os.mkdir(parent / f"version_{version}")
+                return version
+            except (FileExistsError, NotADirectoryError):
+                if parent.is_dir():  # the version was taken
+                    version += 1
+                    continue
                 file = next(p for p in (parent, *parent.parents) if p.exists() and not p.is_dir())
                 raise InputError(f"{file} is a file, not a folder: the run's outputs go into {parent}/version_<n>") from None
             except FileNotFoundError:  # another command's discard removed an empty folder above it just now
-                continue
-            try:
-                os.mkdir(parent / f"version_{version}")
-                return version
-            except FileExistsError:
-                version += 1
-            except FileNotFoundError:  # another command's discard removed the empty parent just now
                 continue
 
     def logger(self, subcommand: str, history: Path | None = None, until_epoch: int | None = None) -> "RunLogger":
